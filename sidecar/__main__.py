@@ -1,0 +1,119 @@
+"""Command line: ``serve``, ``check-config``, ``query`` and ``health``.
+
+Failures an operator can fix (bad config, port in use, bad flag) end with one line
+on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from sidecar import __version__
+from sidecar.client import build_request, describe, health_status, query
+from sidecar.config import ConfigError, load_config
+from sidecar.logs import configure_logging
+from sidecar.server import StartupError, serve
+from sidecar.settings import SettingsError, add_serve_arguments, resolve
+
+PROG = "ratelimit-sidecar"
+DEFAULT_ADDRESS = "127.0.0.1:8081"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Envoy rate-limit sidecar")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the gRPC RateLimitService")
+    add_serve_arguments(serve)
+    check = commands.add_parser("check-config", help="validate a config file or directory")
+    check.add_argument("path", help="YAML file or directory of YAML files")
+    ask = commands.add_parser("query", help="ask a running sidecar about one request")
+    ask.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help=f"sidecar address (default {DEFAULT_ADDRESS})"
+    )
+    ask.add_argument("--domain", required=True, help="rate limit domain")
+    ask.add_argument("--hits", type=int, default=0, help="hits_addend (0 means 1)")
+    ask.add_argument(
+        "descriptors",
+        nargs="+",
+        metavar="key=value[,key=value...]",
+        help="one argument per descriptor",
+    )
+    probe = commands.add_parser("health", help="exit 0 when the sidecar reports SERVING")
+    probe.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help=f"sidecar address (default {DEFAULT_ADDRESS})"
+    )
+    probe.add_argument("--service", default="", help="service name to check (default: overall)")
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _serve(arguments: argparse.Namespace) -> int:
+    try:
+        settings = resolve(arguments)
+    except SettingsError as error:
+        return _fail(str(error))
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        serve(settings)
+    except StartupError as error:
+        return _fail(str(error))
+    return 0
+
+
+def _check_config(path: str) -> int:
+    try:
+        config = load_config(path)
+    except ConfigError as error:
+        for issue in error.issues:
+            print(issue, file=sys.stderr)
+        print(f"{len(error.issues)} error(s); config refused", file=sys.stderr)
+        return 1
+    for line in config.summary():
+        print(line)
+    return 0
+
+
+def _query(arguments: argparse.Namespace) -> int:
+    try:
+        request = build_request(arguments.domain, arguments.descriptors, arguments.hits)
+        response = query(arguments.address, request)
+    except ValueError as error:
+        return _fail(str(error))
+    except grpc.RpcError as error:
+        return _fail(f"{arguments.address}: {error.code().name}: {error.details()}")
+    print("\n".join(describe(response)))
+    return 0
+
+
+def _health(arguments: argparse.Namespace) -> int:
+    try:
+        status = health_status(arguments.address, arguments.service)
+    except grpc.RpcError as error:
+        return _fail(f"{arguments.address}: {error.code().name}: {error.details()}")
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ratelimit-sidecar`` console script."""
+    arguments = _parser().parse_args(argv)
+    if arguments.command == "serve":
+        return _serve(arguments)
+    if arguments.command == "check-config":
+        return _check_config(arguments.path)
+    if arguments.command == "query":
+        return _query(arguments)
+    return _health(arguments)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Descriptor config: parsing and validation, the match tree, loading files and directories."""
+
+from sidecar.config.errors import ConfigError, ConfigIssue
+from sidecar.config.load import load_config
+from sidecar.config.match import Match, match_descriptor
+from sidecar.config.model import DomainConfig, RateLimitConfig, RateLimitRule
+
+__all__ = [
+    "ConfigError",
+    "ConfigIssue",
+    "DomainConfig",
+    "Match",
+    "RateLimitConfig",
+    "RateLimitRule",
+    "load_config",
+    "match_descriptor",
+]

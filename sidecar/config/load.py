@@ -1,0 +1,82 @@
+"""Load a config file or a directory of them into one :class:`RateLimitConfig`.
+
+A directory is read the way a Kubernetes ConfigMap mount presents it: every
+``*.yaml``/``*.yml`` file (symlinks followed), skipping dot-files and
+dot-directories such as ``..data`` and ``..2024_01_01_00_00_00.123`` that hold the
+real files behind the symlinks, so nothing is loaded twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from sidecar.config.errors import ConfigError, ConfigIssue
+from sidecar.config.model import DomainConfig, RateLimitConfig
+from sidecar.config.parse import DomainParser
+from sidecar.config.yaml_source import YamlError, load_yaml
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def config_files(path: Path) -> list[Path]:
+    """The YAML files a path stands for, in a stable order; raises on a missing path."""
+    if not path.exists():
+        raise ConfigError([ConfigIssue(str(path), 0, "", "no such file or directory")])
+    if path.is_file():
+        return [path]
+    files = sorted(
+        candidate
+        for candidate in path.rglob("*")
+        if candidate.suffix in YAML_SUFFIXES
+        and candidate.is_file()
+        and not any(part.startswith(".") for part in candidate.relative_to(path).parts)
+    )
+    if not files:
+        raise ConfigError(
+            [ConfigIssue(str(path), 0, "", "directory holds no *.yaml or *.yml files")]
+        )
+    return files
+
+
+def parse_text(text: str, file: str) -> tuple[DomainConfig | None, list[ConfigIssue]]:
+    """Parse one file's text; returns the domain or the issues found."""
+    try:
+        document = load_yaml(text)
+    except YamlError as problem:
+        return None, [ConfigIssue(file, problem.line, "", str(problem))]
+    parser = DomainParser(file)
+    return parser.parse(document), parser.issues
+
+
+def load_config(path: str | Path) -> RateLimitConfig:
+    """Load and validate everything under ``path``; :class:`ConfigError` lists all issues."""
+    files = config_files(Path(path))
+    issues: list[ConfigIssue] = []
+    domains: dict[str, DomainConfig] = {}
+    digest = hashlib.sha256()
+    for file in files:
+        name = str(file)
+        try:
+            raw = file.read_bytes()
+            text = raw.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            issues.append(ConfigIssue(name, 0, "", f"cannot read: {error}"))
+            continue
+        digest.update(name.encode() + b"\0" + raw + b"\0")
+        domain, found = parse_text(text, name)
+        issues.extend(found)
+        if domain is None:
+            continue
+        if domain.name in domains:
+            first = domains[domain.name].source
+            issues.append(
+                ConfigIssue(
+                    name, 0, "domain", f"duplicate domain {domain.name!r} (also in {first})"
+                )
+            )
+            continue
+        domains[domain.name] = domain
+    if issues:
+        raise ConfigError(issues)
+    return RateLimitConfig(domains, tuple(str(file) for file in files), digest.hexdigest())

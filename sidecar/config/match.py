@@ -1,0 +1,66 @@
+"""Find the rule a request descriptor lands on, and the counter it spends.
+
+The walk follows envoyproxy/ratelimit: at each level the entry's exact
+``key``/``value`` wins, then wildcard values of that key in config order (the
+wildcard applies to the value, never to the key), then the key-only default. A
+limit applies only when the descriptor's last entry lands on a node with a
+``rate_limit``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sidecar.config.model import DescriptorNode, DomainConfig, Level, RateLimitRule
+from sidecar.limiter.protocol import CounterKey
+
+
+class Entry(Protocol):
+    """A descriptor entry: the proto's ``RateLimitDescriptor.Entry`` satisfies it."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def value(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The rule that applies to a descriptor and the counter it spends."""
+
+    rule: RateLimitRule
+    key: CounterKey
+    """``(rule.counter_id, *values)``: the request values of key-only and unshared
+    wildcard levels, so each distinct value gets its own counter."""
+
+
+def find_node(level: Level, entry: Entry) -> DescriptorNode | None:
+    """The sibling an entry lands on: exact value, then wildcards in order, then key only."""
+    node = level.exact.get((entry.key, entry.value))
+    if node is not None:
+        return node
+    for candidate in level.wildcards.get(entry.key, ()):
+        if candidate.wildcard is not None and candidate.wildcard(entry.value):
+            return candidate
+    return level.defaults.get(entry.key)
+
+
+def match_descriptor(domain: DomainConfig, entries: Sequence[Entry]) -> Match | None:
+    """The rule and counter for one descriptor, or None when no rule applies."""
+    level = domain.root
+    values: list[str] = []
+    last = len(entries) - 1
+    for index, entry in enumerate(entries):
+        node = find_node(level, entry)
+        if node is None:
+            return None
+        if node.counts_each_value:
+            values.append(entry.value)
+        if index == last:
+            rule = node.rule
+            return None if rule is None else Match(rule, (rule.counter_id, *values))
+        level = node.children
+    return None

@@ -1,0 +1,135 @@
+"""The loaded, validated config: rules and the match tree they hang from.
+
+Built once per (re)load and never mutated afterwards, so the request path can read
+it without locks and a reload swaps one reference.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from sidecar.limiter.windows import Unit
+
+ValueMatcher = Callable[[str], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitRule:
+    """A ``rate_limit`` block with the descriptor flags that change how it is enforced."""
+
+    domain: str
+    requests_per_unit: int
+    unit: Unit | None
+    unlimited: bool
+    name: str | None
+    replaces: frozenset[str]
+    shadow_mode: bool
+    quota_mode: bool
+    detailed_metric: bool
+    stat_key: str
+    """``domain.key_value.key`` as envoyproxy/ratelimit names its stats."""
+    counter_id: str
+    """Stable identity of the rule's counters: same across replicas and reloads."""
+    source: str
+    """``file:line`` of the rule, for logs and ``/config``."""
+
+    @property
+    def unit_seconds(self) -> int:
+        """Window length; unlimited rules have no window."""
+        return self.unit.seconds if self.unit else 0
+
+
+@dataclass(slots=True)
+class DescriptorNode:
+    """One ``descriptors`` entry: where a request entry lands in the tree."""
+
+    key: str
+    value: str | None
+    rule: RateLimitRule | None
+    children: Level
+    wildcard: ValueMatcher | None = None
+    share_threshold: bool = False
+
+    @property
+    def counts_each_value(self) -> bool:
+        """Whether the request's value becomes part of the counter key at this level."""
+        return self.value is None or (self.wildcard is not None and not self.share_threshold)
+
+
+@dataclass(slots=True)
+class Level:
+    """The siblings at one depth, indexed the way matching looks them up."""
+
+    exact: dict[tuple[str, str], DescriptorNode] = field(default_factory=dict)
+    wildcards: dict[str, list[DescriptorNode]] = field(default_factory=dict)
+    defaults: dict[str, DescriptorNode] = field(default_factory=dict)
+
+    def add(self, node: DescriptorNode) -> None:
+        """Index a node by how it matches: exact value, wildcard value, or key only."""
+        if node.value is None:
+            self.defaults[node.key] = node
+        elif node.wildcard is not None:
+            self.wildcards.setdefault(node.key, []).append(node)
+        else:
+            self.exact[(node.key, node.value)] = node
+
+    def nodes(self) -> list[DescriptorNode]:
+        """All siblings, for walking the tree outside the request path."""
+        wild = [node for nodes in self.wildcards.values() for node in nodes]
+        return [*self.exact.values(), *wild, *self.defaults.values()]
+
+
+@dataclass(frozen=True, slots=True)
+class DomainConfig:
+    """All rules of one domain (one config file)."""
+
+    name: str
+    root: Level
+    source: str
+    rules: tuple[RateLimitRule, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitConfig:
+    """Every domain the sidecar knows, plus what it was loaded from."""
+
+    domains: Mapping[str, DomainConfig]
+    files: tuple[str, ...]
+    digest: str
+    """SHA-256 of the loaded files' names and contents, to tell configs apart."""
+
+    def summary(self) -> list[str]:
+        """One human line per domain, as ``check-config`` prints it."""
+        lines = []
+        for name in sorted(self.domains):
+            domain = self.domains[name]
+            limited = sum(1 for rule in domain.rules if not rule.unlimited)
+            lines.append(
+                f"domain {name!r} ({domain.source}): {len(domain.rules)} rules, "
+                f"{limited} limited, {len(domain.rules) - limited} unlimited"
+            )
+        return lines
+
+
+def wildcard_matcher(pattern: str) -> ValueMatcher:
+    """Compile a value with ``*`` wildcards (any run of characters, possibly empty)."""
+    if pattern.endswith("*") and pattern.count("*") == 1:
+        prefix = pattern[:-1]
+        return lambda value: value.startswith(prefix)
+    regex = re.compile(".*".join(re.escape(part) for part in pattern.split("*")), re.DOTALL)
+    return lambda value: regex.fullmatch(value) is not None
+
+
+def counter_id(domain: str, unit: Unit | None, path: list[tuple[str, str | None]]) -> str:
+    """A stable, collision-free rule identity: JSON of domain, window and config path."""
+    seconds = unit.seconds if unit else 0
+    return json.dumps([domain, seconds, path], ensure_ascii=False, separators=(",", ":"))
+
+
+def stat_key(domain: str, path: list[tuple[str, str | None]]) -> str:
+    """envoyproxy/ratelimit's stat name: ``domain.key_value.key``."""
+    parts = [key if value is None else f"{key}_{value}" for key, value in path]
+    return ".".join([domain, *parts])

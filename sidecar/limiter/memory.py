@@ -1,0 +1,170 @@
+"""The embedded backend: fixed windows in this process's memory.
+
+Counters are grouped by window (``(unit_seconds, start)``) so that expiry drops a
+whole window's dict at once when it ends, instead of tracking a deadline per key.
+Everything runs on the event loop thread, with no await between reading and
+writing a counter, so no locks are needed and a request is atomic.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
+from sidecar.limiter.windows import window_start
+
+log = structlog.get_logger(__name__)
+
+WindowId = tuple[int, int]
+"""``(unit_seconds, window_start)``."""
+
+DEFAULT_MAX_COUNTERS = 2_000_000
+"""Cap on live counters: about 2M keeps a flood of unique values under ~1 GB
+(measured ~300-450 bytes per counter depending on value length; see README)."""
+
+EVICTION_LOG_INTERVAL = 60.0
+
+
+def share_of_limit(limit: int, instances: int) -> int:
+    """This replica's part of a limit shared by ``instances`` replicas, rounded up.
+
+    Rounding up keeps the sum of the shares at or above the limit, so balanced
+    traffic below the limit is never refused; the price is at most
+    ``instances - 1`` hits of overshoot per window.
+    """
+    return math.ceil(limit / instances) if instances > 1 else limit
+
+
+class MemoryLimiter:
+    """Fixed-window counters held in memory, with expiry and a cap on live counters."""
+
+    def __init__(
+        self,
+        *,
+        instances: int = 1,
+        max_counters: int = DEFAULT_MAX_COUNTERS,
+        admit_all: bool = False,
+        on_evict: Callable[[int], None] | None = None,
+    ) -> None:
+        if instances < 1:
+            raise ValueError("instances must be at least 1")
+        if max_counters < 1:
+            raise ValueError("max_counters must be at least 1")
+        self.instances = instances
+        self.max_counters = max_counters
+        self.admit_all = admit_all
+        self._windows: dict[WindowId, dict[CounterKey, int]] = {}
+        self._live = 0
+        self._next_expiry = math.inf
+        self._on_evict = on_evict
+        self.evictions = 0
+        self._evictions_unlogged = 0
+        self._last_eviction_log = -math.inf
+
+    @property
+    def live_counters(self) -> int:
+        """Counters currently held (all live windows)."""
+        return self._live
+
+    async def check(self, checks: Sequence[Check], now: float) -> Decision:
+        """Decide the request and record its hits; see :class:`Limiter`."""
+        return self.check_now(checks, now)
+
+    def check_now(self, checks: Sequence[Check], now: float) -> Decision:
+        """Synchronous core of :meth:`check`, usable where no await is wanted."""
+        if now >= self._next_expiry:
+            self._expire(now)
+        windows = [(check.unit_seconds, window_start(now, check.unit_seconds)) for check in checks]
+        counts = self._would_be_counts(checks, windows)
+        limits = tuple(share_of_limit(check.limit, self.instances) for check in checks)
+        admitted, over, consume = decide(checks, counts, limits, self.admit_all)
+        if admitted:
+            for check, window, spend in zip(checks, windows, consume, strict=True):
+                if spend and check.hits:
+                    self._add(window, check.key, check.hits)
+        return Decision(admitted, over, counts, limits)
+
+    def count(self, key: CounterKey, unit_seconds: int, now: float) -> int:
+        """Current count of one counter (0 when absent or expired)."""
+        window = self._windows.get((unit_seconds, window_start(now, unit_seconds)))
+        return window.get(key, 0) if window else 0
+
+    async def close(self) -> None:
+        """Nothing to flush: memory dies with the process."""
+
+    def _would_be_counts(
+        self, checks: Sequence[Check], windows: Sequence[WindowId]
+    ) -> tuple[int, ...]:
+        """Each counter plus this request's hits; repeated counters see earlier checks' hits."""
+        seen: dict[tuple[WindowId, CounterKey], int] = {}
+        counts = []
+        for check, window in zip(checks, windows, strict=True):
+            slot = (window, check.key)
+            before = seen.get(slot)
+            if before is None:
+                counters = self._windows.get(window)
+                before = counters.get(check.key, 0) if counters else 0
+            after = before + check.hits
+            seen[slot] = after
+            counts.append(after)
+        return tuple(counts)
+
+    def _add(self, window: WindowId, key: CounterKey, hits: int) -> None:
+        counters = self._windows.get(window)
+        if counters is None:
+            counters = self._windows[window] = {}
+            self._next_expiry = min(self._next_expiry, window[1] + window[0])
+        before = counters.get(key)
+        if before is None:
+            self._live += 1
+            counters[key] = hits
+            if self._live > self.max_counters:
+                self._evict()
+        else:
+            counters[key] = before + hits
+
+    def _expire(self, now: float) -> None:
+        """Drop every window that has ended; runs at most once per window end."""
+        ended = [window for window in self._windows if window[1] + window[0] <= now]
+        for window in ended:
+            self._live -= len(self._windows.pop(window))
+        self._next_expiry = min((start + unit for unit, start in self._windows), default=math.inf)
+
+    def _evict(self) -> None:
+        """Make room by dropping counters of the oldest window, oldest insert first.
+
+        Losing a live counter can let its key overshoot, so this only happens under a
+        flood of unique values; evictions are counted and logged at most once a minute.
+        """
+        excess = self._live - self.max_counters
+        while excess > 0:
+            oldest = min(self._windows, key=lambda window: (window[1], -window[0]))
+            counters = self._windows[oldest]
+            while excess > 0 and counters:
+                counters.pop(next(iter(counters)))
+                excess -= 1
+                self._live -= 1
+                self.evictions += 1
+                self._evictions_unlogged += 1
+            if not counters:
+                del self._windows[oldest]
+        if self._on_evict is not None:
+            self._on_evict(self.evictions)
+        self._log_evictions()
+
+    def _log_evictions(self) -> None:
+        now = time.monotonic()
+        if now - self._last_eviction_log >= EVICTION_LOG_INTERVAL:
+            log.warning(
+                "counters_evicted",
+                evicted=self._evictions_unlogged,
+                total_evictions=self.evictions,
+                max_counters=self.max_counters,
+                hint="raise --max-counters or look for a flood of unique descriptor values",
+            )
+            self._evictions_unlogged = 0
+            self._last_eviction_log = now

@@ -1,0 +1,105 @@
+"""What the service asks of a backend, and the all-or-nothing admission rule they share.
+
+A request is all-or-nothing: if any enforced descriptor is over its limit, no
+descriptor of that request consumes hits, so a counter always equals the hits that
+were admitted against it (envoyproxy/ratelimit increments every counter even for a
+rejected request, issues #440 and #1060). Backends differ only in where counts live;
+they all apply :func:`decide` to the counts they see, so the policy lives in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+CounterKey = tuple[str, ...]
+"""Identity of one counter without its window: rule identity plus the request's values.
+
+A tuple, not a joined string, so no descriptor value can make two counters collide.
+"""
+
+
+class Role(Enum):
+    """How a descriptor's verdict takes part in the request's verdict."""
+
+    ENFORCED = "enforced"
+    """Over the limit rejects the whole request."""
+    SHADOW = "shadow"
+    """Reported OK whatever happens; its hits count whenever the request is admitted."""
+    QUOTA = "quota"
+    """Rejects the request only if every quota descriptor of the request is over."""
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One counter a request wants to spend hits on."""
+
+    key: CounterKey
+    unit_seconds: int
+    limit: int
+    hits: int
+    role: Role = Role.ENFORCED
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A backend's answer for one request, index-aligned with its checks.
+
+    ``counts[i]`` is what check ``i``'s counter holds, or would hold, with this
+    request's hits added; ``limits[i]`` is the limit this backend enforced for it
+    (the configured one, or this replica's share of it).
+    """
+
+    admitted: bool
+    over: tuple[bool, ...]
+    counts: tuple[int, ...]
+    limits: tuple[int, ...]
+
+    def remaining(self, index: int) -> int:
+        """Hits left in check ``index``'s window after this request (0 when over)."""
+        return max(0, self.limits[index] - self.counts[index])
+
+
+class Limiter(Protocol):
+    """A backend: decides a request's checks against the current window and records it."""
+
+    async def check(self, checks: Sequence[Check], now: float) -> Decision:
+        """Decide and, when the request is admitted, record its hits atomically."""
+        ...
+
+    async def close(self) -> None:
+        """Release resources; backends with pending state flush it first."""
+        ...
+
+
+def decide(
+    checks: Sequence[Check],
+    counts: Sequence[int],
+    limits: Sequence[int],
+    admit_all: bool,
+) -> tuple[bool, tuple[bool, ...], tuple[bool, ...]]:
+    """Apply the admission rule to would-be counts.
+
+    Returns ``(admitted, over, consume)``: whether the request passes, which checks
+    are over their limit, and which counters must add their hits. ``admit_all`` is
+    global shadow mode: verdicts are still computed but every request passes, and
+    since every request is then admitted every check consumes.
+    """
+    over = tuple(count > limit for count, limit in zip(counts, limits, strict=True))
+    blocked = False
+    quota_seen = False
+    quota_all_over = True
+    for check, is_over in zip(checks, over, strict=True):
+        if check.role is Role.ENFORCED and is_over:
+            blocked = True
+        elif check.role is Role.QUOTA:
+            quota_seen = True
+            quota_all_over = quota_all_over and is_over
+    admitted = admit_all or not (blocked or (quota_seen and quota_all_over))
+    consume = tuple(
+        admitted and (admit_all or not is_over or check.role is Role.SHADOW)
+        for check, is_over in zip(checks, over, strict=True)
+    )
+    return admitted, over, consume

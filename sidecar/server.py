@@ -1,0 +1,152 @@
+"""Process lifecycle: grpc.aio on uvloop, health, reflection, signals, graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from collections.abc import Callable
+
+import grpc
+import structlog
+import uvloop
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sidecar.config import ConfigError, RateLimitConfig, load_config
+from sidecar.limiter.memory import MemoryLimiter
+from sidecar.limiter.protocol import Limiter
+from sidecar.service import SERVICE_NAME, RateLimitService
+from sidecar.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+MAX_MESSAGE_BYTES = 1024 * 1024
+"""Largest request accepted: generous for 64 descriptors, and a bound on allocation."""
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # gRPC enables SO_REUSEPORT by default, which would let a second sidecar bind the
+    # same port silently and split Envoy's traffic between two unrelated counters.
+    ("grpc.so_reuseport", 0),
+]
+
+
+class StartupError(Exception):
+    """The sidecar cannot start; the message is one line meant for the operator."""
+
+
+def build_limiter(settings: Settings) -> Limiter:
+    """The backend named by the settings."""
+    return MemoryLimiter(
+        instances=settings.instances,
+        max_counters=settings.max_counters,
+        admit_all=settings.shadow_mode,
+    )
+
+
+def ensure_bindable(address: str) -> None:
+    """Fail with a plain message if ``address`` cannot be bound, before gRPC tries.
+
+    gRPC's own bind failure arrives as a vague RuntimeError plus a C-core log line;
+    binding a socket first names the real cause (in use, not an address of this host).
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise StartupError(f"cannot listen on {address}: {error.strerror}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as error:
+            raise StartupError(f"cannot listen on {address}: {error.strerror}") from None
+
+
+class Sidecar:
+    """A running gRPC server with its service, health and limiter."""
+
+    def __init__(self, settings: Settings, config: RateLimitConfig, limiter: Limiter) -> None:
+        self.settings = settings
+        self.service = RateLimitService(config, limiter)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.port = 0
+
+    async def start(self) -> None:
+        """Bind, start serving, and only then report SERVING."""
+        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        address = self.settings.grpc_address
+        ensure_bindable(address)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise StartupError(f"cannot listen on {address}: {error} (port in use?)") from None
+        if self.port == 0:
+            raise StartupError(f"cannot listen on {address} (port in use?)")
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self) -> None:
+        """NOT_SERVING first, then let in-flight calls finish within the grace period."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.settings.shutdown_grace)
+        await self.service.limiter.close()
+
+
+def _install_signal_handlers(stop: asyncio.Event) -> Callable[[], None]:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def remove() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    return remove
+
+
+async def run(settings: Settings, config: RateLimitConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then drain."""
+    stop = asyncio.Event()
+    remove_handlers = _install_signal_handlers(stop)
+    sidecar = Sidecar(settings, config, build_limiter(settings))
+    await sidecar.start()
+    log.info(
+        "sidecar_started",
+        address=settings.grpc_address,
+        port=sidecar.port,
+        backend=settings.backend,
+        instances=settings.instances,
+        shadow_mode=settings.shadow_mode,
+        domains=sorted(config.domains),
+        rules=sum(len(domain.rules) for domain in config.domains.values()),
+        config_digest=config.digest[:12],
+    )
+    try:
+        await stop.wait()
+        log.info("sidecar_draining", grace_seconds=settings.shutdown_grace)
+        await sidecar.drain()
+    finally:
+        remove_handlers()
+    log.info("sidecar_stopped")
+
+
+def serve(settings: Settings) -> None:
+    """Load the config and serve on uvloop; raises :class:`StartupError` on failure."""
+    try:
+        config = load_config(settings.config)
+    except ConfigError as error:
+        hint = f"run 'ratelimit-sidecar check-config {settings.config}' to list every issue"
+        raise StartupError(f"{error}; {hint}") from None
+    log.info("config_loaded", files=len(config.files), domains=sorted(config.domains))
+    uvloop.run(run(settings, config))

@@ -1,0 +1,192 @@
+"""The ``envoy.service.ratelimit.v3.RateLimitService`` servicer.
+
+The handler validates, matches every descriptor against the config tree, asks the
+limiter once for the whole request (so the request is all-or-nothing) and builds
+the response. It awaits only the limiter; everything else is plain computation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from google.protobuf.duration_pb2 import Duration
+
+from sidecar.config.match import Match, match_descriptor
+from sidecar.config.model import RateLimitConfig, RateLimitRule
+from sidecar.limiter.protocol import Check, Decision, Limiter, Role
+from sidecar.limiter.windows import Clock, Unit, seconds_until_reset, system_clock
+from sidecar.validate import request_problem
+
+log = structlog.get_logger(__name__)
+
+OK = rls_pb2.RateLimitResponse.OK
+OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
+UNLIMITED_REMAINING = 2**32 - 1
+"""What envoyproxy/ratelimit reports as ``limit_remaining`` for unlimited rules."""
+SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """A descriptor's rule after overrides and ``replaces``, with its check index."""
+
+    rule: RateLimitRule
+    check: int | None
+    """Index into the request's checks; None for unlimited rules, which count nothing."""
+
+
+def override_rule(domain: str, descriptor: Any) -> Match:
+    """The limit a request carries itself (``descriptor.limit``): wins over the config.
+
+    Its counter is keyed by the descriptor's entries and unit, like envoyproxy/ratelimit,
+    so requests overriding with different numbers share one count.
+    """
+    unit = Unit(descriptor.limit.unit)
+    entries = [part for entry in descriptor.entries for part in (entry.key, entry.value)]
+    stat = ".".join(
+        [domain, *(f"{e.key}_{e.value}" if e.value else e.key for e in descriptor.entries)]
+    )
+    counter_id = f"override\0{domain}\0{unit.seconds}"
+    rule = RateLimitRule(
+        domain=domain,
+        requests_per_unit=descriptor.limit.requests_per_unit,
+        unit=unit,
+        unlimited=False,
+        name=None,
+        replaces=frozenset(),
+        shadow_mode=False,
+        quota_mode=False,
+        detailed_metric=False,
+        stat_key=stat,
+        counter_id=counter_id,
+        source="request override",
+    )
+    return Match(rule, (counter_id, *entries))
+
+
+def role_of(rule: RateLimitRule) -> Role:
+    """Shadow mode wins over quota mode: a shadow rule never rejects anything."""
+    if rule.shadow_mode:
+        return Role.SHADOW
+    return Role.QUOTA if rule.quota_mode else Role.ENFORCED
+
+
+def drop_replaced(matches: list[Match | None]) -> list[Match | None]:
+    """Remove limits named in another matched limit's ``replaces`` (same request only)."""
+    replaced = {name for match in matches if match for name in match.rule.replaces}
+    if not replaced:
+        return matches
+    return [None if match and match.rule.name in replaced else match for match in matches]
+
+
+class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    """Answers ``ShouldRateLimit`` from the current config and a limiter backend."""
+
+    def __init__(
+        self, config: RateLimitConfig, limiter: Limiter, clock: Clock = system_clock
+    ) -> None:
+        self.config = config
+        """Swapped as a whole on reload; the handler reads it once per request."""
+        self.limiter = limiter
+        self.clock = clock
+
+    async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Any:
+        """The RPC: INVALID_ARGUMENT for bad input, INTERNAL (logged) for our own faults."""
+        problem = request_problem(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            return await self.decide(request)
+        except Exception:
+            log.exception("decision_failed", domain=request.domain)
+        await context.abort(
+            grpc.StatusCode.INTERNAL, "internal error deciding the request; see sidecar logs"
+        )
+
+    async def decide(self, request: Any) -> Any:
+        """The response to a valid request; callable without gRPC for tests and benchmarks."""
+        config = self.config
+        domain = config.domains.get(request.domain)
+        descriptors = request.descriptors
+        if domain is None:
+            return rls_pb2.RateLimitResponse(
+                overall_code=OK,
+                statuses=[rls_pb2.RateLimitResponse.DescriptorStatus(code=OK)] * len(descriptors),
+            )
+        matches = drop_replaced(
+            [
+                override_rule(domain.name, descriptor)
+                if descriptor.HasField("limit")
+                else match_descriptor(domain, descriptor.entries)
+                for descriptor in descriptors
+            ]
+        )
+        now = self.clock()
+        checks, applied = self._checks(request, matches)
+        if not checks:
+            return self._respond(applied, None, now, True)
+        decision = await self.limiter.check(checks, now)
+        return self._respond(applied, decision, now, decision.admitted)
+
+    @staticmethod
+    def _checks(
+        request: Any, matches: Sequence[Match | None]
+    ) -> tuple[list[Check], list[Applied | None]]:
+        default_hits = request.hits_addend or 1
+        checks: list[Check] = []
+        applied: list[Applied | None] = []
+        for descriptor, match in zip(request.descriptors, matches, strict=True):
+            if match is None:
+                applied.append(None)
+                continue
+            rule = match.rule
+            if rule.unlimited:
+                applied.append(Applied(rule, None))
+                continue
+            hits = (
+                descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
+            )
+            applied.append(Applied(rule, len(checks)))
+            checks.append(
+                Check(match.key, rule.unit_seconds, rule.requests_per_unit, hits, role_of(rule))
+            )
+        return checks, applied
+
+    @staticmethod
+    def _respond(
+        applied: Sequence[Applied | None], decision: Decision | None, now: float, admitted: bool
+    ) -> Any:
+        statuses = []
+        status_type = rls_pb2.RateLimitResponse.DescriptorStatus
+        for item in applied:
+            if item is None:
+                statuses.append(status_type(code=OK))
+            elif item.check is None or decision is None:
+                statuses.append(status_type(code=OK, limit_remaining=UNLIMITED_REMAINING))
+            else:
+                rule = item.rule
+                over = decision.over[item.check] and not rule.shadow_mode
+                statuses.append(
+                    status_type(
+                        code=OVER_LIMIT if over else OK,
+                        current_limit=rls_pb2.RateLimitResponse.RateLimit(
+                            name=rule.name or "",
+                            requests_per_unit=rule.requests_per_unit,
+                            unit=rule.unit,
+                        ),
+                        limit_remaining=decision.remaining(item.check),
+                        duration_until_reset=Duration(
+                            seconds=seconds_until_reset(now, rule.unit_seconds)
+                        ),
+                    )
+                )
+        return rls_pb2.RateLimitResponse(
+            overall_code=OK if admitted else OVER_LIMIT, statuses=statuses
+        )

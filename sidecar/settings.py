@@ -1,0 +1,188 @@
+"""Typed settings from command-line flags and ``RLS_*`` environment variables.
+
+Each setting is declared once in :data:`SERVE_OPTIONS`; the flag, the environment
+variable, the parser and the README table all come from that declaration, so they
+cannot drift apart. A flag wins over its environment variable, which wins over the
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
+
+ENV_PREFIX = "RLS_"
+
+
+class SettingsError(ValueError):
+    """A flag or environment variable has a value we cannot use; names which one."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off", ""}:
+        return False
+    raise ValueError("must be true or false")
+
+
+def _address(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("must be HOST:PORT, for example 127.0.0.1:8081")
+    return text
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        lowered = text.strip().lower()
+        if lowered not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return lowered
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its flag, environment variable, parser, default and help."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    is_flag: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+SERVE_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "config", str, None, "descriptor config: one YAML file or a directory of them (required)"
+    ),
+    Option(
+        "grpc_address",
+        _address,
+        "127.0.0.1:8081",
+        "where the gRPC service listens (loopback by default)",
+    ),
+    Option(
+        "backend", _choice("memory"), "memory", "where counters live: memory (embedded, no Redis)"
+    ),
+    Option(
+        "instances",
+        _positive_int,
+        1,
+        "replicas sharing each limit without Redis: each enforces ceil(limit / N)",
+    ),
+    Option(
+        "max_counters",
+        _positive_int,
+        DEFAULT_MAX_COUNTERS,
+        "cap on live counters; the oldest window is evicted first",
+    ),
+    Option(
+        "shadow_mode",
+        _bool,
+        False,
+        "report verdicts but admit every request (overall_code always OK)",
+        is_flag=True,
+    ),
+    Option(
+        "shutdown_grace",
+        _non_negative_float,
+        10.0,
+        "seconds in-flight calls get to finish on SIGTERM/SIGINT",
+    ),
+    Option("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
+    Option(
+        "log_format",
+        _choice("json", "console", "auto"),
+        "auto",
+        "json, console, or auto (console on a terminal)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``serve`` needs, validated."""
+
+    config: str
+    grpc_address: str = "127.0.0.1:8081"
+    backend: str = "memory"
+    instances: int = 1
+    max_counters: int = DEFAULT_MAX_COUNTERS
+    shadow_mode: bool = False
+    shutdown_grace: float = 10.0
+    log_level: str = "info"
+    log_format: str = "auto"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare every serve option as a flag; values stay strings until :func:`resolve`."""
+    for option in SERVE_OPTIONS:
+        help_text = f"{option.help} [env {option.env}; default {option.default}]"
+        if option.is_flag:
+            parser.add_argument(
+                option.flag, dest=option.name, action="store_const", const="true", help=help_text
+            )
+        else:
+            parser.add_argument(
+                option.flag, dest=option.name, metavar=option.name.upper(), help=help_text
+            )
+
+
+def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Settings:
+    """Combine flags, environment and defaults; raises :class:`SettingsError` naming the culprit."""
+    values: dict[str, Any] = {}
+    for option in SERVE_OPTIONS:
+        raw = getattr(arguments, option.name, None)
+        source = option.flag
+        if raw is None:
+            raw, source = environ.get(option.env), option.env
+        if raw is None:
+            if option.default is None:
+                raise SettingsError(f"{option.flag} (or {option.env}) is required")
+            values[option.name] = option.default
+            continue
+        try:
+            values[option.name] = option.parse(raw)
+        except ValueError as error:
+            raise SettingsError(f"{source}={raw!r}: {error}") from None
+    return Settings(**values)
+
+
+def reference_table(options: Sequence[Option] = SERVE_OPTIONS) -> str:
+    """The configuration reference as a Markdown table, for README."""
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for option in options:
+        default = "(required)" if option.default is None else f"`{option.default}`"
+        rows.append(f"| `{option.flag}` | `{option.env}` | {default} | {option.help} |")
+    return "\n".join(rows)
