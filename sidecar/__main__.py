@@ -32,9 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a config file or directory")
     check.add_argument("path", help="YAML file or directory of YAML files")
     ask = commands.add_parser("query", help="ask a running sidecar about one request")
-    ask.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help=f"sidecar address (default {DEFAULT_ADDRESS})"
-    )
+    ask.add_argument("--address", default=DEFAULT_ADDRESS, help=f"sidecar address (default {DEFAULT_ADDRESS})")
     ask.add_argument("--domain", required=True, help="rate limit domain")
     ask.add_argument("--hits", type=int, default=0, help="hits_addend (0 means 1)")
     ask.add_argument(
@@ -44,9 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         help="one argument per descriptor",
     )
     probe = commands.add_parser("health", help="exit 0 when the sidecar reports SERVING")
-    probe.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help=f"sidecar address (default {DEFAULT_ADDRESS})"
-    )
+    probe.add_argument("--address", default=DEFAULT_ADDRESS, help=f"sidecar address (default {DEFAULT_ADDRESS})")
     probe.add_argument("--service", default="", help="service name to check (default: overall)")
     return parser
 

@@ -92,6 +92,7 @@ class Sidecar:
             raise StartupError(f"cannot listen on {address}: {error} (port in use?)") from None
         if self.port == 0:
             raise StartupError(f"cannot listen on {address} (port in use?)")
+        await self.service.limiter.start()
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -48,9 +48,7 @@ def override_rule(domain: str, descriptor: Any) -> Match:
     """
     unit = Unit(descriptor.limit.unit)
     entries = [part for entry in descriptor.entries for part in (entry.key, entry.value)]
-    stat = ".".join(
-        [domain, *(f"{e.key}_{e.value}" if e.value else e.key for e in descriptor.entries)]
-    )
+    stat = ".".join([domain, *(f"{e.key}_{e.value}" if e.value else e.key for e in descriptor.entries)])
     counter_id = f"override\0{domain}\0{unit.seconds}"
     rule = RateLimitRule(
         domain=domain,
@@ -87,9 +85,7 @@ def drop_replaced(matches: list[Match | None]) -> list[Match | None]:
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     """Answers ``ShouldRateLimit`` from the current config and a limiter backend."""
 
-    def __init__(
-        self, config: RateLimitConfig, limiter: Limiter, clock: Clock = system_clock
-    ) -> None:
+    def __init__(self, config: RateLimitConfig, limiter: Limiter, clock: Clock = system_clock) -> None:
         self.config = config
         """Swapped as a whole on reload; the handler reads it once per request."""
         self.limiter = limiter
@@ -106,9 +102,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             return await self.decide(request)
         except Exception:
             log.exception("decision_failed", domain=request.domain)
-        await context.abort(
-            grpc.StatusCode.INTERNAL, "internal error deciding the request; see sidecar logs"
-        )
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error deciding the request; see sidecar logs")
 
     async def decide(self, request: Any) -> Any:
         """The response to a valid request; callable without gRPC for tests and benchmarks."""
@@ -136,9 +130,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         return self._respond(applied, decision, now, decision.admitted)
 
     @staticmethod
-    def _checks(
-        request: Any, matches: Sequence[Match | None]
-    ) -> tuple[list[Check], list[Applied | None]]:
+    def _checks(request: Any, matches: Sequence[Match | None]) -> tuple[list[Check], list[Applied | None]]:
         default_hits = request.hits_addend or 1
         checks: list[Check] = []
         applied: list[Applied | None] = []
@@ -150,19 +142,13 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             if rule.unlimited:
                 applied.append(Applied(rule, None))
                 continue
-            hits = (
-                descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
-            )
+            hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
             applied.append(Applied(rule, len(checks)))
-            checks.append(
-                Check(match.key, rule.unit_seconds, rule.requests_per_unit, hits, role_of(rule))
-            )
+            checks.append(Check(match.key, rule.unit_seconds, rule.requests_per_unit, hits, role_of(rule)))
         return checks, applied
 
     @staticmethod
-    def _respond(
-        applied: Sequence[Applied | None], decision: Decision | None, now: float, admitted: bool
-    ) -> Any:
+    def _respond(applied: Sequence[Applied | None], decision: Decision | None, now: float, admitted: bool) -> Any:
         statuses = []
         status_type = rls_pb2.RateLimitResponse.DescriptorStatus
         for item in applied:
@@ -182,11 +168,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                             unit=rule.unit,
                         ),
                         limit_remaining=decision.remaining(item.check),
-                        duration_until_reset=Duration(
-                            seconds=seconds_until_reset(now, rule.unit_seconds)
-                        ),
+                        duration_until_reset=Duration(seconds=seconds_until_reset(now, rule.unit_seconds)),
                     )
                 )
-        return rls_pb2.RateLimitResponse(
-            overall_code=OK if admitted else OVER_LIMIT, statuses=statuses
-        )
+        return rls_pb2.RateLimitResponse(overall_code=OK if admitted else OVER_LIMIT, statuses=statuses)

@@ -17,6 +17,7 @@ from typing import Any
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 
 ENV_PREFIX = "RLS_"
+REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "unix://")
 
 
 class SettingsError(ValueError):
@@ -34,6 +35,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0:
         raise ValueError("must not be negative")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be greater than 0")
     return value
 
 
@@ -83,9 +91,7 @@ class Option:
 
 
 SERVE_OPTIONS: tuple[Option, ...] = (
-    Option(
-        "config", str, None, "descriptor config: one YAML file or a directory of them (required)"
-    ),
+    Option("config", str, None, "descriptor config: one YAML file or a directory of them (required)"),
     Option(
         "grpc_address",
         _address,
@@ -93,19 +99,22 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "where the gRPC service listens (loopback by default)",
     ),
     Option(
-        "backend", _choice("memory"), "memory", "where counters live: memory (embedded, no Redis)"
+        "backend",
+        _choice("memory", "redis"),
+        "memory",
+        "where counters live: memory (embedded) or redis",
     ),
     Option(
         "instances",
         _positive_int,
         1,
-        "replicas sharing each limit without Redis: each enforces ceil(limit / N)",
+        "memory backend: replicas sharing each limit without Redis; each enforces ceil(limit / N)",
     ),
     Option(
         "max_counters",
         _positive_int,
         DEFAULT_MAX_COUNTERS,
-        "cap on live counters; the oldest window is evicted first",
+        "cap on live counters held in this process; the oldest window is evicted first",
     ),
     Option(
         "shadow_mode",
@@ -115,17 +124,48 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         is_flag=True,
     ),
     Option(
-        "shutdown_grace",
-        _non_negative_float,
-        10.0,
-        "seconds in-flight calls get to finish on SIGTERM/SIGINT",
+        "redis_url",
+        str,
+        "",
+        "redis://[user:password@]host:port[/db], rediss:// for TLS, redis+cluster:// for Redis Cluster",
     ),
-    Option("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
     Option(
-        "log_format",
-        _choice("json", "console", "auto"),
-        "auto",
-        "json, console, or auto (console on a terminal)",
+        "redis_cluster",
+        _bool,
+        False,
+        "treat --redis-url as a Redis Cluster seed node",
+        is_flag=True,
+    ),
+    Option(
+        "mode",
+        _choice("sync", "strict"),
+        "sync",
+        "redis backend: sync (local windows, reconciled off the request path) or strict (one round trip per request)",
+    ),
+    Option(
+        "sync_interval",
+        _positive_float,
+        0.05,
+        "seconds between two flushes of pending hits to Redis (sync mode)",
+    ),
+    Option(
+        "redis_timeout",
+        _positive_float,
+        0.005,
+        "longest a request waits for Redis (strict mode, sync-mode escalation), seconds",
+    ),
+    Option(
+        "redis_failure_mode",
+        _choice("local", "open", "closed"),
+        "local",
+        "while Redis is unreachable: local (enforce limit / live replicas here), open (admit), closed (reject)",
+    ),
+    Option("redis_prefix", str, "rls", "prefix of every Redis key this sidecar writes"),
+    Option(
+        "heartbeat_interval",
+        _positive_float,
+        1.0,
+        "seconds between replica heartbeats in Redis; a replica missing 3 is dead",
     ),
 )
 
@@ -140,6 +180,14 @@ class Settings:
     instances: int = 1
     max_counters: int = DEFAULT_MAX_COUNTERS
     shadow_mode: bool = False
+    redis_url: str = ""
+    redis_cluster: bool = False
+    mode: str = "sync"
+    sync_interval: float = 0.05
+    redis_timeout: float = 0.005
+    redis_failure_mode: str = "local"
+    redis_prefix: str = "rls"
+    heartbeat_interval: float = 1.0
     shutdown_grace: float = 10.0
     log_level: str = "info"
     log_format: str = "auto"
@@ -150,13 +198,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for option in SERVE_OPTIONS:
         help_text = f"{option.help} [env {option.env}; default {option.default}]"
         if option.is_flag:
-            parser.add_argument(
-                option.flag, dest=option.name, action="store_const", const="true", help=help_text
-            )
+            parser.add_argument(option.flag, dest=option.name, action="store_const", const="true", help=help_text)
         else:
-            parser.add_argument(
-                option.flag, dest=option.name, metavar=option.name.upper(), help=help_text
-            )
+            parser.add_argument(option.flag, dest=option.name, metavar=option.name.upper(), help=help_text)
 
 
 def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Settings:
@@ -176,7 +220,12 @@ def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.envir
             values[option.name] = option.parse(raw)
         except ValueError as error:
             raise SettingsError(f"{source}={raw!r}: {error}") from None
-    return Settings(**values)
+    settings = Settings(**values)
+    if settings.backend == "redis" and not settings.redis_url:
+        raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")
+    if settings.redis_url and not settings.redis_url.startswith(REDIS_SCHEMES):
+        raise SettingsError(f"--redis-url={settings.redis_url!r}: must start with one of {', '.join(REDIS_SCHEMES)}")
+    return settings
 
 
 def reference_table(options: Sequence[Option] = SERVE_OPTIONS) -> str:

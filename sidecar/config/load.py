@@ -33,9 +33,7 @@ def config_files(path: Path) -> list[Path]:
         and not any(part.startswith(".") for part in candidate.relative_to(path).parts)
     )
     if not files:
-        raise ConfigError(
-            [ConfigIssue(str(path), 0, "", "directory holds no *.yaml or *.yml files")]
-        )
+        raise ConfigError([ConfigIssue(str(path), 0, "", "directory holds no *.yaml or *.yml files")])
     return files
 
 
@@ -69,10 +67,13 @@ def load_config(path: str | Path) -> RateLimitConfig:
         if domain is None:
             continue
         if domain.name in domains:
-            first = domains[domain.name].source
+            first = domains[domain.name]
             issues.append(
                 ConfigIssue(
-                    name, 0, "domain", f"duplicate domain {domain.name!r} (also in {first})"
+                    name,
+                    domain.line,
+                    "domain",
+                    f"duplicate domain {domain.name!r} (also in {first.source}:{first.line})",
                 )
             )
             continue

@@ -90,6 +90,8 @@ class DomainConfig:
     root: Level
     source: str
     rules: tuple[RateLimitRule, ...]
+    line: int = 0
+    """Line of the ``domain`` field in ``source``, for errors about the domain itself."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,7 @@ class DomainParser:
         self._check_replaces(document.line)
         if self.issues:
             return None
-        return DomainConfig(self.domain, root, self.file, tuple(self.rules))
+        return DomainConfig(self.domain, root, self.file, tuple(self.rules), document.line_of("domain"))
 
     def _parse_level(
         self,
@@ -128,9 +128,7 @@ class DomainParser:
         step: PathStep = (key or "", value)
         if key is not None and step in seen:
             shown = key if value is None else f"{key}={value}"
-            self._issue(
-                item.line, path, f"duplicate descriptor {shown!r} (first on line {seen[step]})"
-            )
+            self._issue(item.line, path, f"duplicate descriptor {shown!r} (first on line {seen[step]})")
         seen[step] = item.line
         node_path = [*config_path, step]
         rule = self._parse_rate_limit(item, path, node_path, flags)
@@ -275,18 +273,14 @@ class DomainParser:
         names = {rule.name for rule in self.rules if rule.name}
         for name, ref_line, field in self._replace_refs:
             if name not in names:
-                self._issue(
-                    ref_line or line, field, f"no rate_limit in this domain is named {name!r}"
-                )
+                self._issue(ref_line or line, field, f"no rate_limit in this domain is named {name!r}")
 
     def _unknown_fields(self, mapping: MarkedMapping, allowed: frozenset[str], path: str) -> None:
         for key in mapping:
             if key not in allowed:
                 where = f"{path}.{key}" if path else str(key)
                 expected = ", ".join(sorted(allowed))
-                self._issue(
-                    mapping.line_of(key), where, f"unknown field (expected one of {expected})"
-                )
+                self._issue(mapping.line_of(key), where, f"unknown field (expected one of {expected})")
 
     def _issue(self, line: int, path: str, message: str) -> None:
         self.issues.append(ConfigIssue(self.file, line, path, message))

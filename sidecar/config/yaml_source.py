@@ -45,9 +45,7 @@ class _MarkedLoader(yaml.SafeLoader):
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         self.nodes_built += 1
         if self.nodes_built > MAX_NODES:
-            raise YamlError(
-                f"more than {MAX_NODES} YAML nodes (alias expansion?)", node.start_mark.line + 1
-            )
+            raise YamlError(f"more than {MAX_NODES} YAML nodes (alias expansion?)", node.start_mark.line + 1)
         return super().construct_object(node, deep=deep)
 
 
@@ -80,7 +78,13 @@ def load_yaml(text: str) -> Any:
     """Parse one YAML document; raises :class:`YamlError` with a line number."""
     if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
         raise YamlError(f"file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB")
-    loader = _MarkedLoader(text)
+    try:
+        # The reader refuses non-printable characters while the loader is built,
+        # with a ReaderError that has a position but no mark and a two-line message.
+        loader = _MarkedLoader(text)
+    except yaml.reader.ReaderError as error:
+        line = text.count("\n", 0, error.position) + 1
+        raise YamlError(f"invalid YAML: unacceptable character #x{error.character:04x}: {error.reason}", line) from None
     try:
         document = loader.get_single_node()
         return None if document is None else loader.construct_document(document)

@@ -93,12 +93,13 @@ class MemoryLimiter:
         window = self._windows.get((unit_seconds, window_start(now, unit_seconds)))
         return window.get(key, 0) if window else 0
 
+    async def start(self) -> None:
+        """Nothing runs in the background: expiry happens on the request path."""
+
     async def close(self) -> None:
         """Nothing to flush: memory dies with the process."""
 
-    def _would_be_counts(
-        self, checks: Sequence[Check], windows: Sequence[WindowId]
-    ) -> tuple[int, ...]:
+    def _would_be_counts(self, checks: Sequence[Check], windows: Sequence[WindowId]) -> tuple[int, ...]:
         """Each counter plus this request's hits; repeated counters see earlier checks' hits."""
         seen: dict[tuple[WindowId, CounterKey], int] = {}
         counts = []

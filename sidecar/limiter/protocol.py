@@ -69,6 +69,10 @@ class Limiter(Protocol):
         """Decide and, when the request is admitted, record its hits atomically."""
         ...
 
+    async def start(self) -> None:
+        """Start background work (connections, sync, heartbeats) once the loop runs."""
+        ...
+
     async def close(self) -> None:
         """Release resources; backends with pending state flush it first."""
         ...

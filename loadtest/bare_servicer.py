@@ -1,0 +1,80 @@
+"""A RateLimitService that does no work: the baseline the sidecar is compared against.
+
+Same stack as the sidecar (``grpc.aio`` on uvloop, the same server options, health
+and reflection registered), but ``ShouldRateLimit`` returns one prebuilt
+``RateLimitResponse(overall_code=OK)`` without reading the request. The
+difference between this and the sidecar is therefore the cost of our own code
+(validation, matching, the limiter, building the response), not of gRPC.
+
+    python loadtest/bare_servicer.py --grpc-address 127.0.0.1:50051
+
+Stops on SIGTERM or SIGINT, and by itself after ``--max-seconds`` (default one
+hour) so a forgotten process cannot outlive a benchmark for long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Any
+
+import grpc
+import uvloop
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sidecar.server import SERVER_OPTIONS
+from sidecar.service import SERVICE_NAME
+
+CONSTANT_RESPONSE = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
+
+
+class BareRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    """Answers every call with the same OK response, touching nothing."""
+
+    async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Any:
+        return CONSTANT_RESPONSE
+
+
+async def serve(address: str, max_seconds: float) -> None:
+    """Serve on ``address`` until a signal or ``max_seconds``, then stop at once."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(BareRateLimitService(), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise SystemExit(f"bare_servicer: cannot listen on {address}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"bare_servicer: serving on {address}", file=sys.stderr, flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=max_seconds)
+    except TimeoutError:
+        print("bare_servicer: --max-seconds reached, stopping", file=sys.stderr, flush=True)
+    await server.stop(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grpc-address", default="127.0.0.1:50051", help="HOST:PORT to listen on")
+    parser.add_argument("--max-seconds", type=float, default=3600.0, help="stop by itself after this long")
+    arguments = parser.parse_args()
+    uvloop.run(serve(arguments.grpc_address, arguments.max_seconds))
+
+
+if __name__ == "__main__":
+    main()
