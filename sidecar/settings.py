@@ -38,6 +38,12 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be empty")
+    return text
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -91,7 +97,7 @@ class Option:
 
 
 SERVE_OPTIONS: tuple[Option, ...] = (
-    Option("config", str, None, "descriptor config: one YAML file or a directory of them (required)"),
+    Option("config", _non_empty, None, "descriptor config: one YAML file or a directory of them (required)"),
     Option(
         "grpc_address",
         _address,
@@ -114,7 +120,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "max_counters",
         _positive_int,
         DEFAULT_MAX_COUNTERS,
-        "cap on live counters held in this process; the oldest window is evicted first",
+        "cap on live counters held in this process; the window that ends first is evicted first",
     ),
     Option(
         "shadow_mode",
@@ -166,6 +172,19 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         _positive_float,
         1.0,
         "seconds between replica heartbeats in Redis; a replica missing 3 is dead",
+    ),
+    Option(
+        "shutdown_grace",
+        _non_negative_float,
+        10.0,
+        "seconds in-flight calls get to finish on SIGTERM/SIGINT",
+    ),
+    Option("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
+    Option(
+        "log_format",
+        _choice("json", "console", "auto"),
+        "auto",
+        "json, console, or auto (console on a terminal)",
     ),
 )
 
@@ -224,7 +243,9 @@ def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.envir
     if settings.backend == "redis" and not settings.redis_url:
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")
     if settings.redis_url and not settings.redis_url.startswith(REDIS_SCHEMES):
-        raise SettingsError(f"--redis-url={settings.redis_url!r}: must start with one of {', '.join(REDIS_SCHEMES)}")
+        raise SettingsError(
+            f"--redis-url / RLS_REDIS_URL {settings.redis_url!r}: must start with one of {', '.join(REDIS_SCHEMES)}"
+        )
     return settings
 
 
@@ -232,6 +253,8 @@ def reference_table(options: Sequence[Option] = SERVE_OPTIONS) -> str:
     """The configuration reference as a Markdown table, for README."""
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for option in options:
-        default = "(required)" if option.default is None else f"`{option.default}`"
+        default = (
+            "(required)" if option.default is None else f"`{option.default}`" if option.default != "" else "(none)"
+        )
         rows.append(f"| `{option.flag}` | `{option.env}` | {default} | {option.help} |")
     return "\n".join(rows)

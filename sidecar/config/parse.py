@@ -145,7 +145,8 @@ class DomainParser:
         if isinstance(value, bool) or not isinstance(value, str | int):
             self._issue(item.line_of("value"), f"{path}.value", "must be a string")
             return None
-        text = str(value)
+        # A number is kept as written: YAML 1.1 reads 010 as 8 and 12:30 as 750.
+        text = value if isinstance(value, str) else item.scalar_texts.get("value", str(value))
         if not text:
             return None
         return text

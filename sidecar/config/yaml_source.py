@@ -31,6 +31,8 @@ class MarkedMapping(dict[Any, Any]):
 
     line: int
     key_lines: dict[Any, int]
+    scalar_texts: dict[Any, str]
+    """Source text of each plain scalar value, so ``010`` or ``12:30`` can be read as written."""
 
     def line_of(self, key: Any) -> int:
         """Line of ``key`` if present, else of the mapping itself."""
@@ -54,6 +56,7 @@ def _construct_mapping(loader: _MarkedLoader, node: yaml.MappingNode) -> MarkedM
     mapping = MarkedMapping()
     mapping.line = node.start_mark.line + 1
     mapping.key_lines = {}
+    mapping.scalar_texts = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         line = key_node.start_mark.line + 1
@@ -65,6 +68,8 @@ def _construct_mapping(loader: _MarkedLoader, node: yaml.MappingNode) -> MarkedM
             raise YamlError(f"duplicate key {key!r} (first on line {mapping.key_lines[key]})", line)
         mapping[key] = loader.construct_object(value_node, deep=True)
         mapping.key_lines[key] = line
+        if isinstance(value_node, yaml.ScalarNode):
+            mapping.scalar_texts[key] = value_node.value
     return mapping
 
 

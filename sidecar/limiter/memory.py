@@ -136,14 +136,16 @@ class MemoryLimiter:
         self._next_expiry = min((start + unit for unit, start in self._windows), default=math.inf)
 
     def _evict(self) -> None:
-        """Make room by dropping counters of the oldest window, oldest insert first.
+        """Make room by dropping counters of the window that ends first, oldest insert first.
 
-        Losing a live counter can let its key overshoot, so this only happens under a
-        flood of unique values; evictions are counted and logged at most once a minute.
+        Losing a live counter gives its key a fresh budget, so the counters that would
+        have expired soonest go first: a per-second counter loses at most a second of
+        history, a per-day one would lose a day. This only happens under a flood of
+        unique values; evictions are counted and logged at most once a minute.
         """
         excess = self._live - self.max_counters
         while excess > 0:
-            oldest = min(self._windows, key=lambda window: (window[1], -window[0]))
+            oldest = min(self._windows, key=lambda window: window[1] + window[0])
             counters = self._windows[oldest]
             while excess > 0 and counters:
                 counters.pop(next(iter(counters)))

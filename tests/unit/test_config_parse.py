@@ -875,7 +875,20 @@ def test_metadata_is_free_form_at_root_and_descriptor(h):
     assert len(domain.rules) == 1
 
 
-@pytest.mark.parametrize(("written", "value"), [("30", "30"), ("0", "0"), ('"007"', "007")])
+@pytest.mark.parametrize(
+    ("written", "value"),
+    [
+        ("30", "30"),
+        ("0", "0"),
+        ('"007"', "007"),
+        # Numbers are kept as written, not as YAML 1.1 would compute them.
+        ("010", "010"),
+        ("0x1F", "0x1F"),
+        ("1_000", "1_000"),
+        ("12:30", "12:30"),
+        ("+5", "+5"),
+    ],
+)
 def test_numeric_value_is_read_as_text(h, written, value):
     domain = h.parse_domain(
         f"""
