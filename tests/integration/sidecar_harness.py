@@ -32,6 +32,13 @@ METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
 STARTUP_DEADLINE = 20.0
 """Seconds a sidecar gets to report SERVING; generous for a loaded 2-core machine."""
 CLI_TIMEOUT = 30.0
+CHANNEL_OPTIONS = [
+    # The first health probes usually race the bind; gRPC's default reconnect backoff
+    # (1 s, growing) would then make every start take a second or more.
+    ("grpc.initial_reconnect_backoff_ms", 20),
+    ("grpc.min_reconnect_backoff_ms", 20),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
 T = TypeVar("T")
 
 OK = rls_pb2.RateLimitResponse.OK
@@ -106,19 +113,14 @@ def write_config(directory: Path, text: str = CONFIG, name: str = "it.yaml") -> 
     return directory
 
 
-def request(
-    domain: str, *descriptors: Sequence[tuple[str, str]], hits: int = 0
-) -> rls_pb2.RateLimitRequest:
+def request(domain: str, *descriptors: Sequence[tuple[str, str]], hits: int = 0) -> rls_pb2.RateLimitRequest:
     """A ``RateLimitRequest``; each descriptor is a sequence of ``(key, value)`` pairs."""
     return rls_pb2.RateLimitRequest(
         domain=domain,
         hits_addend=hits,
         descriptors=[
             ratelimit_pb2.RateLimitDescriptor(
-                entries=[
-                    ratelimit_pb2.RateLimitDescriptor.Entry(key=key, value=value)
-                    for key, value in entries
-                ]
+                entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=key, value=value) for key, value in entries]
             )
             for entries in descriptors
         ],
@@ -192,9 +194,7 @@ class Sidecar:
             if pass_address:
                 command += ["--grpc-address", self.address]
             with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
-                self.process = subprocess.Popen(
-                    command, stdout=out, stderr=err, env=self.env, cwd=self.workdir
-                )
+                self.process = subprocess.Popen(command, stdout=out, stderr=err, env=self.env, cwd=self.workdir)
             try:
                 self._wait_serving()
                 return self
@@ -206,7 +206,7 @@ class Sidecar:
 
     def _wait_serving(self) -> None:
         assert self.process is not None
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         stub = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + STARTUP_DEADLINE
         last_error = "no answer yet"
@@ -216,9 +216,7 @@ class Sidecar:
                 self.close_channel()
                 if "Address already in use" in stderr:
                     raise PortTakenError(stderr)
-                pytest.fail(
-                    f"sidecar exited with {self.process.returncode} before SERVING:\n{stderr}"
-                )
+                pytest.fail(f"sidecar exited with {self.process.returncode} before SERVING:\n{stderr}")
             try:
                 answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if answer.status == health_pb2.HealthCheckResponse.SERVING:
@@ -228,11 +226,9 @@ class Sidecar:
                 last_error = f"{error.code().name}: {error.details()}"
             time.sleep(0.02)
         self.kill()
-        pytest.fail(
-            f"sidecar not SERVING within {STARTUP_DEADLINE}s ({last_error}):\n{self.stderr()}"
-        )
+        pytest.fail(f"sidecar not SERVING within {STARTUP_DEADLINE}s ({last_error}):\n{self.stderr()}")
 
-    def signal(self, sig: signal.Signals) -> None:
+    def send_signal(self, sig: signal.Signals) -> None:
         assert self.process is not None
         self.process.send_signal(sig)
 
@@ -284,7 +280,7 @@ class Sidecar:
 
 
 class PortTakenError(Exception):
-    pass
+    """The sidecar lost the race for the port :func:`free_port` found."""
 
 
 SidecarFactory = Callable[..., Sidecar]
@@ -292,6 +288,7 @@ SidecarFactory = Callable[..., Sidecar]
 
 @contextlib.contextmanager
 def sidecar_factory(base: Path) -> Iterator[SidecarFactory]:
+    """Yield ``start(*serve_flags, config=, env=, port=, pass_address=)``; kill them all on exit."""
     started: list[Sidecar] = []
 
     def start(
