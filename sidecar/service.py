@@ -15,6 +15,7 @@ import grpc
 import structlog
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import DecodeError
 
 from sidecar.config.match import Match, match_descriptor
 from sidecar.config.model import RateLimitConfig, RateLimitRule
@@ -95,6 +96,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
         """The RPC: INVALID_ARGUMENT for bad input, INTERNAL (logged) for our own faults."""
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid RateLimitRequest message")
         problem = request_problem(request)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -172,3 +175,25 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     )
                 )
         return rls_pb2.RateLimitResponse(overall_code=OK if admitted else OVER_LIMIT, statuses=statuses)
+
+
+def parse_request(data: bytes) -> Any | None:
+    """Decode a request; None for bytes that are not a ``RateLimitRequest``.
+
+    gRPC answers a deserializer exception with UNKNOWN; returning None lets the
+    handler answer INVALID_ARGUMENT like any other bad request.
+    """
+    try:
+        return rls_pb2.RateLimitRequest.FromString(data)
+    except DecodeError:
+        return None
+
+
+def add_to_server(service: RateLimitService, server: grpc.aio.Server) -> None:
+    """Register ``ShouldRateLimit`` with the tolerant request parser."""
+    method = grpc.unary_unary_rpc_method_handler(
+        service.ShouldRateLimit,
+        request_deserializer=parse_request,
+        response_serializer=rls_pb2.RateLimitResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"ShouldRateLimit": method}),))

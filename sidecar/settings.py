@@ -51,6 +51,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError("must be between 0 and 1")
+    return value
+
+
 def _bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in {"1", "true", "yes", "on"}:
@@ -155,6 +162,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "seconds between two flushes of pending hits to Redis (sync mode)",
     ),
     Option(
+        "sync_max_overshoot",
+        _fraction,
+        0.05,
+        "sync mode: proven bound on hits admitted beyond a limit, as a fraction of it (0 = exact near the limit)",
+    ),
+    Option(
         "redis_timeout",
         _positive_float,
         0.005,
@@ -203,6 +216,7 @@ class Settings:
     redis_cluster: bool = False
     mode: str = "sync"
     sync_interval: float = 0.05
+    sync_max_overshoot: float = 0.05
     redis_timeout: float = 0.005
     redis_failure_mode: str = "local"
     redis_prefix: str = "rls"

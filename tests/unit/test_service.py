@@ -376,3 +376,11 @@ async def test_rpc_turns_a_backend_fault_into_internal(h, make_service):
     assert context.aborted is not None
     assert context.aborted[0] is grpc.StatusCode.INTERNAL
     assert "backend exploded" not in context.aborted[1]
+
+
+def test_undecodable_bytes_parse_to_none_so_the_handler_can_answer_invalid_argument():
+    from sidecar.service import parse_request
+
+    assert parse_request(b"\x0f") is None
+    assert parse_request(b"\x0a\x02\xff\xfe") is None
+    assert parse_request(b"\x0a\x01d").domain == "d"
