@@ -8,8 +8,7 @@ the response. It awaits only the limiter; everything else is plain computation.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import structlog
@@ -32,8 +31,7 @@ UNLIMITED_REMAINING = 2**32 - 1
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 
 
-@dataclass(frozen=True, slots=True)
-class Applied:
+class Applied(NamedTuple):
     """A descriptor's rule after overrides and ``replaces``, with its check index."""
 
     rule: RateLimitRule
@@ -91,6 +89,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         """Swapped as a whole on reload; the handler reads it once per request."""
         self.limiter = limiter
         self.clock = clock
+        self._messages = MessageCache()
 
     async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
@@ -150,31 +149,59 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             checks.append(Check(match.key, rule.unit_seconds, rule.requests_per_unit, hits, role_of(rule)))
         return checks, applied
 
-    @staticmethod
-    def _respond(applied: Sequence[Applied | None], decision: Decision | None, now: float, admitted: bool) -> Any:
-        statuses = []
-        status_type = rls_pb2.RateLimitResponse.DescriptorStatus
+    def _respond(self, applied: Sequence[Applied | None], decision: Decision | None, now: float, admitted: bool) -> Any:
+        response = rls_pb2.RateLimitResponse(overall_code=OK if admitted else OVER_LIMIT)
+        add = response.statuses.add
         for item in applied:
             if item is None:
-                statuses.append(status_type(code=OK))
+                add(code=OK)
             elif item.check is None or decision is None:
-                statuses.append(status_type(code=OK, limit_remaining=UNLIMITED_REMAINING))
+                add(code=OK, limit_remaining=UNLIMITED_REMAINING)
             else:
                 rule = item.rule
-                over = decision.over[item.check] and not rule.shadow_mode
-                statuses.append(
-                    status_type(
-                        code=OVER_LIMIT if over else OK,
-                        current_limit=rls_pb2.RateLimitResponse.RateLimit(
-                            name=rule.name or "",
-                            requests_per_unit=rule.requests_per_unit,
-                            unit=rule.unit,
-                        ),
-                        limit_remaining=decision.remaining(item.check),
-                        duration_until_reset=Duration(seconds=seconds_until_reset(now, rule.unit_seconds)),
-                    )
+                add(
+                    code=OVER_LIMIT if decision.over[item.check] and not rule.shadow_mode else OK,
+                    current_limit=self._messages.limit(rule),
+                    limit_remaining=decision.remaining(item.check),
+                    duration_until_reset=self._messages.duration(seconds_until_reset(now, rule.unit_seconds)),
                 )
-        return rls_pb2.RateLimitResponse(overall_code=OK if admitted else OVER_LIMIT, statuses=statuses)
+        return response
+
+
+class MessageCache:
+    """Response sub-messages built once and reused: building them is half of a response's cost.
+
+    Protobuf copies a sub-message passed to a constructor, so sharing them is safe.
+    Both caches are bounded, since override limits and reset durations come from
+    clients and the clock.
+    """
+
+    MAX_ENTRIES = 10_000
+
+    def __init__(self) -> None:
+        self._limits: dict[tuple[str, int, str | None], Any] = {}
+        self._durations: dict[int, Any] = {}
+
+    def limit(self, rule: RateLimitRule) -> Any:
+        """The ``current_limit`` message of a rule."""
+        key = (rule.counter_id, rule.requests_per_unit, rule.name)
+        message = self._limits.get(key)
+        if message is None:
+            if len(self._limits) >= self.MAX_ENTRIES:
+                self._limits.clear()
+            message = self._limits[key] = rls_pb2.RateLimitResponse.RateLimit(
+                name=rule.name or "", requests_per_unit=rule.requests_per_unit, unit=rule.unit
+            )
+        return message
+
+    def duration(self, seconds: int) -> Any:
+        """A ``Duration`` of whole seconds."""
+        message = self._durations.get(seconds)
+        if message is None:
+            if len(self._durations) >= self.MAX_ENTRIES:
+                self._durations.clear()
+            message = self._durations[seconds] = Duration(seconds=seconds)
+        return message
 
 
 def parse_request(data: bytes) -> Any | None:

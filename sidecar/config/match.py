@@ -10,8 +10,7 @@ limit applies only when the descriptor's last entry lands on a node with a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from sidecar.config.model import DescriptorNode, DomainConfig, Level, RateLimitRule
 from sidecar.limiter.protocol import CounterKey
@@ -27,8 +26,7 @@ class Entry(Protocol):
     def value(self) -> str: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Match:
+class Match(NamedTuple):
     """The rule that applies to a descriptor and the counter it spends."""
 
     rule: RateLimitRule

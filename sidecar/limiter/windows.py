@@ -60,7 +60,7 @@ UNIT_NAMES = ", ".join(unit.name.lower() for unit in sorted(Unit, key=lambda u: 
 
 def window_start(now: float, unit_seconds: int) -> int:
     """Start of the window containing ``now``, in whole Unix seconds."""
-    whole = math.floor(now)
+    whole = int(now) if now >= 0 else math.floor(now)
     return whole - whole % unit_seconds
 
 
