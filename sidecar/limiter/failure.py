@@ -1,0 +1,254 @@
+"""What a Redis-backed limiter answers while Redis is unreachable, and what it then owes Redis.
+
+Three modes (``--redis-failure-mode``):
+
+* ``local`` (default): enforce ``ceil(limit / live replicas)`` in this process, the
+  "safe capacity" of Doorman: if every replica does so, together they admit about the
+  limit without talking to each other.
+* ``open``: admit everything; for services where a rate limit outage must never
+  become an outage of the service.
+* ``closed``: reject every request with an enforced limit; for limits that protect
+  something that must never be overrun.
+
+Hits admitted here are remembered per Redis window key so the limiter can add them
+to Redis when it is back (:meth:`FailurePolicy.drain_admitted`, then
+:meth:`~FailurePolicy.settle` or :meth:`~FailurePolicy.restore`): the Redis counters
+then still equal the admitted hits, and other replicas see them.
+
+State changes are logged once each (``redis_unavailable``, ``redis_recovered``),
+never per request: an outage under load must not turn into a flood of log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import structlog
+
+from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, MemoryLimiter
+from sidecar.limiter.protocol import Check, Decision, Role, decide
+
+log = structlog.get_logger(__name__)
+
+MODES = ("local", "open", "closed")
+
+Admitted = dict[str, tuple[int, int]]
+"""Hits owed to Redis: ``{window_key: (hits, expire_at)}``."""
+
+
+class FailurePolicy:
+    """Decides requests without Redis and keeps the hits it admitted until Redis has them."""
+
+    def __init__(
+        self,
+        mode: str = "local",
+        live: Callable[[], int] = lambda: 1,
+        *,
+        admit_all: bool = False,
+        max_counters: int = DEFAULT_MAX_COUNTERS,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"failure mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.mode = mode
+        self.live = live
+        self.admit_all = admit_all
+        self.max_counters = max_counters
+        self.degraded = False
+        """True between ``redis_unavailable`` and ``redis_recovered``."""
+        self.decisions = 0
+        """Requests decided here since the process started."""
+        self.dropped_hits = 0
+        """Admitted hits that could not be remembered (more than ``max_counters`` keys owed)."""
+        self._local = MemoryLimiter(max_counters=max_counters, admit_all=admit_all)
+        self._owed: dict[str, list[int]] = {}
+        self._in_flight: dict[str, int] = {}
+        self._has_owed = asyncio.Event()
+        self._since = 0.0
+        self._drop_logged = False
+
+    # -- deciding --------------------------------------------------------------------
+
+    def check(
+        self,
+        checks: Sequence[Check],
+        keys: Sequence[str],
+        expire_ats: Sequence[int],
+        now: float,
+        *,
+        known: Mapping[str, int] | None = None,
+    ) -> Decision:
+        """Decide one request without Redis; ``keys``/``expire_ats`` are its Redis window keys.
+
+        ``known`` is the last count Redis reported per window key, if the caller kept
+        it: ``local`` mode then shares out only what was left of each limit when Redis
+        went away, instead of the whole limit again.
+        """
+        self.decisions += 1
+        if self.mode == "local":
+            decision = self._decide_locally(checks, keys, now, known)
+        elif self.mode == "open":
+            decision = self._open(checks)
+        else:
+            decision = self._closed(checks)
+        if decision.admitted:
+            _, _, consume = decide(checks, decision.counts, decision.limits, self.admit_all)
+            for check, key, expire_at, spend in zip(checks, keys, expire_ats, consume, strict=True):
+                if spend and check.hits:
+                    self._owe(key, check.hits, expire_at, now)
+        return decision
+
+    def _decide_locally(
+        self, checks: Sequence[Check], keys: Sequence[str], now: float, known: Mapping[str, int] | None
+    ) -> Decision:
+        """This replica's share of each limit (of what is left of it), counted in memory per window.
+
+        Local counts outlive the outage until their window ends, so a second outage in
+        the same window counts the first one's hits twice: it errs towards rejecting.
+        """
+        self._local.instances = max(1, self.live())
+        if known:
+            checks = [
+                check._replace(limit=max(0, check.limit - known.get(key, 0)))
+                for check, key in zip(checks, keys, strict=True)
+            ]
+        return self._local.check_now(checks, now)
+
+    @staticmethod
+    def _open(checks: Sequence[Check]) -> Decision:
+        return Decision(
+            True,
+            tuple(False for _ in checks),
+            tuple(check.hits for check in checks),
+            tuple(check.limit for check in checks),
+        )
+
+    def _closed(self, checks: Sequence[Check]) -> Decision:
+        """Enforced checks are over (nothing left, as far as we can know); the others pass."""
+        over = tuple(check.role is Role.ENFORCED for check in checks)
+        return Decision(
+            self.admit_all or not any(over),
+            over,
+            tuple(
+                check.limit + check.hits if is_over else check.hits for check, is_over in zip(checks, over, strict=True)
+            ),
+            tuple(check.limit for check in checks),
+        )
+
+    # -- what Redis is owed ------------------------------------------------------------
+
+    @property
+    def owed_hits(self) -> int:
+        """Hits admitted here and not sent to Redis yet (in flight excluded)."""
+        return sum(hits for hits, _ in self._owed.values())
+
+    def reconciled(self) -> bool:
+        """Whether Redis holds every hit admitted here (nothing owed, nothing in flight)."""
+        return not self._owed and not self._in_flight
+
+    def owes(self) -> bool:
+        """Whether any hit waits for reconciliation (in flight excluded)."""
+        return bool(self._owed)
+
+    def busy(self, keys: Iterable[str]) -> bool:
+        """Whether hits of one of ``keys`` are on their way to Redis right now.
+
+        A request on such a key must not ask Redis yet: Redis might not have the
+        hits, and this replica would count them as if they were not admitted.
+        """
+        in_flight = self._in_flight
+        return bool(in_flight) and any(key in in_flight for key in keys)
+
+    def take(self, keys: Iterable[str]) -> Admitted:
+        """Owed hits of ``keys`` only (to send with a request's own script); marks them in flight."""
+        if not self._owed:
+            return {}
+        taken: Admitted = {}
+        for key in keys:
+            entry = self._owed.pop(key, None)
+            if entry is not None:
+                taken[key] = (entry[0], entry[1])
+        self._mark_in_flight(taken)
+        return taken
+
+    def drain_admitted(self) -> Admitted:
+        """Every owed hit, to be flushed to Redis; marks them in flight until settled or restored."""
+        drained = {key: (hits, expire_at) for key, (hits, expire_at) in self._owed.items()}
+        self._owed.clear()
+        self._has_owed.clear()
+        self._mark_in_flight(drained)
+        return drained
+
+    def settle(self, adds: Mapping[str, tuple[int, int]]) -> None:
+        """Redis holds ``adds`` now."""
+        self._unmark_in_flight(adds)
+
+    def restore(self, adds: Mapping[str, tuple[int, int]]) -> None:
+        """Sending ``adds`` failed: owe them again."""
+        self._unmark_in_flight(adds)
+        for key, (hits, expire_at) in adds.items():
+            self._owe(key, hits, expire_at, None)
+
+    async def wait_owed(self) -> None:
+        """Return once some hit is owed."""
+        await self._has_owed.wait()
+
+    def _owe(self, key: str, hits: int, expire_at: int, now: float | None) -> None:
+        entry = self._owed.get(key)
+        if entry is not None:
+            entry[0] += hits
+        elif len(self._owed) < self.max_counters or self._make_room(now):
+            self._owed[key] = [hits, expire_at]
+        else:
+            self._drop(hits)
+            return
+        self._has_owed.set()
+
+    def _make_room(self, now: float | None) -> bool:
+        """Forget hits owed to windows that have ended (their keys are gone from Redis anyway)."""
+        moment = time.time() if now is None else now
+        for key in [key for key, (_, expire_at) in self._owed.items() if expire_at <= moment]:
+            del self._owed[key]
+        return len(self._owed) < self.max_counters
+
+    def _drop(self, hits: int) -> None:
+        self.dropped_hits += hits
+        if not self._drop_logged:
+            self._drop_logged = True
+            log.warning(
+                "failure_hits_dropped",
+                max_counters=self.max_counters,
+                hint="more distinct counters were admitted during the outage than --max-counters",
+            )
+
+    def _mark_in_flight(self, adds: Mapping[str, tuple[int, int]]) -> None:
+        for key in adds:
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+
+    def _unmark_in_flight(self, adds: Mapping[str, tuple[int, int]]) -> None:
+        for key in adds:
+            left = self._in_flight.get(key, 0) - 1
+            if left > 0:
+                self._in_flight[key] = left
+            else:
+                self._in_flight.pop(key, None)
+
+    # -- state changes -----------------------------------------------------------------
+
+    def on_redis_state(self, available: bool, reason: str) -> None:
+        """Listener for :meth:`RedisStore.add_listener`: one log line per change of state."""
+        if not available and not self.degraded:
+            self.degraded = True
+            self._since = time.monotonic()
+            self._drop_logged = False
+            log.warning("redis_unavailable", reason=reason, failure_mode=self.mode, live_replicas=self.live())
+        elif available and self.degraded:
+            self.degraded = False
+            log.info(
+                "redis_recovered",
+                outage_seconds=round(time.monotonic() - self._since, 3),
+                failure_decisions=self.decisions,
+                owed_hits=self.owed_hits,
+                dropped_hits=self.dropped_hits,
+            )

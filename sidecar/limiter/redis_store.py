@@ -1,0 +1,522 @@
+"""Redis access for the limiter backends: few round trips, one failure type, reconnection.
+
+Every public call is one network round trip (a script or a pipeline) so its cost is
+predictable and countable: the accuracy harness reports ``round_trips_*`` per request.
+Every failure (refused connection, timeout, Redis error, Cluster error) surfaces as
+:class:`RedisUnavailable`, so callers apply their failure mode in one ``except``.
+
+While Redis is unavailable, calls fail at once instead of waiting for a timeout: the
+request path must never wait on a Redis that is known to be down. A background probe
+retries with exponential backoff (capped at one second) and flips the store back to
+available, telling the listeners (the failure policy logs it, limiters reconcile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+
+from sidecar.limiter.keys import replicas_key
+from sidecar.limiter.protocol import Check, decide
+from sidecar.limiter.scripts import DECIDE, SCRIPTS, Script, decide_arguments
+from sidecar.settings import Settings
+
+FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
+"""What a Redis call can raise when Redis is away or refuses; ``TimeoutError`` is an ``OSError``."""
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+MIN_BACKGROUND_TIMEOUT = 1.0
+"""Background calls (flush, heartbeat, probe) may wait this long: they hold no request."""
+FIRST_BACKOFF = 0.01
+MAX_BACKOFF = 1.0
+TIMEOUTS_BEFORE_DOWN = 3
+"""Request-path timeouts in a row that mark Redis unavailable.
+
+One late answer on a busy machine should not switch every request to the failure
+mode; a refused or broken connection does at once.
+"""
+
+Pending = Mapping[str, tuple[int, int]]
+"""Hits to add unconditionally: ``{window_key: (hits, expire_at)}``."""
+DecideRequest = tuple[Sequence[str], Sequence[Check], Sequence[int]]
+"""One request for :meth:`RedisStore.decide_batch`: window keys, checks, expiry times."""
+StateListener = Callable[[bool, str], None]
+"""Called with ``(available, reason)`` each time the store changes state."""
+
+
+class RedisUnavailable(Exception):  # noqa: N818 - a state, not an error in our code; name fixed by the callers
+    """Redis could not answer (down, slow, refusing); apply the failure mode."""
+
+
+def client_url(url: str, cluster: bool) -> tuple[str, bool]:
+    """The URL redis-py understands and whether it names a Cluster.
+
+    ``redis+cluster://`` and ``rediss+cluster://`` are our spelling for "this is a
+    Cluster seed node"; redis-py only knows ``redis://`` and ``rediss://``.
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in CLUSTER_SCHEMES:
+        return f"{CLUSTER_SCHEMES[scheme]}://{rest}", True
+    return url, cluster
+
+
+def background_timeout(request_timeout: float) -> float:
+    """Socket timeout of every connection and budget of background calls."""
+    return max(MIN_BACKGROUND_TIMEOUT, 2 * request_timeout)
+
+
+def same_slot(keys: Sequence[str]) -> bool:
+    """Whether every key maps to one Cluster slot (so one script may touch them all)."""
+    first = key_slot(keys[0].encode())
+    return all(key_slot(key.encode()) == first for key in keys[1:])
+
+
+class RedisStore:
+    """Counters, scripts and replica heartbeats in Redis or Redis Cluster."""
+
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        *,
+        prefix: str = "rls",
+        request_timeout: float = 0.005,
+        background_timeout: float = MIN_BACKGROUND_TIMEOUT,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.request_timeout = request_timeout
+        self.background_timeout = background_timeout
+        self.cluster = isinstance(client, RedisCluster)
+        self.available = False
+        self.last_error = "not started"
+        self.round_trips_request_path = 0
+        self.round_trips_background = 0
+        self.give_back_failures = 0
+        self.refused_hits = 0
+        """Hits :meth:`flush` could not add because their key does not hold a counter."""
+        self._timeouts_in_a_row = 0
+        self._reported: bool | None = None
+        """The state listeners last heard of (None before the first outage or success)."""
+        self._listeners: list[StateListener] = []
+        self._ready = asyncio.Event()
+        self._probe: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RedisStore:
+        """A store for ``settings.redis_url``; connects lazily (call :meth:`start`)."""
+        url, cluster = client_url(settings.redis_url, settings.redis_cluster)
+        timeout = background_timeout(settings.redis_timeout)
+        options: dict[str, Any] = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            # We decide what a failure means; redis-py's retries would eat the budget.
+            "retry": Retry(NoBackoff(), 0),
+            # No CLIENT SETINFO on connect: one round trip less per new connection.
+            "driver_info": None,
+        }
+        client: Redis | RedisCluster
+        client = RedisCluster.from_url(url, **options) if cluster else Redis.from_url(url, **options)
+        return cls(
+            client,
+            prefix=settings.redis_prefix,
+            request_timeout=settings.redis_timeout,
+            background_timeout=timeout,
+        )
+
+    # -- life cycle -----------------------------------------------------------------
+
+    def add_listener(self, listener: StateListener) -> None:
+        """Be told ``(available, reason)`` on every change of state."""
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        """Connect and load the scripts; if Redis is down, start probing and return anyway.
+
+        A sidecar whose Redis is down at boot still serves (in its failure mode)
+        rather than crash-looping, and switches to Redis when the probe succeeds.
+        """
+        try:
+            await self._probe_once()
+        except FAILURES as error:
+            self._mark_down(describe(error))
+        else:
+            self._mark_up()
+
+    async def probe(self) -> bool:
+        """Try Redis once, now, instead of waiting for the backoff; returns :attr:`available`.
+
+        For shutdown: hits still owed to Redis should not be lost to a backoff sleep.
+        """
+        if not self.available:
+            try:
+                await self._probe_once()
+            except FAILURES as error:
+                self.last_error = describe(error)
+            else:
+                self._mark_up()
+        return self.available
+
+    async def wait_available(self) -> None:
+        """Return once Redis is available (at once if it already is)."""
+        await self._ready.wait()
+
+    async def close(self) -> None:
+        """Stop probing, let give-backs finish, close the connections."""
+        self._closed = True
+        if self._probe is not None:
+            await stop_task(self._probe)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.background_timeout)
+        await self.client.aclose()
+
+    # -- the calls ------------------------------------------------------------------
+
+    async def decide(
+        self,
+        keys: Sequence[str],
+        checks: Sequence[Check],
+        expire_ats: Sequence[int],
+        admit_all: bool,
+        pending: Pending | None = None,
+        *,
+        request_path: bool = True,
+    ) -> tuple[bool, list[int], dict[str, int]]:
+        """Add ``pending``, then decide ``checks`` all-or-nothing and record them if admitted.
+
+        Returns ``(admitted, counts, totals)``: each check's would-be count (its counter
+        before this request plus its hits, repeated counters seeing earlier checks) and
+        each pending key's value afterwards (including hits this request consumed).
+        One round trip. In Cluster mode, keys spread over several slots cannot share a
+        script; see :meth:`_reserve` for what that costs in atomicity.
+        """
+        pending = pending or {}
+        self._ensure_available()
+        if not keys and not pending:
+            return True, [], {}
+        try:
+            async with asyncio.timeout(self.request_timeout if request_path else self.background_timeout):
+                if self.cluster and not same_slot([*keys, *pending]):
+                    result = await self._reserve(
+                        keys, checks, expire_ats, admit_all, pending, request_path=request_path
+                    )
+                else:
+                    result = await self._decide_script(
+                        keys, checks, expire_ats, admit_all, pending, request_path=request_path
+                    )
+        except FAILURES as error:
+            raise self._failed(error, request_path) from error
+        self._timeouts_in_a_row = 0
+        return result
+
+    async def decide_batch(self, requests: Sequence[DecideRequest], admit_all: bool) -> list[list[int]]:
+        """Several requests' decisions in one round trip; each is atomic on its own.
+
+        Returns each request's would-be counts (see :meth:`decide`). Callers that
+        coalesce the escalations of one event-loop iteration use this, and enforce
+        their own request budget around it: the call itself may take up to the
+        background timeout, so a late answer still tells the caller what Redis did.
+        In Cluster mode the requests go out concurrently, one :meth:`decide` each.
+        """
+        self._ensure_available()
+        if self.cluster:
+            answers = await asyncio.gather(
+                *(self.decide(keys, checks, expiries, admit_all) for keys, checks, expiries in requests)
+            )
+            return [counts for _, counts, _ in answers]
+        replies = await self._decide_pipeline(requests, admit_all)
+        missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            await self._probe_once()  # reloads the scripts; NOSCRIPT means the call did not run
+            retried = await self._decide_pipeline([requests[index] for index in missing], admit_all)
+            for index, reply in zip(missing, retried, strict=True):
+                replies[index] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise self._failed(reply, request_path=True)
+        return [
+            [int(value) for value in reply[1 : 1 + len(checks)]]
+            for reply, (_, checks, _) in zip(replies, requests, strict=True)
+        ]
+
+    async def _decide_pipeline(self, requests: Sequence[DecideRequest], admit_all: bool) -> list[Any]:
+        """EVALSHA decide.lua once per request, pipelined; errors come back as values."""
+        pipe = self.client.pipeline(transaction=False)
+        for keys, checks, expiries in requests:
+            script_keys, args = decide_arguments(keys, checks, expiries, admit_all, {})
+            pipe.evalsha(DECIDE.sha, len(script_keys), *script_keys, *args)
+        self._count(request_path=True)
+        try:
+            async with asyncio.timeout(self.background_timeout):
+                replies: list[Any] = await pipe.execute(raise_on_error=False)
+        except FAILURES as error:
+            raise self._failed(error, request_path=False) from error
+        self._timeouts_in_a_row = 0
+        return replies
+
+    async def flush(self, adds: Pending, reads: Sequence[str] = ()) -> dict[str, int]:
+        """Add ``adds`` (INCRBY, EXPIREAT) and read ``reads`` in one pipeline.
+
+        Returns the current total of every key in ``adds`` and ``reads`` (absent keys
+        are 0). Not atomic as a whole, only per key, which is all a reconciliation
+        needs. Works in Cluster, where redis-py splits the pipeline by node.
+
+        A key Redis refuses to add to (it holds something that is not a counter) is
+        left out of the result and its hits are counted in :attr:`refused_hits`: the
+        other adds of the pipeline did land, so failing the whole call would make the
+        caller send them twice.
+        """
+        self._ensure_available()
+        read_keys = [key for key in dict.fromkeys(reads) if key not in adds]
+        if not adds and not read_keys:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for key, (hits, expire_at) in adds.items():
+            pipe.incrby(key, hits)
+            pipe.expireat(key, expire_at)
+        for key in read_keys:
+            pipe.get(key)
+        replies = await self._background(pipe.execute(raise_on_error=False))
+        add_replies, read_replies = replies[: 2 * len(adds) : 2], replies[2 * len(adds) :]
+        totals: dict[str, int] = {}
+        for key, reply in zip([*adds, *read_keys], [*add_replies, *read_replies], strict=True):
+            if type(reply) is ResponseError:
+                self.refused_hits += adds[key][0] if key in adds else 0
+            elif isinstance(reply, BaseException):
+                raise self._failed(reply, request_path=False) from reply
+            else:
+                totals[key] = int(reply or 0)
+        return totals
+
+    async def heartbeat(self, replica_id: str, now: float, ttl: float) -> int:
+        """Mark this replica alive, forget replicas silent for ``ttl``; returns live replicas (>= 1)."""
+        self._ensure_available()
+        key = replicas_key(self.prefix)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zadd(key, {replica_id: now})
+        pipe.zremrangebyscore(key, "-inf", f"({now - ttl}")
+        pipe.zcard(key)
+        # The set disappears with the last replica instead of lingering forever.
+        pipe.expire(key, math.ceil(ttl) + 1)
+        replies = await self._background(pipe.execute())
+        return max(1, int(replies[2]))
+
+    async def leave(self, replica_id: str) -> None:
+        """Remove this replica from the live set (clean shutdown)."""
+        self._ensure_available()
+        await self._background(self.client.zrem(replicas_key(self.prefix), replica_id))
+
+    # -- decide, two ways -------------------------------------------------------------
+
+    async def _decide_script(
+        self,
+        keys: Sequence[str],
+        checks: Sequence[Check],
+        expire_ats: Sequence[int],
+        admit_all: bool,
+        pending: Pending,
+        *,
+        request_path: bool,
+    ) -> tuple[bool, list[int], dict[str, int]]:
+        script_keys, args = decide_arguments(keys, checks, expire_ats, admit_all, pending)
+        reply = await self._run_script(DECIDE, script_keys, args, request_path=request_path)
+        values = [int(value) for value in reply]
+        counts = values[1 : 1 + len(checks)]
+        return values[0] == 1, counts, dict(zip(pending, values[1 + len(checks) :], strict=True))
+
+    async def _reserve(
+        self,
+        keys: Sequence[str],
+        checks: Sequence[Check],
+        expire_ats: Sequence[int],
+        admit_all: bool,
+        pending: Pending,
+        *,
+        request_path: bool,
+    ) -> tuple[bool, list[int], dict[str, int]]:
+        """Cross-slot decision in Cluster: reserve every counter, decide, give back.
+
+        One pipeline INCRBYs every counter the request would spend (and applies the
+        pending adds); :func:`protocol.decide` runs on the results; what must not be
+        spent is DECRBYed by a background give-back, off the request path. Atomic per
+        counter only: admitted hits never exceed a limit (each INCRBY result is exact
+        for its counter), but while a reservation is outstanding a concurrent request
+        on the same counter sees it and may be rejected although the reserving request
+        ends up giving its hits back.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        for key, (hits, expire_at) in pending.items():
+            pipe.incrby(key, hits)
+            pipe.expireat(key, expire_at)
+        for key, check, expire_at in zip(keys, checks, expire_ats, strict=True):
+            if check.hits:
+                pipe.incrby(key, check.hits)
+                pipe.expireat(key, expire_at)
+            else:
+                pipe.get(key)
+        self._count(request_path)
+        replies = await pipe.execute()
+        totals = {key: int(replies[2 * index]) for index, key in enumerate(pending)}
+        counts = reserved_counts(checks, replies[2 * len(pending) :])
+        admitted, _, consume = decide(checks, counts, [check.limit for check in checks], admit_all)
+        give_back: dict[str, int] = {}
+        for key, check, spend in zip(keys, checks, consume, strict=True):
+            if spend and key in totals:
+                totals[key] += check.hits
+            elif not spend and check.hits:
+                give_back[key] = give_back.get(key, 0) + check.hits
+        if give_back:
+            self._spawn(self._give_back(give_back))
+        return admitted, counts, totals
+
+    async def _give_back(self, amounts: Mapping[str, int]) -> None:
+        """DECRBY reserved hits a rejected (or partly over) request must not spend."""
+        pipe = self.client.pipeline(transaction=False)
+        for key, hits in amounts.items():
+            pipe.decrby(key, hits)
+        try:
+            await self._background(pipe.execute())
+        except RedisUnavailable:
+            # The counters stay too high until their window ends: false rejections, never overshoot.
+            self.give_back_failures += 1
+
+    async def _run_script(
+        self, script: Script, keys: Sequence[str], args: Sequence[int | str], *, request_path: bool
+    ) -> Any:
+        """EVALSHA; on NOSCRIPT (flushed, restarted, failed over) send the body once with EVAL."""
+        self._count(request_path)
+        try:
+            return await self.client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self._count(request_path)
+            return await self.client.eval(script.source, len(keys), *keys, *args)
+
+    # -- failures and recovery ---------------------------------------------------------
+
+    async def _background(self, call: Any) -> Any:
+        """Await one background round trip with the background timeout; failures -> RedisUnavailable."""
+        self._count(request_path=False)
+        try:
+            async with asyncio.timeout(self.background_timeout):
+                return await call
+        except FAILURES as error:
+            raise self._failed(error, request_path=False) from error
+
+    def _count(self, request_path: bool) -> None:
+        if request_path:
+            self.round_trips_request_path += 1
+        else:
+            self.round_trips_background += 1
+
+    def _ensure_available(self) -> None:
+        if not self.available:
+            raise RedisUnavailable(f"redis unavailable: {self.last_error}")
+
+    def _failed(self, error: BaseException, request_path: bool) -> RedisUnavailable:
+        """Record a failed call; returns the exception for the caller to raise."""
+        reason = describe(error)
+        if type(error) is ResponseError:
+            # A reply about this call (a key holding a non-integer, a busy script), not about
+            # the server: fail this call only, or one bad key would switch every request over.
+            return RedisUnavailable(f"redis refused the call: {reason}")
+        if request_path and isinstance(error, TimeoutError):
+            self._timeouts_in_a_row += 1
+            if self._timeouts_in_a_row < TIMEOUTS_BEFORE_DOWN:
+                return RedisUnavailable(f"redis did not answer within {self.request_timeout * 1000:g} ms")
+        self._mark_down(reason)
+        return RedisUnavailable(f"redis unavailable: {reason}")
+
+    def _mark_down(self, reason: str) -> None:
+        """Fail fast from now on, probe in the background, tell listeners once per outage."""
+        self.available = False
+        self._ready.clear()
+        self.last_error = reason
+        self._timeouts_in_a_row = 0
+        if not self._closed and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
+        if self._reported is not False:
+            self._reported = False
+            self._notify(False, reason)
+
+    def _mark_up(self) -> None:
+        """Serve calls again; listeners hear of it only if they heard of the outage."""
+        self.available = True
+        self._ready.set()
+        self._timeouts_in_a_row = 0
+        if self._reported is False:
+            self._notify(True, "")
+        self._reported = True
+
+    def _notify(self, available: bool, reason: str) -> None:
+        for listener in self._listeners:
+            listener(available, reason)
+
+    async def _probe_until_up(self) -> None:
+        """Retry PING + SCRIPT LOAD with exponential backoff until Redis answers."""
+        delay = FIRST_BACKOFF
+        while not self._closed:
+            await asyncio.sleep(delay)
+            try:
+                await self._probe_once()
+            except FAILURES as error:
+                self.last_error = describe(error)
+                delay = min(delay * 2, MAX_BACKOFF)
+                continue
+            self._mark_up()
+            return
+
+    async def _probe_once(self) -> None:
+        """One PING and the script loads; the scripts are loaded again after every outage."""
+        async with asyncio.timeout(self.background_timeout):
+            self._count(request_path=False)
+            await self.client.ping()
+            for script in SCRIPTS:
+                self._count(request_path=False)
+                sha = await self.client.script_load(script.source)
+                if sha != script.sha:
+                    raise RedisError(f"SCRIPT LOAD of {script.name} returned {sha}, expected {script.sha}")
+
+    def _spawn(self, call: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(call)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+async def stop_task(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended, cancelling again if needed.
+
+    One ``cancel()`` is not always enough: on Python 3.11, ``asyncio.wait_for`` (which
+    redis-py uses to send commands) swallows a cancellation that arrives just as the
+    send completes, and the task carries on (a heartbeat loop would then run forever).
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
+def reserved_counts(checks: Sequence[Check], replies: Sequence[Any]) -> list[int]:
+    """Each check's count from a reservation pipeline (INCRBY + EXPIREAT, or GET for 0 hits)."""
+    counts: list[int] = []
+    offset = 0
+    for check in checks:
+        counts.append(int(replies[offset] or 0))
+        offset += 2 if check.hits else 1
+    return counts
+
+
+def describe(error: BaseException) -> str:
+    """One line naming an error, for logs and messages."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

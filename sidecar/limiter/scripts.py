@@ -1,0 +1,58 @@
+"""Lua scripts run by Redis, kept in ``lua/*.lua`` and called by SHA.
+
+The scripts live in their own files so they can be read, linted and reviewed as
+Lua, not as Python strings. Their SHA1 is computed here, so the request path sends
+only ``EVALSHA`` (about 40 bytes instead of the script body); if Redis answers
+``NOSCRIPT`` (restart, ``SCRIPT FLUSH``, failover to a node that never saw it) the
+caller sends the body once with ``EVAL``, which also caches it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+
+from sidecar.limiter.protocol import Check, Role
+
+ROLE_CODES: Mapping[Role, int] = {Role.ENFORCED: 0, Role.SHADOW: 1, Role.QUOTA: 2}
+"""How ``decide.lua`` spells each role (ARGV carries strings, numbers are cheapest)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """A Lua script's body and the SHA1 Redis knows it by."""
+
+    name: str
+    source: str
+    sha: str
+
+
+def load_script(name: str) -> Script:
+    """Read ``lua/<name>`` from the package and compute its SHA1 (as ``SCRIPT LOAD`` does)."""
+    source = resources.files("sidecar.limiter").joinpath("lua", name).read_text(encoding="utf-8")
+    return Script(name, source, hashlib.sha1(source.encode("utf-8"), usedforsecurity=False).hexdigest())
+
+
+DECIDE = load_script("decide.lua")
+"""The atomic all-or-nothing decision; see the header of ``lua/decide.lua``."""
+
+SCRIPTS: tuple[Script, ...] = (DECIDE,)
+"""Every script, loaded with ``SCRIPT LOAD`` when a connection is (re)established."""
+
+
+def decide_arguments(
+    keys: Sequence[str],
+    checks: Sequence[Check],
+    expire_ats: Sequence[int],
+    admit_all: bool,
+    pending: Mapping[str, tuple[int, int]],
+) -> tuple[list[str], list[int | str]]:
+    """``KEYS`` and ``ARGV`` of ``decide.lua``: checks first, then pending adds."""
+    args: list[int | str] = [int(admit_all), len(checks)]
+    for check, expire_at in zip(checks, expire_ats, strict=True):
+        args += (check.limit, check.hits, ROLE_CODES[check.role], expire_at)
+    for hits, expire_at in pending.values():
+        args += (hits, expire_at)
+    return [*keys, *pending], args

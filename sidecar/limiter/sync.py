@@ -1,0 +1,504 @@
+"""``sync`` mode: local wall-clock windows, reconciled with Redis off the request path.
+
+Each replica decides from what it knows: the global total it last read from Redis
+(``known``) plus the hits it admitted since (``pending``, and ``inflight`` while a
+flush is on the wire). A background task flushes pending hits in one pipeline every
+``sync_interval`` and reads the totals back. The request path touches Redis only
+near a limit, where guessing stops and one atomic script decides ("escalation").
+
+The rule for admitting locally (per counter, per window, ``R`` live replicas):
+
+* **blind cap** ``Q``: a replica holds at most ``Q`` hits that Redis has not seen
+  (``pending + inflight``). Reaching half of it wakes the flusher early, so under
+  load the replica syncs as fast as it admits, and Redis round trips stay in the
+  background. ``Q = floor(max_overshoot * limit / (R - 1))``; one replica alone
+  has no cap, and ``Q = 0`` (a low limit) makes every admission exact.
+* **reserve**: a hit is admitted locally only while
+  ``known + own unflushed + hits + reserve <= limit`` with
+  ``reserve = (R - 1) * Q + growth``, where ``growth`` estimates what the other
+  replicas admit between two of our syncs (an EWMA of the global growth we did not
+  cause). Inside the reserve zone every decision escalates to Redis.
+* **rejections are local only when certain**: a request is refused without Redis
+  only if what this replica itself knows is admitted (``known + own unflushed``)
+  already leaves no room, so a well-behaved client is never refused while the
+  global admitted total is below the limit.
+
+Bound (see README): escalations are exact against the counts Redis holds, and the
+only hits Redis does not hold are the other replicas' blind hits, at most ``Q`` each,
+so the admitted total per counter and window exceeds the limit by at most
+``(R - 1) * Q <= max_overshoot * limit`` hits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from sidecar.limiter.keys import counter_digest, expire_at, window_key
+from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
+from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
+from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
+from sidecar.limiter.replicas import Replicas
+from sidecar.limiter.windows import Clock, system_clock, window_start
+
+log = structlog.get_logger(__name__)
+
+GROWTH_SMOOTHING = 0.5
+"""EWMA weight of the newest growth sample: reacts within two syncs to a change."""
+BACKGROUND_TIMEOUT = 1.0
+"""A flush may take this long before it is retried; it never blocks a request."""
+DEFAULT_MAX_OVERSHOOT = 0.05
+
+
+@dataclass(slots=True)
+class WindowCounter:
+    """What this replica knows about one counter in one window."""
+
+    key: str
+    digest: str
+    expire_at: int
+    window_end: int
+    known: int = 0
+    """Global total last read from Redis (includes our flushed hits)."""
+    pending: int = 0
+    """Admitted here, not yet sent to Redis."""
+    inflight: int = 0
+    """Sent in a flush that has not been acknowledged yet."""
+    growth: float = 0.0
+    """EWMA of hits other replicas add between two of our syncs."""
+    limit: int = 0
+    touched: bool = True
+    """Used since the last flush: its total is worth reading back."""
+
+    @property
+    def unflushed(self) -> int:
+        """Our hits Redis may not hold yet."""
+        return self.pending + self.inflight
+
+
+@dataclass(slots=True)
+class Escalation:
+    """One request's atomic check, waiting to be sent with the others of its loop iteration."""
+
+    keys: list[str]
+    checks: list[Check]
+    expire_ats: list[int]
+    answer: asyncio.Future[list[int]]
+    """The would-be counts the script saw (counter before + hits, in check order)."""
+
+
+@dataclass(slots=True)
+class FlushBatch:
+    """One flush: what was sent, so the answer (or failure) can be applied."""
+
+    sent: dict[str, tuple[WindowCounter, int]]
+    reads: list[WindowCounter]
+
+
+class SyncLimiter:
+    """Limiter backend for ``--backend redis --mode sync``."""
+
+    def __init__(
+        self,
+        store: RedisStore,
+        replicas: Replicas,
+        *,
+        prefix: str = "rls",
+        sync_interval: float = 0.05,
+        request_budget: float = 0.005,
+        failure_mode: str = "local",
+        admit_all: bool = False,
+        max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
+        max_counters: int = DEFAULT_MAX_COUNTERS,
+        clock: Clock = system_clock,
+    ) -> None:
+        self.store = store
+        self.replicas = replicas
+        self.prefix = prefix
+        self.sync_interval = sync_interval
+        self.request_budget = request_budget
+        self.failure_mode = failure_mode
+        self.admit_all = admit_all
+        self.max_overshoot = max_overshoot
+        self.max_counters = max_counters
+        self.evictions = 0
+        self.clock = clock
+        self._windows: dict[int, dict[tuple[CounterKey, int], WindowCounter]] = {}
+        """Counters by window end, then by (counter key, unit): ended windows are dropped
+        together, and the Redis key digest is computed once per counter and window."""
+        self._live = 0
+        self._previous_growth: dict[str, float] = {}
+        """Growth estimate per counter digest, carried into the next window."""
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._flush_lock = asyncio.Lock()
+        self.escalations = 0
+        self.late_answers = 0
+        self._escalations: list[Escalation] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.local_decisions = 0
+        self.failure_decisions = 0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Connect (or start probing), start heartbeats and the background flusher."""
+        self.store.add_listener(self._on_redis_state)
+        await self.store.start()
+        await self.replicas.start()
+        self._task = asyncio.create_task(self._sync_loop(), name="sync-flusher")
+
+    async def close(self) -> None:
+        """Stop the flusher and push every admitted hit to Redis before leaving."""
+        if self._task is not None:
+            await stop_task(self._task)
+        for attempt in range(3):
+            if not self._has_unflushed():
+                break
+            await self.sync_once()
+            if self._has_unflushed():
+                await asyncio.sleep(0.1 * (attempt + 1))
+        lost = sum(counter.unflushed for counter in self._all_counters())
+        log.info(
+            "sync_closed",
+            unflushed_hits=lost,
+            escalations=self.escalations,
+            late_answers=self.late_answers,
+            local_decisions=self.local_decisions,
+            failure_decisions=self.failure_decisions,
+            redis_round_trips_request_path=self.store.round_trips_request_path,
+            redis_round_trips_background=self.store.round_trips_background,
+        )
+        await self.replicas.close()
+        await self.store.close()
+
+    def _on_redis_state(self, available: bool, reason: str) -> None:
+        """Log each change of Redis state once; pending hits wait for the next flush."""
+        unflushed = sum(counter.unflushed for counter in self._all_counters())
+        if available:
+            log.info("redis_recovered", mode="sync", unflushed_hits=unflushed)
+            self._wake.set()
+        else:
+            log.warning("redis_unavailable", mode="sync", reason=reason, failure_mode=self.failure_mode)
+
+    # -------------------------------------------------------------- the decision
+
+    async def check(self, checks: Sequence[Check], now: float) -> Decision:
+        """Decide locally when safe, else escalate to one atomic Redis call."""
+        counters = [self._counter(check, now) for check in checks]
+        decision = self._decide_locally(checks, counters)
+        if decision is not None:
+            self.local_decisions += 1
+            return decision
+        if not self.store.available:
+            return self._decide_without_redis(checks, counters)
+        try:
+            return await self._escalate(checks, counters)
+        except (RedisUnavailable, TimeoutError):
+            return self._decide_without_redis(checks, counters)
+
+    def _decide_locally(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision | None:
+        """A decision from local knowledge, or None when Redis must be asked."""
+        replicas = self.replicas.live
+        counts = self._would_be(checks, counters, lambda counter: counter.known + counter.unflushed)
+        limits = tuple(check.limit for check in checks)
+        for check, counter, count in zip(checks, counters, counts, strict=True):
+            counter.limit = check.limit
+            if count > check.limit:
+                continue  # certain: our own knowledge already leaves no room
+            cap = self.blind_cap(check.limit, replicas)
+            if counter.unflushed + check.hits > cap or count + self.reserve(counter, cap, replicas) > check.limit:
+                return None
+        return self._apply(checks, counters, counts, limits)
+
+    async def _escalate(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision:
+        """One atomic script, sent with every other escalation of this loop iteration.
+
+        Our pending hits are not sent: the script sees each limit lowered by what we
+        hold unflushed, which gives the same verdict without sending hits that a
+        timed-out call might deliver twice. If the answer comes after the budget, the
+        request was answered by the failure mode; :meth:`_late_answer` then corrects
+        our pending hits so every admitted hit is counted exactly once.
+        """
+        self.escalations += 1
+        held = self._would_be(checks, counters, lambda counter: counter.unflushed, include_hits=False)
+        adjusted = [check._replace(limit=max(0, check.limit - own)) for check, own in zip(checks, held, strict=True)]
+        escalation = Escalation(
+            [counter.key for counter in counters],
+            adjusted,
+            [counter.expire_at for counter in counters],
+            asyncio.get_running_loop().create_future(),
+        )
+        self._queue_escalation(escalation)
+        try:
+            counts = await asyncio.wait_for(asyncio.shield(escalation.answer), self.request_budget)
+        except TimeoutError:
+            escalation.answer.add_done_callback(lambda answer: self._late_answer(checks, counters, adjusted, answer))
+            raise
+        admitted, over, _ = self._learn(checks, counters, adjusted, counts)
+        totals = tuple(count + own for count, own in zip(counts, held, strict=True))
+        return Decision(admitted, over, totals, tuple(check.limit for check in checks))
+
+    def _learn(
+        self,
+        checks: Sequence[Check],
+        counters: Sequence[WindowCounter],
+        adjusted: Sequence[Check],
+        counts: Sequence[int],
+    ) -> tuple[bool, tuple[bool, ...], tuple[bool, ...]]:
+        """Update ``known`` from a script's answer; returns the script's ``decide`` verdict."""
+        verdict = decide(adjusted, counts, [check.limit for check in adjusted], self.admit_all)
+        for check, counter, count, spent in zip(checks, counters, counts, verdict[2], strict=True):
+            counter.known = max(counter.known, count if spent else count - check.hits)
+        return verdict
+
+    def _late_answer(
+        self,
+        checks: Sequence[Check],
+        counters: Sequence[WindowCounter],
+        adjusted: Sequence[Check],
+        answer: asyncio.Future[list[int]],
+    ) -> None:
+        """The script ran after we answered from the failure mode: undo the double count.
+
+        Redis already holds the hits the script consumed, so they come off our pending
+        hits (possibly below zero: the next flush then subtracts them in Redis). Hits
+        the failure mode admitted are counted once either way; hits it refused are not
+        counted at all.
+        """
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        _, _, consume = self._learn(checks, counters, adjusted, answer.result())
+        for check, counter, spent in zip(checks, counters, consume, strict=True):
+            if spent:
+                counter.pending -= check.hits
+        self.late_answers += 1
+
+    def _queue_escalation(self, escalation: Escalation) -> None:
+        """Queue for the next send; the first of an iteration schedules the send."""
+        self._escalations.append(escalation)
+        if len(self._escalations) == 1:
+            asyncio.get_running_loop().call_soon(self._send_escalations)
+
+    def _send_escalations(self) -> None:
+        batch, self._escalations = self._escalations, []
+        task = asyncio.get_running_loop().create_task(self._run_escalations(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_escalations(self, batch: list[Escalation]) -> None:
+        """One round trip for a batch of escalations; each answer wakes its request."""
+        try:
+            answers = await self.store.decide_batch(
+                [(item.keys, item.checks, item.expire_ats) for item in batch], self.admit_all
+            )
+        except RedisUnavailable as error:
+            for item in batch:
+                if not item.answer.done():
+                    item.answer.set_exception(error)
+                item.answer.exception()  # a late failure is expected: mark it retrieved
+            return
+        for item, counts in zip(batch, answers, strict=True):
+            if not item.answer.done():
+                item.answer.set_result(counts)
+
+    def _decide_without_redis(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision:
+        """Redis is unreachable: apply the failure mode; admitted hits stay pending."""
+        self.failure_decisions += 1
+        counts = self._would_be(checks, counters, lambda counter: counter.known + counter.unflushed)
+        if self.failure_mode == "open":
+            limits = tuple(max(check.limit, count) for check, count in zip(checks, counts, strict=True))
+        elif self.failure_mode == "closed":
+            limits = tuple(-1 for _ in checks)
+        else:
+            replicas = self.replicas.live
+            limits = tuple(
+                counter.known + math.ceil(max(0, check.limit - counter.known) / replicas)
+                for check, counter in zip(checks, counters, strict=True)
+            )
+        return self._apply(checks, counters, counts, limits)
+
+    def _apply(
+        self,
+        checks: Sequence[Check],
+        counters: Sequence[WindowCounter],
+        counts: tuple[int, ...],
+        limits: tuple[int, ...],
+    ) -> Decision:
+        """Run the shared admission rule and record admitted hits as pending."""
+        admitted, over, consume = decide(checks, counts, limits, self.admit_all)
+        if admitted:
+            for check, counter, spend in zip(checks, counters, consume, strict=True):
+                if spend and check.hits:
+                    counter.pending += check.hits
+                    if counter.pending * 2 >= self.blind_cap(check.limit, self.replicas.live):
+                        self._wake.set()
+        return Decision(admitted, over, counts, tuple(max(0, limit) for limit in limits))
+
+    @staticmethod
+    def _would_be(
+        checks: Sequence[Check],
+        counters: Sequence[WindowCounter],
+        base: Callable[[WindowCounter], int],
+        include_hits: bool = True,
+    ) -> tuple[int, ...]:
+        """Per check, ``base(counter)`` plus this request's hits (earlier checks of the
+        same counter included, so a counter named twice is not admitted twice)."""
+        extra: dict[int, int] = {}
+        values = []
+        for check, counter in zip(checks, counters, strict=True):
+            before = extra.get(id(counter), 0)
+            values.append(base(counter) + before + (check.hits if include_hits else 0))
+            extra[id(counter)] = before + check.hits
+        return tuple(values)
+
+    def blind_cap(self, limit: int, replicas: int) -> int:
+        """``Q``: hits a replica may hold that Redis has not seen.
+
+        ``(R - 1) * Q <= max_overshoot * limit`` by construction, so the proven bound
+        never exceeds the configured fraction; 0 means every admission is exact.
+        """
+        if replicas <= 1:
+            return limit
+        return math.floor(self.max_overshoot * limit / (replicas - 1))
+
+    @staticmethod
+    def reserve(counter: WindowCounter, cap: int, replicas: int) -> int:
+        """Room kept for other replicas' blind hits and their growth until our next sync."""
+        if replicas <= 1:
+            return 0
+        return (replicas - 1) * cap + math.ceil(counter.growth)
+
+    # ------------------------------------------------------------ local counters
+
+    def _counter(self, check: Check, now: float) -> WindowCounter:
+        start = window_start(now, check.unit_seconds)
+        end = start + check.unit_seconds
+        window = self._windows.get(end)
+        if window is None:
+            window = self._windows[end] = {}
+            self._expire(now)
+        slot = (check.key, check.unit_seconds)
+        counter = window.get(slot)
+        if counter is None:
+            digest = _digest_key(check.key, check.unit_seconds)
+            counter = WindowCounter(
+                window_key(self.prefix, digest, start), digest, expire_at(start, check.unit_seconds), end
+            )
+            counter.growth = self._previous_growth.get(digest, 0.0)
+            window[slot] = counter
+            self._live += 1
+            if self._live > self.max_counters:
+                self._evict()
+        counter.touched = True
+        return counter
+
+    def _expire(self, now: float) -> None:
+        """Forget ended windows whose hits have all reached Redis."""
+        for end in [end for end in self._windows if end <= now]:
+            window = self._windows[end]
+            for slot, counter in list(window.items()):
+                if counter.unflushed == 0:
+                    self._previous_growth[counter.digest] = counter.growth
+                    del window[slot]
+                    self._live -= 1
+            if not window:
+                del self._windows[end]
+        if len(self._previous_growth) > 4 * max(1, self.live_counters):
+            self._previous_growth.clear()
+
+    @property
+    def live_counters(self) -> int:
+        """Counters currently tracked."""
+        return self._live
+
+    def _evict(self) -> None:
+        """Over the cap: forget counters Redis already holds, window ending first.
+
+        Only counters without unflushed hits are forgotten, so no admitted hit is lost;
+        a forgotten counter is re-read from Redis by the next decision that needs it
+        (it starts at ``known = 0`` and the reserve/escalation path corrects it).
+        """
+        for end in sorted(self._windows):
+            window = self._windows[end]
+            for slot in [slot for slot, counter in window.items() if counter.unflushed == 0]:
+                del window[slot]
+                self._live -= 1
+                self.evictions += 1
+                if self._live <= self.max_counters * 9 // 10:
+                    return
+
+    def _all_counters(self) -> list[WindowCounter]:
+        return [counter for window in self._windows.values() for counter in window.values()]
+
+    def _has_unflushed(self) -> bool:
+        return any(counter.unflushed for counter in self._all_counters())
+
+    # ------------------------------------------------------------------- syncing
+
+    async def _sync_loop(self) -> None:
+        """Flush every ``sync_interval``, or sooner when a blind cap is half used."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.sync_interval)
+            self._wake.clear()
+            try:
+                await self.sync_once()
+            except Exception:
+                log.exception("sync_failed")
+                await asyncio.sleep(self.sync_interval)
+
+    async def sync_once(self) -> None:
+        """One flush round trip: send pending hits, read back totals of active counters."""
+        async with self._flush_lock:
+            self._expire(self.clock())
+            batch = self._prepare_flush()
+            if not batch.sent and not batch.reads:
+                return
+            adds = {key: (hits, counter.expire_at) for key, (counter, hits) in batch.sent.items()}
+            try:
+                totals = await asyncio.wait_for(
+                    self.store.flush(adds, [counter.key for counter in batch.reads]), BACKGROUND_TIMEOUT
+                )
+            except (RedisUnavailable, TimeoutError):
+                for counter, hits in batch.sent.values():
+                    counter.inflight -= hits
+                    counter.pending += hits
+                return
+            self._apply_flush(batch, totals)
+
+    def _prepare_flush(self) -> FlushBatch:
+        sent: dict[str, tuple[WindowCounter, int]] = {}
+        reads: list[WindowCounter] = []
+        for counter in self._all_counters():
+            if counter.pending:
+                hits = counter.pending
+                counter.inflight += hits
+                counter.pending = 0
+                sent[counter.key] = (counter, hits)
+            elif counter.touched:
+                reads.append(counter)
+            counter.touched = False
+        return FlushBatch(sent, reads)
+
+    @staticmethod
+    def _apply_flush(batch: FlushBatch, totals: dict[str, int]) -> None:
+        """Learn the global totals; the growth we did not cause feeds the reserve."""
+        own = {key: hits for key, (_, hits) in batch.sent.items()}
+        for counter in [counter for counter, _ in batch.sent.values()] + batch.reads:
+            total = totals.get(counter.key, counter.known)
+            sent = own.get(counter.key, 0)
+            others = max(0, total - counter.known - sent)
+            counter.growth = GROWTH_SMOOTHING * others + (1 - GROWTH_SMOOTHING) * counter.growth
+            counter.inflight -= sent
+            counter.known = max(counter.known, total)
+
+
+def _digest_key(key: CounterKey, unit_seconds: int) -> str:
+    """Digest of a counter and its window length: one Redis hash tag per counter."""
+    return counter_digest((*key, str(unit_seconds)))
