@@ -1,0 +1,316 @@
+"""Child processes of the harness: one redis-server and R sidecars, all on loopback.
+
+Every child runs in its own session (Ctrl-C reaches the harness only) and gets
+SIGTERM if the harness dies (``PR_SET_PDEATHSIG``); :class:`ProcessGroup` stops
+whatever it started, also on exceptions, so nothing outlives a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[2]
+REDIS_SERVER = "/usr/bin/redis-server"
+STARTUP_TIMEOUT = 30.0
+STOP_TIMEOUT = 20.0
+UNAVAILABLE_MARKERS = ("notimplemented", "not implemented", "not available", "unavailable", "unsupported")
+"""Words in a startup error that mean "this backend does not exist yet", not "it is broken"."""
+
+
+class ChildStartError(RuntimeError):
+    """A child did not come up; the message holds the tail of its log."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+    @property
+    def means_unavailable(self) -> bool:
+        """True when the child said its backend is not implemented / not available."""
+        text = f"{self}\n{self.log_tail}".lower()
+        return any(marker in text for marker in UNAVAILABLE_MARKERS)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+SERVER_CPUS: tuple[int, ...] | None = None
+"""Pin redis-server and the sidecars to these cpus (``--server-cpus``); None: no pinning."""
+
+
+def _child_setup() -> None:
+    """Runs in the child before exec: pin it if asked, SIGTERM it when the harness dies."""
+    if SERVER_CPUS is not None:
+        os.sched_setaffinity(0, SERVER_CPUS)
+    with contextlib.suppress(Exception):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def clean_env() -> dict[str, str]:
+    """The harness environment without ``RLS_*`` variables: only flags configure sidecars."""
+    return {name: value for name, value in os.environ.items() if not name.startswith("RLS_")}
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process, or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Child:
+    """One child process with its output in a log file."""
+
+    def __init__(self, label: str, argv: Sequence[str], log_path: Path) -> None:
+        self.label = label
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self.terminated = False
+
+    def start(self) -> None:
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=clean_env(),
+                start_new_session=True,
+                preexec_fn=_child_setup,  # noqa: PLW1509 - the harness starts no threads
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 15) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def terminate(self) -> None:
+        """Send SIGTERM once: a second one could land after the child removed its handler."""
+        if self.process is not None and self.process.poll() is None and not self.terminated:
+            self.terminated = True
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGTERM (once), wait up to ``timeout``, then SIGKILL; returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.terminate()
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=5)
+
+
+class RedisServer(Child):
+    """redis-server on a free loopback port: no persistence, its files in ``directory``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        directory.mkdir(parents=True, exist_ok=True)
+        argv = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--protected-mode",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
+        super().__init__("redis", argv, directory / "redis.log")
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10, decode_responses=True)
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ChildStartError("redis-server exited at start", self.log_tail())
+            with contextlib.suppress(redis.RedisError), self.client() as client:
+                if client.ping():
+                    return
+            time.sleep(0.05)
+        raise ChildStartError(f"redis-server not answering after {timeout:.0f} s", self.log_tail())
+
+
+class Sidecar(Child):
+    """``python -m sidecar serve`` on a free loopback port, JSON logs to a file."""
+
+    def __init__(self, index: int, serve_args: Sequence[str], directory: Path) -> None:
+        self.index = index
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        argv = [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "serve",
+            *serve_args,
+            "--grpc-address",
+            self.address,
+            "--log-format",
+            "json",
+        ]
+        super().__init__(f"sidecar-{index}", argv, directory / f"sidecar-{index}.log")
+
+    def serving(self) -> bool:
+        """One gRPC health probe: True when SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+            except grpc.RpcError:
+                return False
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def events(self) -> list[dict[str, Any]]:
+        """The JSON log events this sidecar wrote (other lines skipped)."""
+        events = []
+        for line in self.log_text().splitlines():
+            with contextlib.suppress(ValueError):
+                parsed = json.loads(line)
+                if isinstance(parsed, dict):
+                    events.append(parsed)
+        return events
+
+
+def wait_all_serving(sidecars: Sequence[Sidecar], timeout: float = STARTUP_TIMEOUT) -> None:
+    """Until every sidecar reports SERVING; :class:`ChildStartError` with its log otherwise."""
+    deadline = time.monotonic() + timeout
+    waiting = list(sidecars)
+    while waiting:
+        for sidecar in list(waiting):
+            if not sidecar.alive():
+                tail = sidecar.log_tail()
+                last = tail.splitlines()[-1] if tail else "(no output)"
+                raise ChildStartError(f"{sidecar.label} exited at start: {last}", tail)
+            if sidecar.serving():
+                waiting.remove(sidecar)
+        if waiting and time.monotonic() > deadline:
+            sidecar = waiting[0]
+            raise ChildStartError(f"{sidecar.label} not SERVING after {timeout:.0f} s", sidecar.log_tail())
+        if waiting:
+            time.sleep(0.05)
+
+
+class ProcessGroup:
+    """Every child the harness started; :meth:`close` stops all that still run."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+
+    def add(self, child: Child) -> Child:
+        self.children.append(child)
+        child.start()
+        return child
+
+    def stop(
+        self,
+        children: Sequence[Child],
+        while_waiting: Callable[[], None] | None = None,
+        timeout: float = STOP_TIMEOUT,
+    ) -> dict[str, int | None]:
+        """SIGTERM all of ``children`` at once, wait for them (calling ``while_waiting``
+        every 0.1 s), SIGKILL what is left after ``timeout``; returns exit codes."""
+        for child in children:
+            child.terminate()
+        deadline = time.monotonic() + timeout
+        while any(child.alive() for child in children) and time.monotonic() < deadline:
+            if while_waiting is not None:
+                while_waiting()
+            time.sleep(0.1)
+        codes = {child.label: child.stop() for child in children}
+        for child in children:
+            with contextlib.suppress(ValueError):
+                self.children.remove(child)
+        return codes
+
+    def close(self) -> None:
+        for child in reversed(self.children):
+            child.kill()
+        self.children.clear()
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[ProcessGroup]:
+    group = ProcessGroup()
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def on_sigterm_raise_interrupt() -> Callable[[], None]:
+    """Turn SIGTERM into KeyboardInterrupt so the ``finally`` blocks stop the children."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore
