@@ -27,7 +27,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 
 from sidecar.limiter.keys import replicas_key
 from sidecar.limiter.protocol import Check, decide
-from sidecar.limiter.scripts import DECIDE, SCRIPTS, Script, decide_arguments
+from sidecar.limiter.scripts import DECIDE, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
 from sidecar.settings import Settings
 
 FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
@@ -264,7 +264,9 @@ class RedisStore:
         self._timeouts_in_a_row = 0
         return replies
 
-    async def flush(self, adds: Pending, reads: Sequence[str] = ()) -> dict[str, int]:
+    async def flush(
+        self, adds: Pending, reads: Sequence[str] = (), *, once: tuple[str, int] | None = None
+    ) -> dict[str, int]:
         """Add ``adds`` (INCRBY, EXPIREAT) and read ``reads`` in one pipeline.
 
         Returns the current total of every key in ``adds`` and ``reads`` (absent keys
@@ -275,6 +277,10 @@ class RedisStore:
         left out of the result and its hits are counted in :attr:`refused_hits`: the
         other adds of the pipeline did land, so failing the whole call would make the
         caller send them twice.
+
+        ``once=(owner, sequence)`` makes the adds idempotent (``flush_once.lua``): a
+        retry with the same owner, sequence and hits adds nothing if the first attempt
+        landed, so a flush whose reply was lost can be sent again safely.
         """
         self._ensure_available()
         read_keys = [key for key in dict.fromkeys(reads) if key not in adds]
@@ -282,12 +288,20 @@ class RedisStore:
             return {}
         pipe = self.client.pipeline(transaction=False)
         for key, (hits, expire_at) in adds.items():
-            pipe.incrby(key, hits)
-            pipe.expireat(key, expire_at)
+            if once is None:
+                pipe.incrby(key, hits)
+                pipe.expireat(key, expire_at)
+            else:
+                owner, sequence = once
+                pipe.evalsha(FLUSH_ONCE.sha, 2, key, f"{key}:flushed:{owner}", sequence, hits, expire_at)
         for key in read_keys:
             pipe.get(key)
         replies = await self._background(pipe.execute(raise_on_error=False))
-        add_replies, read_replies = replies[: 2 * len(adds) : 2], replies[2 * len(adds) :]
+        if once is not None and any(isinstance(reply, NoScriptError) for reply in replies):
+            await self._probe_once()  # reloads the scripts; NOSCRIPT means that call did not run
+            return await self.flush(adds, reads, once=once)
+        stride = 2 if once is None else 1
+        add_replies, read_replies = replies[: stride * len(adds) : stride], replies[stride * len(adds) :]
         totals: dict[str, int] = {}
         for key, reply in zip([*adds, *read_keys], [*add_replies, *read_replies], strict=True):
             if type(reply) is ResponseError:

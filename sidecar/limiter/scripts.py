@@ -38,7 +38,10 @@ def load_script(name: str) -> Script:
 DECIDE = load_script("decide.lua")
 """The atomic all-or-nothing decision; see the header of ``lua/decide.lua``."""
 
-SCRIPTS: tuple[Script, ...] = (DECIDE,)
+FLUSH_ONCE = load_script("flush_once.lua")
+"""An idempotent flush of one counter; see the header of ``lua/flush_once.lua``."""
+
+SCRIPTS: tuple[Script, ...] = (DECIDE, FLUSH_ONCE)
 """Every script, loaded with ``SCRIPT LOAD`` when a connection is (re)established."""
 
 

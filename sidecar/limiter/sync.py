@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from sidecar.limiter.batcher import DecisionBatcher
 from sidecar.limiter.keys import counter_digest, expire_at, window_key
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
@@ -50,8 +51,6 @@ log = structlog.get_logger(__name__)
 
 GROWTH_SMOOTHING = 0.5
 """EWMA weight of the newest growth sample: reacts within two syncs to a change."""
-BACKGROUND_TIMEOUT = 1.0
-"""A flush may take this long before it is retried; it never blocks a request."""
 DEFAULT_MAX_OVERSHOOT = 0.05
 
 
@@ -82,22 +81,13 @@ class WindowCounter:
 
 
 @dataclass(slots=True)
-class Escalation:
-    """One request's atomic check, waiting to be sent with the others of its loop iteration."""
-
-    keys: list[str]
-    checks: list[Check]
-    expire_ats: list[int]
-    answer: asyncio.Future[list[int]]
-    """The would-be counts the script saw (counter before + hits, in check order)."""
-
-
-@dataclass(slots=True)
 class FlushBatch:
     """One flush: what was sent, so the answer (or failure) can be applied."""
 
     sent: dict[str, tuple[WindowCounter, int]]
     reads: list[WindowCounter]
+    sequence: int
+    """Grows with every new batch; a retried batch keeps its number (idempotent flush)."""
 
 
 class SyncLimiter:
@@ -137,10 +127,10 @@ class SyncLimiter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
+        self._sequence = 0
+        self._unacknowledged: FlushBatch | None = None
         self.escalations = 0
-        self.late_answers = 0
-        self._escalations: list[Escalation] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.batcher = DecisionBatcher(store, admit_all)
         self.local_decisions = 0
         self.failure_decisions = 0
 
@@ -157,6 +147,7 @@ class SyncLimiter:
         """Stop the flusher and push every admitted hit to Redis before leaving."""
         if self._task is not None:
             await stop_task(self._task)
+        await self.batcher.drain()  # late answers adjust pending hits before the last flush
         for attempt in range(3):
             if not self._has_unflushed():
                 break
@@ -168,7 +159,7 @@ class SyncLimiter:
             "sync_closed",
             unflushed_hits=lost,
             escalations=self.escalations,
-            late_answers=self.late_answers,
+            late_answers=self.batcher.late_answers,
             local_decisions=self.local_decisions,
             failure_decisions=self.failure_decisions,
             redis_round_trips_request_path=self.store.round_trips_request_path,
@@ -228,18 +219,13 @@ class SyncLimiter:
         self.escalations += 1
         held = self._would_be(checks, counters, lambda counter: counter.unflushed, include_hits=False)
         adjusted = [check._replace(limit=max(0, check.limit - own)) for check, own in zip(checks, held, strict=True)]
-        escalation = Escalation(
+        counts = await self.batcher.decide(
             [counter.key for counter in counters],
             adjusted,
             [counter.expire_at for counter in counters],
-            asyncio.get_running_loop().create_future(),
+            self.request_budget,
+            lambda late: self._late_answer(checks, counters, adjusted, late),
         )
-        self._queue_escalation(escalation)
-        try:
-            counts = await asyncio.wait_for(asyncio.shield(escalation.answer), self.request_budget)
-        except TimeoutError:
-            escalation.answer.add_done_callback(lambda answer: self._late_answer(checks, counters, adjusted, answer))
-            raise
         admitted, over, _ = self._learn(checks, counters, adjusted, counts)
         totals = tuple(count + own for count, own in zip(counts, held, strict=True))
         return Decision(admitted, over, totals, tuple(check.limit for check in checks))
@@ -262,7 +248,7 @@ class SyncLimiter:
         checks: Sequence[Check],
         counters: Sequence[WindowCounter],
         adjusted: Sequence[Check],
-        answer: asyncio.Future[list[int]],
+        counts: list[int],
     ) -> None:
         """The script ran after we answered from the failure mode: undo the double count.
 
@@ -271,41 +257,10 @@ class SyncLimiter:
         the failure mode admitted are counted once either way; hits it refused are not
         counted at all.
         """
-        if answer.cancelled() or answer.exception() is not None:
-            return
-        _, _, consume = self._learn(checks, counters, adjusted, answer.result())
+        _, _, consume = self._learn(checks, counters, adjusted, counts)
         for check, counter, spent in zip(checks, counters, consume, strict=True):
             if spent:
                 counter.pending -= check.hits
-        self.late_answers += 1
-
-    def _queue_escalation(self, escalation: Escalation) -> None:
-        """Queue for the next send; the first of an iteration schedules the send."""
-        self._escalations.append(escalation)
-        if len(self._escalations) == 1:
-            asyncio.get_running_loop().call_soon(self._send_escalations)
-
-    def _send_escalations(self) -> None:
-        batch, self._escalations = self._escalations, []
-        task = asyncio.get_running_loop().create_task(self._run_escalations(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _run_escalations(self, batch: list[Escalation]) -> None:
-        """One round trip for a batch of escalations; each answer wakes its request."""
-        try:
-            answers = await self.store.decide_batch(
-                [(item.keys, item.checks, item.expire_ats) for item in batch], self.admit_all
-            )
-        except RedisUnavailable as error:
-            for item in batch:
-                if not item.answer.done():
-                    item.answer.set_exception(error)
-                item.answer.exception()  # a late failure is expected: mark it retrieved
-            return
-        for item, counts in zip(batch, answers, strict=True):
-            if not item.answer.done():
-                item.answer.set_result(counts)
 
     def _decide_without_redis(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision:
         """Redis is unreachable: apply the failure mode; admitted hits stay pending."""
@@ -457,19 +412,20 @@ class SyncLimiter:
         """One flush round trip: send pending hits, read back totals of active counters."""
         async with self._flush_lock:
             self._expire(self.clock())
-            batch = self._prepare_flush()
+            batch = self._unacknowledged or self._prepare_flush()
             if not batch.sent and not batch.reads:
                 return
             adds = {key: (hits, counter.expire_at) for key, (counter, hits) in batch.sent.items()}
+            once = (self.replicas.replica_id, batch.sequence)
             try:
-                totals = await asyncio.wait_for(
-                    self.store.flush(adds, [counter.key for counter in batch.reads]), BACKGROUND_TIMEOUT
-                )
-            except (RedisUnavailable, TimeoutError):
-                for counter, hits in batch.sent.values():
-                    counter.inflight -= hits
-                    counter.pending += hits
+                totals = await self.store.flush(adds, [counter.key for counter in batch.reads], once=once)
+            except RedisUnavailable:
+                # The adds may or may not have landed: send exactly this batch again (same
+                # sequence number) until Redis acknowledges it; flush_once.lua makes the
+                # retry a no-op if the first attempt landed, so nothing is counted twice.
+                self._unacknowledged = batch
                 return
+            self._unacknowledged = None
             self._apply_flush(batch, totals)
 
     def _prepare_flush(self) -> FlushBatch:
@@ -484,7 +440,8 @@ class SyncLimiter:
             elif counter.touched:
                 reads.append(counter)
             counter.touched = False
-        return FlushBatch(sent, reads)
+        self._sequence += 1
+        return FlushBatch(sent, reads, self._sequence)
 
     @staticmethod
     def _apply_flush(batch: FlushBatch, totals: dict[str, int]) -> None:

@@ -30,6 +30,8 @@ class SimulatedStore:
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+        self.markers: dict[tuple[str, str], int] = {}
+        self.lose_next_flush_reply = False
         self.available = True
         self.round_trips_request_path = 0
         self.round_trips_background = 0
@@ -69,10 +71,24 @@ class SimulatedStore:
                     self.counts[key] = self.counts.get(key, 0) + check.hits
         return admitted, counts
 
-    async def flush(self, adds: Mapping[str, tuple[int, int]], reads: Sequence[str]) -> dict[str, int]:
+    async def flush(
+        self,
+        adds: Mapping[str, tuple[int, int]],
+        reads: Sequence[str],
+        *,
+        once: tuple[str, int] | None = None,
+    ) -> dict[str, int]:
+        """INCRBY each add once per (owner, sequence), as flush_once.lua does."""
         self._round_trip(False)
         for key, (hits, _) in adds.items():
-            self.counts[key] = self.counts.get(key, 0) + hits
+            marker = (key, once[0] if once else "")
+            if once is None or self.markers.get(marker, 0) < once[1]:
+                self.counts[key] = self.counts.get(key, 0) + hits
+                if once is not None:
+                    self.markers[marker] = once[1]
+        if self.lose_next_flush_reply:
+            self.lose_next_flush_reply = False
+            raise RedisUnavailable("reply lost after the flush landed")
         return {key: self.counts.get(key, 0) for key in [*adds, *reads]}
 
     def _round_trip(self, request_path: bool) -> None:
@@ -95,6 +111,7 @@ class FixedReplicas:
 
     def __init__(self, live: int) -> None:
         self.live = live
+        self.replica_id = f"replica-{id(self)}"
 
     async def start(self) -> None:
         """No heartbeats in a simulation."""
@@ -304,5 +321,23 @@ def test_late_escalation_answers_leave_every_admitted_hit_counted_exactly_once(m
         return admitted
 
     admitted = asyncio.run(scenario())
-    assert limiter.late_answers == 6
+    assert limiter.batcher.late_answers == 6
     assert only_counter(store) == admitted
+
+
+def test_a_flush_whose_reply_was_lost_is_retried_without_counting_twice() -> None:
+    store = SimulatedStore()
+    (limiter,) = cluster(1, store)
+
+    async def scenario() -> None:
+        for _ in range(4):
+            await limiter.check([check(100)], NOW)
+        store.lose_next_flush_reply = True
+        await limiter.sync_once()  # landed in Redis, but the replica never heard
+        assert only_counter(store) == 4
+        await limiter.check([check(100)], NOW)
+        await limiter.sync_once()  # the same batch again: a no-op in Redis
+        await limiter.sync_once()  # then the hit admitted since
+        assert only_counter(store) == 5
+
+    asyncio.run(scenario())
