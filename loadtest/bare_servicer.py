@@ -8,6 +8,18 @@ difference between this and the sidecar is therefore the cost of our own code
 
     python loadtest/bare_servicer.py --grpc-address 127.0.0.1:50051
 
+For calibration and for splitting the sidecar's cost under real gRPC load, the
+handler can instead do part of the sidecar's work (``--work``) or burn a fixed
+amount of CPU (``--spin-us``):
+
+- ``none``      constant response (the default; the baseline);
+- ``validate``  ``request_problem(request)``, then the constant response;
+- ``decide``    validate and ``RateLimitService.decide`` (match, limiter, build the
+                response), then return the *constant* response: the cost of our
+                logic without serializing the larger real response;
+- ``handler``   the real ``RateLimitService.ShouldRateLimit``: the sidecar's request
+                path in this minimal process (a control for ``sidecar serve``).
+
 Stops on SIGTERM or SIGINT, and by itself after ``--max-seconds`` (default one
 hour) so a forgotten process cannot outlive a benchmark for long.
 """
@@ -18,6 +30,7 @@ import argparse
 import asyncio
 import signal
 import sys
+import time
 from typing import Any
 
 import grpc
@@ -30,6 +43,7 @@ from sidecar.server import SERVER_OPTIONS
 from sidecar.service import SERVICE_NAME
 
 CONSTANT_RESPONSE = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
+WORKS = ("none", "validate", "decide", "handler")
 
 
 class BareRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
@@ -41,10 +55,64 @@ class BareRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: igno
         return CONSTANT_RESPONSE
 
 
-async def serve(address: str, max_seconds: float) -> None:
+class SpinningRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    """Calibration: burns ``spin`` seconds of CPU in the handler, then answers OK.
+
+    Shows what a known amount of handler time costs in throughput on this stack.
+    """
+
+    def __init__(self, spin: float) -> None:
+        self.spin = spin
+
+    async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Any:
+        deadline = time.perf_counter() + self.spin
+        while time.perf_counter() < deadline:
+            pass
+        return CONSTANT_RESPONSE
+
+
+class PartialRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    """Does the first steps of the sidecar's request path, answers the constant response."""
+
+    def __init__(self, work: str, config_path: str) -> None:
+        from sidecar.config import load_config
+        from sidecar.limiter.memory import MemoryLimiter
+        from sidecar.service import RateLimitService
+        from sidecar.validate import request_problem
+
+        self.work = work
+        self.validate = request_problem
+        self.service = RateLimitService(load_config(config_path), MemoryLimiter())
+
+    async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Any:
+        if self.validate(request) is None and self.work == "decide":
+            await self.service.decide(request)
+        return CONSTANT_RESPONSE
+
+
+def build_servicer(work: str, spin_us: float, config_path: str) -> Any:
+    """The servicer asked for on the command line."""
+    if spin_us > 0:
+        return SpinningRateLimitService(spin_us / 1e6)
+    if work == "none":
+        return BareRateLimitService()
+    if work == "handler":
+        from sidecar.config import load_config
+        from sidecar.limiter.memory import MemoryLimiter
+        from sidecar.service import RateLimitService
+
+        return RateLimitService(load_config(config_path), MemoryLimiter())
+    return PartialRateLimitService(work, config_path)
+
+
+async def serve(address: str, max_seconds: float, servicer: Any) -> None:
     """Serve on ``address`` until a signal or ``max_seconds``, then stop at once."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(BareRateLimitService(), server)
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -69,11 +137,20 @@ async def serve(address: str, max_seconds: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--grpc-address", default="127.0.0.1:50051", help="HOST:PORT to listen on")
     parser.add_argument("--max-seconds", type=float, default=3600.0, help="stop by itself after this long")
+    parser.add_argument("--work", choices=WORKS, default="none", help="part of the sidecar's work to do")
+    parser.add_argument("--config", default="examples/config", help="config for --work validate|decide|handler")
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        default=0.0,
+        help="calibration: burn this many microseconds of CPU per call instead (default 0: off)",
+    )
     arguments = parser.parse_args()
-    uvloop.run(serve(arguments.grpc_address, arguments.max_seconds))
+    servicer = build_servicer(arguments.work, arguments.spin_us, arguments.config)
+    uvloop.run(serve(arguments.grpc_address, arguments.max_seconds, servicer))
 
 
 if __name__ == "__main__":

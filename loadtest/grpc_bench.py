@@ -3,30 +3,44 @@
 Three subcommands, each bounded in time and request count and stopping by itself:
 
 ``run``
-    Drive a running server (``--target HOST:PORT``) with ``--concurrency`` calls in
-    flight for ``--duration`` seconds (and at most ``--max-requests``), from one or
-    more load-generator processes, and print requests/s, latency percentiles, errors
-    by gRPC status and OK / OVER_LIMIT counts.
+    Drive a running server (``--target HOST:PORT``, loopback only) with
+    ``--concurrency`` calls in flight for ``--duration`` seconds (and at most
+    ``--max-requests``), from one or more load-generator processes, and print
+    requests/s, latency percentiles, errors by gRPC status and OK / OVER_LIMIT counts.
+    ``--server-pid`` adds the server's CPU use; ``--rate`` offers a fixed load instead
+    of running flat out, to compare latencies at equal load.
 ``compare``
     Start a bare servicer (``loadtest/bare_servicer.py``: same stack, does nothing)
-    and the real sidecar with the example config, each on a free 127.0.0.1 port,
-    optionally pin servers and load generator to separate cores, run the same
-    request mix against each alternately for ``--rounds`` rounds and print medians
-    and the sidecar/bare ratios. Every child process is stopped at the end, also on
-    Ctrl-C or error.
+    and the real sidecar with the example config (memory backend), each on a free
+    127.0.0.1 port; pin both servers to one core and the load generator to the
+    others (on 2 cores: servers on cpu 0, generator on cpu 1; ``--no-pin`` to
+    disable); run the same request mix against each alternately for ``--rounds``
+    rounds and print medians, the sidecar/bare ratios and the goal verdict
+    (throughput ratio >= 0.85). ``--calibrate-us`` and ``--partial`` add bare
+    servicers that burn a known CPU time or do part of the sidecar's work, to split
+    its cost under real load. Every child process is stopped at the end, also on
+    Ctrl-C, SIGTERM or error.
 ``inproc``
-    Cost per call of ``RateLimitService.decide`` (and of the other steps of the
-    request path) in this process, without gRPC; ``--profile`` adds a cProfile table.
+    CPU cost per call of ``RateLimitService.decide`` and of the other steps of the
+    request path, in this process, without gRPC; ``--profile N`` adds a cProfile table.
 
 Examples::
 
     python loadtest/grpc_bench.py compare --duration 5 --concurrency 32 --rounds 3
     python loadtest/grpc_bench.py run --target 127.0.0.1:8081 --duration 10 --pattern mixed
-    python loadtest/grpc_bench.py inproc --pattern mixed --calls 200000
+    python loadtest/grpc_bench.py inproc --pattern mixed --calls 100000
 
-Throughput on a small machine is noisy; compare ratios from one ``compare`` run,
-not absolute figures from different runs. Each report ends with the exact command
-line that reproduces it, the core count and the Python / grpcio versions.
+Reading the figures. Each run reports the server's CPU per call ("srv us/call"),
+the generator's CPU ("gen cpu", in cores) and what everything else on the machine
+used meanwhile ("other cpu"). When "srv cpu" is near 1.0 and "gen cpu" well below
+its cores, the server is the bottleneck, as it should be. On a shared, small
+machine other load comes and goes: ``compare`` waits for a quiet second before
+each run and redoes runs disturbed by other load (``--quiet-*``,
+``--redo-disturbed``), flags what remains, and also gives the throughput ratio
+implied by server CPU per call, which other load disturbs least. Compare ratios
+from one ``compare`` run, not absolute figures from different runs. Every report
+starts with the exact command line that reproduces it, the core count and the
+Python / grpcio / protobuf / uvloop versions.
 """
 
 from __future__ import annotations
@@ -35,6 +49,8 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import functools
+import importlib.metadata
 import json
 import math
 import multiprocessing
@@ -201,6 +217,8 @@ class WorkerSpec:
     timeout: float
     budget: int
     cpus: tuple[int, ...] | None
+    interval: float
+    """Seconds between two calls of one lane (concurrency / --rate); 0 for closed loop."""
 
 
 @dataclass
@@ -232,13 +250,26 @@ async def _lane(
     measure_start: float,
     end: float,
     timeout: float,
+    interval: float,
+    first_slot: float,
 ) -> None:
-    """One in-flight call at a time, back to back, until ``end`` or the budget is spent."""
+    """One in-flight call at a time until ``end`` or the budget is spent.
+
+    Back to back when ``interval`` is 0 (closed loop: the server sets the pace);
+    otherwise one call every ``interval`` seconds at most, starting at ``first_slot``
+    (a slot missed because the previous call was slow is skipped, not made up).
+    """
     perf = time.perf_counter
     size = len(pool)
     latencies = tally.latencies
     codes = tally.codes
+    slot = first_slot
     while tally.remaining > 0:
+        if interval:
+            now = perf()
+            if slot > now:
+                await asyncio.sleep(slot - now)
+            slot = max(slot + interval, now)
         started = perf()
         if started >= end:
             return
@@ -287,6 +318,7 @@ async def _drive(spec: WorkerSpec, conn: multiprocessing.connection.Connection) 
         await asyncio.sleep(max(0.0, go_wall - time.time()))
         tally = Tally(remaining=spec.budget)
         step = max(1, len(pool) // spec.lanes)
+        start = time.perf_counter()
         await asyncio.gather(
             *(
                 _lane(
@@ -297,6 +329,8 @@ async def _drive(spec: WorkerSpec, conn: multiprocessing.connection.Connection) 
                     measure_start=measure_start,
                     end=end,
                     timeout=spec.timeout,
+                    interval=spec.interval,
+                    first_slot=start + spec.interval * random.random(),
                 )
                 for lane in range(spec.lanes)
             )
@@ -360,7 +394,11 @@ class RunResult:
     server_cpu: float | None
     """Server CPU in cores, when its pid is known."""
     server_us_per_call: float | None
-    """Server CPU time per answered call: the least noisy cost figure."""
+    """Server CPU time per call: the least noisy cost figure."""
+    other_cpu: float
+    """CPU used by anything else on the machine during the window, in cores."""
+    server_cores_busy: float | None
+    """Busy share of the server's pinned cores, whoever used them."""
 
 
 def percentile(ordered: Sequence[float], fraction: float) -> float:
@@ -381,10 +419,6 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_total(pids: Sequence[int]) -> float:
-    return sum(cpu_seconds(pid) or 0.0 for pid in pids)
-
-
 @dataclass(frozen=True)
 class LoadOptions:
     """The load shape shared by ``run`` and ``compare``."""
@@ -399,6 +433,7 @@ class LoadOptions:
     pool_size: int
     timeout: float
     seed: int
+    rate: float
 
 
 def split(total: int, parts: int) -> list[int]:
@@ -414,6 +449,7 @@ def run_load(
     run_seed: int,
     client_cpus: tuple[int, ...] | None,
     server_pid: int | None,
+    server_cpus: tuple[int, ...] | None = None,
 ) -> RunResult:
     """One measured run: start the workers, go, collect, and always stop them."""
     context = multiprocessing.get_context("spawn")
@@ -434,6 +470,7 @@ def run_load(
                 timeout=load.timeout,
                 budget=budget,
                 cpus=client_cpus,
+                interval=load.concurrency / load.rate if load.rate else 0.0,
             )
             parent_end, child_end = context.Pipe()
             process = context.Process(target=worker_main, args=(spec, child_end), daemon=True)
@@ -442,7 +479,7 @@ def run_load(
             workers.append((process, parent_end))
         for _, conn in workers:
             _expect(conn, "ready", 60.0)
-        return _measure(label, load, workers, server_pid)
+        return _measure(label, load, workers, server_pid, server_cpus)
     finally:
         for process, conn in workers:
             with contextlib.suppress(OSError):
@@ -468,11 +505,75 @@ def _sleep_until(wall: float) -> None:
     time.sleep(max(0.0, wall - time.time()))
 
 
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds used so far by the load generator, the server and each core."""
+
+    at: float
+    client: float
+    server: float | None
+    cores: dict[int, float]
+
+
+def core_busy_seconds() -> dict[int, float]:
+    """Busy (not idle, not iowait) seconds of each core since boot, from /proc/stat."""
+    tick = os.sysconf("SC_CLK_TCK")
+    busy: dict[int, float] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *values = line.split()
+            if name.startswith("cpu") and name[3:].isdigit():
+                ticks = [int(value) for value in values]
+                busy[int(name[3:])] = (sum(ticks[:8]) - ticks[3] - ticks[4]) / tick
+    return busy
+
+
+def cpu_sample(worker_pids: Sequence[int], server_pid: int | None) -> CpuSample:
+    return CpuSample(
+        at=time.time(),
+        client=sum(cpu_seconds(pid) or 0.0 for pid in worker_pids),
+        server=cpu_seconds(server_pid) if server_pid else None,
+        cores=core_busy_seconds(),
+    )
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """CPU over the measured window, in cores (1.0 = one core busy all the time)."""
+
+    client: float
+    server: float | None
+    server_seconds: float | None
+    other: float
+    """Everything else on the machine: other processes, loopback TCP in softirq, steal."""
+    server_cores_busy: float | None
+    """How busy the server's own cores were, whoever used them (pinned runs only)."""
+
+
+def cpu_use(before: CpuSample, after: CpuSample, server_cpus: tuple[int, ...] | None) -> CpuUse:
+    window = max(1e-9, after.at - before.at)
+    client = (after.client - before.client) / window
+    server_seconds = None if after.server is None or before.server is None else after.server - before.server
+    server = None if server_seconds is None else server_seconds / window
+    total = sum(after.cores.get(cpu, 0.0) - busy for cpu, busy in before.cores.items()) / window
+    cores_busy = None
+    if server_cpus is not None:
+        cores_busy = sum(after.cores.get(cpu, 0.0) - before.cores.get(cpu, 0.0) for cpu in server_cpus) / window
+    return CpuUse(
+        client=client,
+        server=server,
+        server_seconds=server_seconds,
+        other=max(0.0, total - client - (server or 0.0)),
+        server_cores_busy=cores_busy,
+    )
+
+
 def _measure(
     label: str,
     load: LoadOptions,
     workers: Sequence[tuple[Any, multiprocessing.connection.Connection]],
     server_pid: int | None,
+    server_cpus: tuple[int, ...] | None,
 ) -> RunResult:
     go = time.time() + 0.05
     measure_start = go + load.warmup
@@ -481,40 +582,29 @@ def _measure(
         conn.send(("go", go, measure_start, end))
     worker_pids = [process.pid for process, _ in workers]
     _sleep_until(measure_start)
-    client_before = _cpu_total(worker_pids)
-    server_before = cpu_seconds(server_pid) if server_pid else None
+    before = cpu_sample(worker_pids, server_pid)
     # Sample CPU at the end of the window, or earlier if every worker spent its budget.
     pending = [conn for _, conn in workers]
     results: list[dict[str, Any]] = []
-    sampled_at: float | None = None
-    client_after = server_after = None
+    after: CpuSample | None = None
     deadline = end + load.timeout + 15
     while pending:
         now = time.time()
-        if sampled_at is None and now >= end:
-            sampled_at, client_after = now, _cpu_total(worker_pids)
-            server_after = cpu_seconds(server_pid) if server_pid else None
+        if after is None and now >= end:
+            after = cpu_sample(worker_pids, server_pid)
         if now >= deadline:
             raise RuntimeError("load generator did not report in time")
-        wait_for = (end if sampled_at is None else deadline) - now
-        for conn in multiprocessing.connection.wait(pending, timeout=max(0.0, wait_for)):
-            results.append(_expect(conn, "result", 1.0))  # type: ignore[arg-type]
-            pending.remove(conn)  # type: ignore[arg-type]
-    if sampled_at is None:
-        sampled_at, client_after = time.time(), _cpu_total(worker_pids)
-        server_after = cpu_seconds(server_pid) if server_pid else None
-    window = max(1e-9, min(sampled_at, end) - measure_start)
-    return summarize(
-        label,
-        results,
-        client_cpu=((client_after or 0.0) - client_before) / window,
-        server_cpu=(
-            (server_after - server_before) / window if server_after is not None and server_before is not None else None
-        ),
-    )
+        wait_for = (end if after is None else deadline) - now
+        for ready in multiprocessing.connection.wait(pending, timeout=max(0.0, wait_for)):
+            done = pending[pending.index(ready)]  # type: ignore[arg-type]
+            results.append(_expect(done, "result", 1.0))
+            pending.remove(done)
+    if after is None:
+        after = cpu_sample(worker_pids, server_pid)
+    return summarize(label, results, cpu_use(before, after, server_cpus))
 
 
-def summarize(label: str, results: Sequence[dict[str, Any]], client_cpu: float, server_cpu: float | None) -> RunResult:
+def summarize(label: str, results: Sequence[dict[str, Any]], cpu: CpuUse) -> RunResult:
     """Merge the workers' tallies into one :class:`RunResult`."""
     latencies = array("d")
     codes: dict[int, int] = {}
@@ -530,7 +620,6 @@ def summarize(label: str, results: Sequence[dict[str, Any]], client_cpu: float, 
     ordered = sorted(latencies)
     requests = len(ordered) + sum(errors.values())
     rps = requests / elapsed if elapsed else 0.0
-    answered = len(ordered)
     return RunResult(
         label=label,
         requests=requests,
@@ -544,11 +633,13 @@ def summarize(label: str, results: Sequence[dict[str, Any]], client_cpu: float, 
         over_limit=codes.get(2, 0),
         other_codes={CODE_NAMES.get(code, str(code)): n for code, n in codes.items() if code not in (1, 2)},
         errors=errors,
-        client_cpu=round(client_cpu, 3),
-        server_cpu=None if server_cpu is None else round(server_cpu, 3),
+        client_cpu=round(cpu.client, 3),
+        server_cpu=None if cpu.server is None else round(cpu.server, 3),
         server_us_per_call=(
-            round(server_cpu * elapsed / answered * 1e6, 1) if server_cpu is not None and answered else None
+            round(cpu.server_seconds / requests * 1e6, 1) if cpu.server_seconds is not None and requests else None
         ),
+        other_cpu=round(cpu.other, 3),
+        server_cores_busy=None if cpu.server_cores_busy is None else round(cpu.server_cores_busy, 3),
     )
 
 
@@ -580,8 +671,15 @@ def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
 class ServerProcess:
     """A server child on a free loopback port, its log in a temporary file."""
 
-    def __init__(self, label: str, argv: Sequence[str], cpus: tuple[int, ...] | None) -> None:
+    def __init__(
+        self,
+        label: str,
+        argv: Sequence[str],
+        cpus: tuple[int, ...] | None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.label = label
+        self.env = {**os.environ, **(env or {})}
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.argv = [*argv, "--grpc-address", self.address]
@@ -598,6 +696,7 @@ class ServerProcess:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
+            env=self.env,
             start_new_session=True,  # Ctrl-C reaches us only; we stop the servers ourselves
             preexec_fn=_child_setup(self.cpus),  # noqa: PLW1509 - no threads exist yet
         )
@@ -660,10 +759,28 @@ class ServerProcess:
 # ---------------------------------------------------------------------------------
 
 
+def code_version() -> str:
+    """Commit of the checkout, and whether sidecar/ has uncommitted changes: what was measured."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "sidecar"],
+            check=False,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{commit} + uncommitted changes in sidecar/" if dirty else commit
+
+
 def environment(client_cpus: Any = None, server_cpus: Any = None) -> dict[str, Any]:
     """What the figures depend on: cores, CPU model, versions, pinning, load average."""
     import google.protobuf
-    import uvloop
     from google.protobuf.internal import api_implementation
 
     model = ""
@@ -680,9 +797,10 @@ def environment(client_cpus: Any = None, server_cpus: Any = None) -> dict[str, A
         "python": platform.python_version(),
         "grpcio": grpc.__version__,
         "protobuf": f"{google.protobuf.__version__} ({api_implementation.Type()})",
-        "uvloop": uvloop.__version__,
+        "uvloop": importlib.metadata.version("uvloop"),
         "server_cpus": server_cpus,
         "client_cpus": client_cpus,
+        "code": code_version(),
     }
 
 
@@ -708,7 +826,7 @@ def print_header(arguments: argparse.Namespace, env: dict[str, Any]) -> None:
         f"Python {env['python']}, grpcio {env['grpcio']}, protobuf {env['protobuf']}, "
         f"uvloop {env['uvloop']}"
     )
-    print(f"pinning: server cpus {env['server_cpus']}, load generator cpus {env['client_cpus']}")
+    print(f"pinning: server cpus {env['server_cpus']}, load generator cpus {env['client_cpus']}; code {env['code']}")
 
 
 COLUMNS = (
@@ -724,6 +842,7 @@ COLUMNS = (
     ("srv cpu", 7, "server_cpu"),
     ("srv us/call", 11, "server_us_per_call"),
     ("gen cpu", 7, "client_cpu"),
+    ("other cpu", 9, "other_cpu"),
 )
 
 
@@ -797,6 +916,7 @@ def load_options(arguments: argparse.Namespace) -> LoadOptions:
         pool_size=arguments.pool_size,
         timeout=arguments.timeout,
         seed=arguments.seed,
+        rate=arguments.rate,
     )
 
 
@@ -827,9 +947,9 @@ def cmd_run(arguments: argparse.Namespace) -> int:
 
 def medians(results: Sequence[RunResult]) -> dict[str, Any]:
     """Median of every numeric figure across rounds; counts summed."""
-    keys = ("rps", "p50_ms", "p90_ms", "p99_ms", "max_ms", "client_cpu")
+    keys = ("rps", "p50_ms", "p90_ms", "p99_ms", "max_ms", "client_cpu", "other_cpu")
     row: dict[str, Any] = {key: statistics.median(getattr(r, key) for r in results) for key in keys}
-    for key in ("server_cpu", "server_us_per_call"):
+    for key in ("server_cpu", "server_us_per_call", "server_cores_busy"):
         values = [getattr(r, key) for r in results if getattr(r, key) is not None]
         row[key] = statistics.median(values) if values else None
     row["ok"] = sum(r.ok for r in results)
@@ -866,71 +986,203 @@ def config_path(text: str) -> str:
     return str(path.resolve() if path.exists() else REPO / path)
 
 
+def compare_servers(arguments: argparse.Namespace, server_cpus: tuple[int, ...] | None) -> list[ServerProcess]:
+    """The bare servicer, the sidecar, and any calibration servicers (``--calibrate-us``)."""
+    bare_argv = [sys.executable, str(HERE / "bare_servicer.py"), "--max-seconds", "3600"]
+    servers = [ServerProcess("bare", bare_argv, server_cpus)]
+    # Only the flags the sidecar has always had; log level, format and drain time go
+    # through RLS_* variables, which a sidecar without those settings ignores.
+    servers.append(
+        ServerProcess(
+            "sidecar",
+            [sys.executable, "-m", "sidecar", "serve", "--config", config_path(arguments.config)],
+            server_cpus,
+            env={"RLS_LOG_LEVEL": "warning", "RLS_LOG_FORMAT": "json", "RLS_SHUTDOWN_GRACE": "1"},
+        )
+    )
+    for spin in parse_numbers(arguments.calibrate_us):
+        servers.append(ServerProcess(f"spin{spin:g}", [*bare_argv, "--spin-us", f"{spin:g}"], server_cpus))
+    for work in arguments.partial.split(",") if arguments.partial else []:
+        argv = [*bare_argv, "--work", work, "--config", config_path(arguments.config)]
+        servers.append(ServerProcess(f"b-{work}", argv, server_cpus))
+    return servers
+
+
+def machine_busy(seconds: float) -> float:
+    """Cores busy over the next ``seconds`` (all processes, softirq and steal included)."""
+    before = core_busy_seconds()
+    time.sleep(seconds)
+    after = core_busy_seconds()
+    return sum(after.get(cpu, 0.0) - busy for cpu, busy in before.items()) / seconds
+
+
+def wait_for_quiet(threshold: float, patience: float) -> float:
+    """Wait (at most ``patience`` s) for a second in which the machine uses < ``threshold`` cores.
+
+    Other sessions on a shared machine come and go; starting runs in a quiet second
+    removes much of the noise. Returns the last busy figure measured.
+    """
+    deadline = time.monotonic() + patience
+    busy = machine_busy(1.0)
+    while busy >= threshold and time.monotonic() < deadline:
+        busy = machine_busy(1.0)
+    return busy
+
+
+def parse_numbers(text: str | None) -> list[float]:
+    return [float(part) for part in text.split(",") if part.strip()] if text else []
+
+
+def measured_run(
+    arguments: argparse.Namespace,
+    server: ServerProcess,
+    run_index: int,
+    pinning: tuple[tuple[int, ...] | None, tuple[int, ...] | None],
+) -> RunResult:
+    """One run, redone (up to ``--redo-disturbed`` times) if other load disturbed it.
+
+    Keeps the least disturbed attempt. A run counts as disturbed when everything
+    else on the machine used more than ``--quiet-threshold`` cores during it.
+    """
+    server_cpus, client_cpus = pinning
+    best: RunResult | None = None
+    for attempt in range(1 + arguments.redo_disturbed):
+        if arguments.quiet_wait > 0:
+            busy = wait_for_quiet(arguments.quiet_threshold, arguments.quiet_wait)
+            if busy >= arguments.quiet_threshold:
+                print(f"         machine not quiet ({busy:.2f} cores busy before the run); running anyway")
+        result = run_load(
+            server.label,
+            server.address,
+            load_options(arguments),
+            run_seed=arguments.seed + run_index * 100 + attempt,
+            client_cpus=client_cpus,
+            server_pid=server.pid,
+            server_cpus=server_cpus,
+        )
+        if best is None or result.other_cpu < best.other_cpu:
+            best = result
+        if result.other_cpu <= arguments.quiet_threshold:
+            break
+        if attempt < arguments.redo_disturbed:
+            print(f"         {server.label}: other load used {result.other_cpu:.2f} cores during the run; redoing it")
+    assert best is not None
+    return best
+
+
+def run_rounds(
+    arguments: argparse.Namespace,
+    servers: Sequence[ServerProcess],
+    pinning: tuple[tuple[int, ...] | None, tuple[int, ...] | None],
+) -> dict[str, list[RunResult]]:
+    """Every server once per round, the order alternating so that drift hits all alike."""
+    results: dict[str, list[RunResult]] = {server.label: [] for server in servers}
+    run_index = 0
+    for round_index in range(arguments.rounds):
+        for server in servers if round_index % 2 == 0 else servers[::-1]:
+            run_index += 1
+            result = measured_run(arguments, server, run_index, pinning)
+            results[server.label].append(result)
+            print(table([asdict(result)]).splitlines()[1] + f"   round {round_index + 1}")
+            if result.errors or result.other_codes:
+                print(f"         {describe_errors(result)}")
+    return results
+
+
 def cmd_compare(arguments: argparse.Namespace) -> int:
     server_cpus, client_cpus = default_pinning(arguments)
     env = environment(client_cpus=client_cpus, server_cpus=server_cpus)
     print_header(arguments, env)
     if client_cpus is not None:
-        os.sched_setaffinity(0, client_cpus)  # this process only waits, but keep it off the server
-    load = load_options(arguments)
-    bare = ServerProcess("bare", [sys.executable, str(HERE / "bare_servicer.py"), "--max-seconds", "3600"], server_cpus)
-    sidecar = ServerProcess(
-        "sidecar",
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "serve",
-            "--config",
-            config_path(arguments.config),
-            "--log-format",
-            "json",
-            "--log-level",
-            "warning",
-            "--shutdown-grace",
-            "1",
-        ],
-        server_cpus,
-    )
-    servers = [bare, sidecar]
-    results: dict[str, list[RunResult]] = {"bare": [], "sidecar": []}
+        os.sched_setaffinity(0, client_cpus)  # this process mostly waits; keep it off the server
+    servers = compare_servers(arguments, server_cpus)
     failed = True
     try:
         for server in servers:
             server.start()
         for server in servers:
             server.wait_ready()
-        print(
-            f"servers: bare pid {bare.pid} on {bare.address}, sidecar pid {sidecar.pid} on "
-            f"{sidecar.address} (config {arguments.config})"
-        )
+        for server in servers:
+            print(f"server {server.label}: pid {server.pid} on {server.address}")
+        print(f"sidecar config: {arguments.config}")
         print(table([]))
-        run_index = 0
-        for round_index in range(arguments.rounds):
-            order = servers if round_index % 2 == 0 else servers[::-1]
-            for server in order:
-                run_index += 1
-                result = run_load(
-                    server.label,
-                    server.address,
-                    load,
-                    run_seed=arguments.seed + run_index,
-                    client_cpus=client_cpus,
-                    server_pid=server.pid,
-                )
-                results[server.label].append(result)
-                print(table([asdict(result)]).splitlines()[1] + f"   round {round_index + 1}")
-                if result.errors or result.other_codes:
-                    print(f"         {describe_errors(result)}")
+        results = run_rounds(arguments, servers, (server_cpus, client_cpus))
         failed = False
+    except KeyboardInterrupt:
+        failed = False  # nothing to debug: drop the logs
+        raise
     finally:
         for server in servers:
             server.stop()
-            if not failed:
-                server.discard_log()
-            else:
+            if failed:
                 print(f"{server.label} log kept: {server.log.name}", file=sys.stderr)
+            else:
+                server.discard_log()
     return report_compare(arguments, env, results, len(client_cpus or os.sched_getaffinity(0)))
+
+
+def ratios_to_bare(runs: Sequence[RunResult], bare_runs: Sequence[RunResult]) -> dict[str, float | None]:
+    """Ratios of medians, and the median of the per-round (paired) throughput ratios."""
+    row, bare = medians(runs), medians(bare_runs)
+    paired = [r.rps / b.rps for r, b in zip(runs, bare_runs, strict=True) if b.rps]
+    return {
+        "throughput": _ratio(row["rps"], bare["rps"]),
+        "throughput_paired_median": round(statistics.median(paired), 3) if paired else None,
+        "p50": _ratio(row["p50_ms"], bare["p50_ms"]),
+        "p99": _ratio(row["p99_ms"], bare["p99_ms"]),
+        "server_us_per_call": _ratio(row["server_us_per_call"], bare["server_us_per_call"]),
+        # When the server's core is the bottleneck, throughput is 1 / (CPU per call):
+        # this estimate holds up even when other load steals some of that core.
+        "throughput_from_cpu": _ratio(bare["server_us_per_call"], row["server_us_per_call"]),
+        "server_us_per_call_added": (
+            round(row["server_us_per_call"] - bare["server_us_per_call"], 1)
+            if row["server_us_per_call"] and bare["server_us_per_call"]
+            else None
+        ),
+    }
+
+
+def machine_notes(results: dict[str, list[RunResult]], client_cores: int, threshold: float) -> list[str]:
+    """Warnings that make figures suspect: a saturated generator, other load during runs."""
+    notes = []
+    for runs in results.values():
+        for result in runs:
+            note = saturation_note(result, client_cores)
+            if note:
+                notes.append(f"{result.label}: {note}")
+                break
+    every = [run for runs in results.values() for run in runs]
+    disturbed = [run for run in every if run.other_cpu > threshold]
+    if disturbed:
+        worst = max(disturbed, key=lambda run: run.other_cpu)
+        notes.append(
+            f"warning: {len(disturbed)} of {len(every)} runs were disturbed by other load (> {threshold:g} cores; "
+            f"worst {worst.other_cpu:.2f}): their figures (throughput most) are less reliable; "
+            "server CPU per call is the steadier figure. Rerun when the machine is quiet."
+        )
+    return notes
+
+
+def describe_ratio(label: str, ratio: dict[str, Any], arguments: argparse.Namespace, *, unreliable: bool) -> str:
+    """One line of ratios to the bare servicer, with the verdict on the goal for the sidecar."""
+    verdict = ""
+    if label == "sidecar" and arguments.rate:
+        verdict = f" (offered {arguments.rate:g}/s to both: compare latencies, not throughput)"
+    elif label == "sidecar" and unreliable:
+        verdict = " (UNRELIABLE: most runs disturbed by other load; see the CPU-based estimate)"
+    elif label == "sidecar":
+        ok = ratio["throughput"] is not None and ratio["throughput"] >= GOAL_RATIO
+        verdict = f" ({'meets' if ok else 'BELOW'} goal >= {GOAL_RATIO})"
+    line = (
+        f"{label}/bare: throughput {ratio['throughput']}{verdict}; per-round paired median "
+        f"{ratio['throughput_paired_median']}; p50 {ratio['p50']}, p99 {ratio['p99']}"
+    )
+    if ratio["server_us_per_call_added"] is not None:
+        line += (
+            f"; server CPU per call {ratio['server_us_per_call']} ({ratio['server_us_per_call_added']:+} us), "
+            f"so a server-bound throughput ratio of {ratio['throughput_from_cpu']}"
+        )
+    return line
 
 
 def report_compare(
@@ -940,36 +1192,19 @@ def report_compare(
     client_cores: int,
 ) -> int:
     rows = {label: medians(runs) | {"label": label} for label, runs in results.items()}
-    bare, sidecar = rows["bare"], rows["sidecar"]
-    ratios = {
-        "throughput": _ratio(sidecar["rps"], bare["rps"]),
-        "p50": _ratio(sidecar["p50_ms"], bare["p50_ms"]),
-        "p99": _ratio(sidecar["p99_ms"], bare["p99_ms"]),
-        "server_us_per_call": _ratio(sidecar["server_us_per_call"], bare["server_us_per_call"]),
-    }
+    ratios = {label: ratios_to_bare(runs, results["bare"]) for label, runs in results.items() if label != "bare"}
     print()
     print(
         f"medians over {arguments.rounds} rounds ({arguments.duration:g} s each, "
         f"concurrency {arguments.concurrency}, pattern {arguments.pattern}; OK/OVER summed):"
     )
-    print(table([bare, sidecar]))
-    extra = (
-        f"{sidecar['server_us_per_call'] - bare['server_us_per_call']:.1f} us"
-        if sidecar["server_us_per_call"] and bare["server_us_per_call"]
-        else "-"
-    )
-    verdict = "meets" if ratios["throughput"] and ratios["throughput"] >= GOAL_RATIO else "BELOW"
-    print(
-        f"sidecar/bare: throughput {ratios['throughput']} ({verdict} goal >= {GOAL_RATIO}), "
-        f"p50 {ratios['p50']}, p99 {ratios['p99']}, "
-        f"server CPU per call {ratios['server_us_per_call']} (+{extra} per call)"
-    )
-    for runs in results.values():
-        for result in runs:
-            note = saturation_note(result, client_cores)
-            if note:
-                print(f"{result.label}: {note}")
-                break
+    print(table(list(rows.values())))
+    every = [run for runs in results.values() for run in runs]
+    disturbed = sum(1 for run in every if run.other_cpu > arguments.quiet_threshold)
+    for label, ratio in ratios.items():
+        print(describe_ratio(label, ratio, arguments, unreliable=disturbed * 2 > len(every)))
+    for note in machine_notes(results, client_cores, arguments.quiet_threshold):
+        print(note)
     print(f"reproduce: {command_line(arguments)}")
     if arguments.json:
         write_json(
@@ -979,18 +1214,87 @@ def report_compare(
                 "environment": env,
                 "runs": {label: [asdict(r) for r in runs] for label, runs in results.items()},
                 "medians": rows,
-                "ratios_sidecar_over_bare": ratios,
+                "ratios_to_bare": ratios,
             },
         )
     return 0
 
 
 def per_call(function: Callable[[Any], Any], items: Sequence[Any]) -> float:
-    """Microseconds per call of ``function`` over ``items`` (loop overhead included)."""
-    started = time.perf_counter()
+    """CPU microseconds per call of ``function`` over ``items`` (loop overhead included).
+
+    Process CPU time, not wall time, so other load on the machine does not inflate it.
+    """
+    started = time.process_time()
     for item in items:
         function(item)
-    return (time.perf_counter() - started) / len(items) * 1e6
+    return (time.process_time() - started) / len(items) * 1e6
+
+
+async def per_await(function: Callable[[Any], Any], items: Sequence[Any]) -> float:
+    """CPU microseconds per ``await function(item)`` over ``items``."""
+    started = time.process_time()
+    for item in items:
+        await function(item)
+    return (time.process_time() - started) / len(items) * 1e6
+
+
+class AbortingContext:
+    """Enough of a ``ServicerContext`` for the handler: aborting is a bug here."""
+
+    async def abort(self, code: Any, details: str) -> None:
+        raise RuntimeError(f"abort {code}: {details}")
+
+
+async def measure_inproc(config: Any, requests: Sequence[Any], repeat: int) -> dict[str, float]:
+    """Median over ``repeat`` passes of each step's cost, each pass on a fresh limiter."""
+    from sidecar.limiter.memory import MemoryLimiter
+    from sidecar.service import RateLimitService
+    from sidecar.validate import request_problem
+
+    payloads = [request.SerializeToString() for request in requests]
+    context = AbortingContext()
+    samples: dict[str, list[float]] = {}
+    responses: list[Any] = []
+    for _ in range(repeat + 1):  # the first pass warms up and is dropped
+        service = RateLimitService(config, MemoryLimiter())
+        responses = [await service.decide(request) for request in requests]
+        figures = {
+            "parse request (FromString)": per_call(rls_pb2.RateLimitRequest.FromString, payloads),
+            "validate (request_problem)": per_call(request_problem, requests),
+            "decide (match + limiter + response)": await per_await(
+                RateLimitService(config, MemoryLimiter()).decide, requests
+            ),
+            "serialize response": per_call(rls_pb2.RateLimitResponse.SerializeToString, responses),
+            "ShouldRateLimit handler (validate + decide)": await per_await(
+                functools.partial(RateLimitService(config, MemoryLimiter()).ShouldRateLimit, context=context),
+                requests,
+            ),
+        }
+        for name, value in figures.items():
+            samples.setdefault(name, []).append(value)
+    result = {name: statistics.median(values[1:]) for name, values in samples.items()}
+    over = sum(1 for r in responses if r.overall_code == rls_pb2.RateLimitResponse.OVER_LIMIT)
+    result["share OVER_LIMIT"] = over / len(requests)
+    return result
+
+
+async def profile_inproc(config: Any, requests: Sequence[Any], top: int) -> None:
+    """cProfile of the handler over ``requests``, the ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    from sidecar.limiter.memory import MemoryLimiter
+    from sidecar.service import RateLimitService
+
+    service = RateLimitService(config, MemoryLimiter())
+    context = AbortingContext()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for request in requests:
+        await service.ShouldRateLimit(request, context)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 def cmd_inproc(arguments: argparse.Namespace) -> int:
@@ -998,65 +1302,24 @@ def cmd_inproc(arguments: argparse.Namespace) -> int:
     import uvloop
 
     from sidecar.config import load_config
-    from sidecar.limiter.memory import MemoryLimiter
-    from sidecar.service import RateLimitService
-    from sidecar.validate import request_problem
 
     env = environment()
     print_header(arguments, env)
     config = load_config(config_path(arguments.config))
     pool = request_pool(arguments.pattern, arguments.pool_size, arguments.seed, "inproc")
-    wire = [request.SerializeToString() for request in pool]
-    calls = arguments.calls
-    requests = [pool[i % len(pool)] for i in range(calls)]
-    payloads = [wire[i % len(wire)] for i in range(calls)]
-    parse = rls_pb2.RateLimitRequest.FromString
-    serialize = rls_pb2.RateLimitResponse.SerializeToString
-
-    class Context:
-        async def abort(self, code: Any, details: str) -> None:
-            raise RuntimeError(f"abort {code}: {details}")
-
-    async def measure() -> dict[str, float]:
-        service = RateLimitService(config, MemoryLimiter())
-        for request in requests[: min(calls, 2000)]:  # warm caches and windows
-            await service.decide(request)
-        service = RateLimitService(config, MemoryLimiter())
-        figures: dict[str, float] = {}
-        figures["parse request"] = per_call(parse, payloads)
-        figures["validate (request_problem)"] = per_call(request_problem, requests)
-        started = time.perf_counter()
-        responses = [await service.decide(request) for request in requests]
-        figures["decide (match + limiter + response)"] = (time.perf_counter() - started) / calls * 1e6
-        figures["serialize response"] = per_call(serialize, responses)
-        service = RateLimitService(config, MemoryLimiter())
-        context = Context()
-        started = time.perf_counter()
-        for request in requests:
-            await service.ShouldRateLimit(request, context)
-        figures["ShouldRateLimit handler (validate + decide)"] = (time.perf_counter() - started) / calls * 1e6
-        over = sum(1 for r in responses if r.overall_code == rls_pb2.RateLimitResponse.OVER_LIMIT)
-        figures["share OVER_LIMIT"] = over / calls
-        if arguments.profile:
-            import cProfile
-            import pstats
-
-            service = RateLimitService(config, MemoryLimiter())
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for request in requests:
-                await service.ShouldRateLimit(request, context)
-            profiler.disable()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(arguments.profile)
-        return figures
-
-    figures = uvloop.run(measure())
-    print(f"{calls} calls, pattern {arguments.pattern}, pool of {len(pool)} distinct requests:")
+    requests = [pool[i % len(pool)] for i in range(arguments.calls)]
+    figures = uvloop.run(measure_inproc(config, requests, arguments.repeat))
+    print(
+        f"{arguments.calls} calls x {arguments.repeat} passes (median), pattern {arguments.pattern}, "
+        f"{len(pool)} distinct requests:"
+    )
     for name, value in figures.items():
         if name.startswith("share"):
             print(f"  {name:45} {value:.1%}")
         else:
             print(f"  {name:45} {value:7.2f} us/call")
+    if arguments.profile:
+        uvloop.run(profile_inproc(config, requests, arguments.profile))
     print(f"reproduce: {command_line(arguments)}")
     if arguments.json:
         write_json(
@@ -1087,6 +1350,12 @@ def _duration(text: str) -> float:
 
 def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=_positive_int, default=32, help="calls in flight")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="offered load in calls/s over all lanes, for latency at a fixed load (default 0: as fast as possible)",
+    )
     parser.add_argument("--duration", type=_duration, default=5.0, help="measured seconds per run (default 5)")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each run (default 1)")
     parser.add_argument(
@@ -1139,12 +1408,41 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--config", default=str(DEFAULT_CONFIG.relative_to(REPO)), help="sidecar config")
     compare.add_argument("--server-cpus", help="pin both servers to these cpus (default: the first usable cpu)")
     compare.add_argument("--no-pin", action="store_true", help="do not pin anything")
+    compare.add_argument(
+        "--calibrate-us",
+        metavar="US[,US...]",
+        help="also run bare servicers that burn this many us of CPU per call, e.g. 25,50",
+    )
+    compare.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=20.0,
+        help="before each run, wait up to this many seconds for a quiet machine (0: don't; default 20)",
+    )
+    compare.add_argument(
+        "--quiet-threshold",
+        type=float,
+        default=0.2,
+        help="cores busy (idle servers included) below which the machine counts as quiet (default 0.2)",
+    )
+    compare.add_argument(
+        "--redo-disturbed",
+        type=int,
+        default=2,
+        help="redo a run up to this many times when other load exceeded --quiet-threshold (default 2)",
+    )
+    compare.add_argument(
+        "--partial",
+        metavar="WORK[,WORK...]",
+        help="also run bare servicers doing part of the sidecar's work: validate, decide, handler",
+    )
     _add_load_arguments(compare)
     compare.set_defaults(handler=cmd_compare)
 
     inproc = commands.add_parser("inproc", help="cost per call of decide(), without gRPC")
     inproc.add_argument("--pattern", choices=PATTERNS, default="mixed", help="request mix")
-    inproc.add_argument("--calls", type=_positive_int, default=200_000, help="calls to time")
+    inproc.add_argument("--calls", type=_positive_int, default=100_000, help="calls per pass")
+    inproc.add_argument("--repeat", type=_positive_int, default=3, help="timed passes (median)")
     inproc.add_argument("--pool-size", type=_positive_int, default=20_000, help="distinct requests")
     inproc.add_argument("--seed", type=int, default=1, help="seed of the request mix")
     inproc.add_argument("--config", default=str(DEFAULT_CONFIG.relative_to(REPO)), help="sidecar config")
@@ -1165,10 +1463,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.command == "run":
         _validate_target(arguments.target)
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    # Explicit handlers, so that even a copy started with SIGINT ignored (a background
+    # job of a non-interactive shell) stops its children on SIGINT, SIGTERM or SIGHUP.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupt)
     try:
         return int(arguments.handler(arguments))
     except KeyboardInterrupt:
