@@ -30,9 +30,8 @@ Every child process is stopped at the end, also on Ctrl-C or error.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import platform
-import shlex
 import signal
 import subprocess
 import sys
@@ -50,16 +49,10 @@ if str(HERE) not in sys.path:
 from accuracy_harness import processes, report, runner  # noqa: E402
 from accuracy_harness.processes import REDIS_SERVER, RedisServer, process_group  # noqa: E402
 from accuracy_harness.scenarios import Scenario, catalogue  # noqa: E402
+from common import machine_facts, parse_cpus, positive_int, reproduce_command, run_cli  # noqa: E402
 
 REPO = HERE.parent
 DEFAULT_JSON = REPO / "loadtest" / "results" / "accuracy.json"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -79,27 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scenario", default="all", help=f"comma-separated scenarios or 'all' ({names})")
     parser.add_argument("--modes", default=",".join(runner.MODES), help="comma-separated: local, sync, strict")
     parser.add_argument("--quick", action="store_true", help="short scenarios and reduced rates (CI)")
-    parser.add_argument("--replicas", type=_positive_int, default=4, help="sidecar processes (default 4)")
-    parser.add_argument("--limit", type=_positive_int, help="per-second limit of balanced/skewed/burst")
-    parser.add_argument("--windows", type=_positive_int, help="1 s windows per per-second scenario")
+    parser.add_argument("--replicas", type=positive_int, default=4, help="sidecar processes (default 4)")
+    parser.add_argument("--limit", type=positive_int, help="per-second limit of balanced/skewed/burst")
+    parser.add_argument("--windows", type=positive_int, help="1 s windows per per-second scenario")
     parser.add_argument("--sync-interval", type=_positive_float, help="passed to sync-mode sidecars (default: theirs)")
     parser.add_argument(
         "--sync-max-overshoot",
         type=float,
         help="passed to sync-mode sidecars (their bound on overshoot, fraction of the limit; default: theirs)",
     )
+    parser.add_argument("--client-processes", type=positive_int, default=1, help="load-generator processes (open loop)")
     parser.add_argument(
-        "--client-processes", type=_positive_int, default=1, help="load-generator processes (open loop)"
+        "--throughput-processes", type=positive_int, default=2, help="load-generator processes (closed loop)"
     )
     parser.add_argument(
-        "--throughput-processes", type=_positive_int, default=2, help="load-generator processes (closed loop)"
-    )
-    parser.add_argument(
-        "--throughput-replicas", type=_positive_int, help="sidecars in the throughput scenario (default --replicas)"
+        "--throughput-replicas", type=positive_int, help="sidecars in the throughput scenario (default --replicas)"
     )
     parser.add_argument(
         "--throughput-rounds",
-        type=_positive_int,
+        type=positive_int,
         help="throughput runs per mode, alternating the order; the median is reported (default 1 quick, 3 full)",
     )
     parser.add_argument("--timeout", type=_positive_float, default=2.0, help="deadline of each call, seconds")
@@ -115,30 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def command_line(arguments: argparse.Namespace) -> str:
     """The command that reproduces the figures, every option spelled out."""
-    words = ["python", "loadtest/accuracy.py"]
-    for name, value in vars(arguments).items():
-        if name in {"json", "keep_logs", "dump_calls"} or value is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            if value:
-                words.append(flag)
-        else:
-            words += [flag, str(value)]
-    return shlex.join(words)
+    return reproduce_command(["python", "loadtest/accuracy.py"], arguments, skip={"json", "keep_logs", "dump_calls"})
 
 
 def environment() -> dict[str, Any]:
-    import grpc
-
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     redis_version = subprocess.run(
         [REDIS_SERVER, "--version"], capture_output=True, text=True, check=False, timeout=10
     ).stdout.strip()
@@ -150,26 +121,12 @@ def environment() -> dict[str, Any]:
         timeout=10,
     ).stdout.strip()
     return {
-        "cores": os.cpu_count(),
+        **machine_facts(),
         "usable_cores": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
         "loadavg_at_start": round(os.getloadavg()[0], 2),
-        "python": platform.python_version(),
-        "grpcio": grpc.__version__,
         "redis_server": redis_version,
         "git": commit,
     }
-
-
-def parse_cpus(text: str | None) -> tuple[int, ...] | None:
-    """``"0"``, ``"0,1"`` or ``"0-1"`` into cpu numbers; None for none."""
-    if not text:
-        return None
-    cpus: list[int] = []
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cpus.extend(range(int(low), int(high or low) + 1))
-    return tuple(cpus)
 
 
 def select(text: str, known: Sequence[str], what: str) -> list[str]:
@@ -412,19 +369,7 @@ def _remove(path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        return run(arguments)
-    except KeyboardInterrupt:
-        print("accuracy.py: interrupted; child processes stopped", file=sys.stderr)
-        return 130
-    except RuntimeError as error:
-        print(f"accuracy.py: error: {error}", file=sys.stderr)
-        return 1
+    return run_cli("accuracy.py", functools.partial(run, arguments), (signal.SIGTERM,))
 
 
 if __name__ == "__main__":

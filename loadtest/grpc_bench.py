@@ -48,19 +48,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import functools
 import importlib.metadata
 import json
-import math
-import multiprocessing
 import multiprocessing.connection
 import os
-import platform
 import random
-import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -73,13 +67,31 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from common import (
+    METHOD,
+    Worker,
+    cpu_seconds,
+    free_port,
+    health_serving,
+    machine_facts,
+    overall_code,
+    parse_cpus,
+    percentile,
+    positive_int,
+    reproduce_command,
+    run_cli,
+    run_worker,
+    start_child,
+    start_worker,
+    stop_workers,
+    worker_answer,
+)
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DEFAULT_CONFIG = REPO / "examples" / "config"
-METHOD = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 DOMAIN = "demo"
 PATTERNS = ("under", "over", "mixed")
 CODE_NAMES = {0: "UNKNOWN", 1: "OK", 2: "OVER_LIMIT"}
@@ -232,15 +244,6 @@ class Tally:
     last_end: float = 0.0
 
 
-def overall_code(response: bytes) -> int:
-    """``overall_code`` of a serialized ``RateLimitResponse`` without parsing it all.
-
-    Field 1 (varint, tag byte 0x08) is written first; absent means 0 (UNKNOWN).
-    The worker checks this against a full parse on its first call.
-    """
-    return response[1] if response[:1] == b"\x08" else 0
-
-
 async def _lane(
     call: Any,
     pool: Sequence[bytes],
@@ -353,19 +356,7 @@ async def _drive(spec: WorkerSpec, conn: multiprocessing.connection.Connection) 
 
 def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
     """Entry point of a load-generator process."""
-    import uvloop
-
-    if spec.cpus is not None:
-        os.sched_setaffinity(0, spec.cpus)  # before gRPC starts any thread
-    try:
-        uvloop.run(_drive(spec, conn))
-    except KeyboardInterrupt:
-        pass
-    except Exception as error:
-        with contextlib.suppress(OSError):
-            conn.send(("error", f"{type(error).__name__}: {error}"))
-    finally:
-        conn.close()
+    run_worker(_drive, spec, conn)
 
 
 # ---------------------------------------------------------------------------------
@@ -401,24 +392,6 @@ class RunResult:
     """Busy share of the server's pinned cores, whoever used them."""
 
 
-def percentile(ordered: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile of an ascending sequence (0 when empty)."""
-    if not ordered:
-        return 0.0
-    rank = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
-    return ordered[rank - 1]
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU of a process (all its threads), or None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass(frozen=True)
 class LoadOptions:
     """The load shape shared by ``run`` and ``compare``."""
@@ -452,9 +425,8 @@ def run_load(
     server_cpus: tuple[int, ...] | None = None,
 ) -> RunResult:
     """One measured run: start the workers, go, collect, and always stop them."""
-    context = multiprocessing.get_context("spawn")
     processes = min(load.processes, load.concurrency)
-    workers: list[tuple[Any, multiprocessing.connection.Connection]] = []
+    workers: list[Worker] = []
     try:
         for index, (lanes, budget) in enumerate(
             zip(split(load.concurrency, processes), split(load.max_requests, processes), strict=True)
@@ -472,33 +444,18 @@ def run_load(
                 cpus=client_cpus,
                 interval=load.concurrency / load.rate if load.rate else 0.0,
             )
-            parent_end, child_end = context.Pipe()
-            process = context.Process(target=worker_main, args=(spec, child_end), daemon=True)
-            process.start()
-            child_end.close()
-            workers.append((process, parent_end))
+            workers.append(start_worker(worker_main, spec))
         for _, conn in workers:
             _expect(conn, "ready", 60.0)
         return _measure(label, load, workers, server_pid, server_cpus)
     finally:
-        for process, conn in workers:
-            with contextlib.suppress(OSError):
-                conn.close()
-            process.join(timeout=2)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=2)
+        stop_workers(workers, timeout=2)
 
 
 def _expect(conn: multiprocessing.connection.Connection, kind: str, timeout: float) -> Any:
     if not conn.poll(timeout):
         raise RuntimeError(f"load generator sent no {kind!r} within {timeout:.0f} s")
-    message = conn.recv()
-    if message[0] == "error":
-        raise RuntimeError(f"load generator failed: {message[1]}")
-    if message[0] != kind:
-        raise RuntimeError(f"load generator sent {message[0]!r}, expected {kind!r}")
-    return message[1]
+    return worker_answer(conn.recv(), kind)
 
 
 def _sleep_until(wall: float) -> None:
@@ -571,7 +528,7 @@ def cpu_use(before: CpuSample, after: CpuSample, server_cpus: tuple[int, ...] | 
 def _measure(
     label: str,
     load: LoadOptions,
-    workers: Sequence[tuple[Any, multiprocessing.connection.Connection]],
+    workers: Sequence[Worker],
     server_pid: int | None,
     server_cpus: tuple[int, ...] | None,
 ) -> RunResult:
@@ -648,26 +605,6 @@ def summarize(label: str, results: Sequence[dict[str, Any]], cpu: CpuUse) -> Run
 # ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
-    """Runs in the child before exec: pin it, and have it killed if we die."""
-
-    def setup() -> None:
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-        with contextlib.suppress(Exception):
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-    return setup
-
-
 class ServerProcess:
     """A server child on a free loopback port, its log in a temporary file."""
 
@@ -690,16 +627,8 @@ class ServerProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env=self.env,
-            start_new_session=True,  # Ctrl-C reaches us only; we stop the servers ourselves
-            preexec_fn=_child_setup(self.cpus),  # noqa: PLW1509 - no threads exist yet
-        )
+        # Pinned to self.cpus, SIGTERM if we die; its own session: Ctrl-C reaches us only.
+        self.process = start_child(self.argv, self.log, env=self.env, cpus=self.cpus)
 
     @property
     def pid(self) -> int:
@@ -708,20 +637,14 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Until the health service says SERVING; fail with the log tail otherwise."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.label} exited at start:\n{self.log_tail()}")
-            with grpc.insecure_channel(self.address) as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                with contextlib.suppress(grpc.RpcError):
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        self.pin_threads()
-                        return
+            if health_serving(self.address):
+                self.pin_threads()
+                return
             time.sleep(0.1)
         raise RuntimeError(f"{self.label} not SERVING after {timeout:.0f} s:\n{self.log_tail()}")
 
@@ -783,19 +706,10 @@ def environment(client_cpus: Any = None, server_cpus: Any = None) -> dict[str, A
     import google.protobuf
     from google.protobuf.internal import api_implementation
 
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
     return {
-        "cores": os.cpu_count(),
-        "cpu_model": model,
+        **machine_facts(),
         "usable_cores": sorted(os.sched_getaffinity(0)),
         "loadavg_at_start": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "grpcio": grpc.__version__,
         "protobuf": f"{google.protobuf.__version__} ({api_implementation.Type()})",
         "uvloop": importlib.metadata.version("uvloop"),
         "server_cpus": server_cpus,
@@ -807,16 +721,7 @@ def environment(client_cpus: Any = None, server_cpus: Any = None) -> dict[str, A
 def command_line(arguments: argparse.Namespace) -> str:
     """The command that reproduces the figures, every option spelled out."""
     words = ["python", "loadtest/grpc_bench.py", arguments.command]
-    for name, value in vars(arguments).items():
-        if name in {"command", "handler", "json"} or value is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            if value:
-                words.append(flag)
-        else:
-            words += [flag, str(value)]
-    return shlex.join(words)
+    return reproduce_command(words, arguments, skip={"command", "handler", "json"})
 
 
 def print_header(arguments: argparse.Namespace, env: dict[str, Any]) -> None:
@@ -891,17 +796,6 @@ def write_json(path: str, document: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------
 # Subcommands
 # ---------------------------------------------------------------------------------
-
-
-def parse_cpus(text: str | None) -> tuple[int, ...] | None:
-    """``"0"``, ``"0,1"`` or ``"0-1"`` into a tuple of cpu numbers; None for none/empty."""
-    if not text or text == "none":
-        return None
-    cpus: list[int] = []
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cpus.extend(range(int(low), int(high or low) + 1))
-    return tuple(cpus)
 
 
 def load_options(arguments: argparse.Namespace) -> LoadOptions:
@@ -1334,13 +1228,6 @@ def cmd_inproc(arguments: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def _duration(text: str) -> float:
     value = float(text)
     if not 0 < value <= 3600:
@@ -1349,7 +1236,7 @@ def _duration(text: str) -> float:
 
 
 def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--concurrency", type=_positive_int, default=32, help="calls in flight")
+    parser.add_argument("--concurrency", type=positive_int, default=32, help="calls in flight")
     parser.add_argument(
         "--rate",
         type=float,
@@ -1360,26 +1247,26 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each run (default 1)")
     parser.add_argument(
         "--max-requests",
-        type=_positive_int,
+        type=positive_int,
         default=5_000_000,
         help="stop a run after this many measured calls (default 5000000)",
     )
     parser.add_argument(
         "--processes",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="load-generator processes; concurrency is split between them (default 1)",
     )
     parser.add_argument(
         "--channels",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="gRPC channels (TCP connections) per process (default 1)",
     )
     parser.add_argument("--pattern", choices=PATTERNS, default="mixed", help="request mix")
     parser.add_argument(
         "--pool-size",
-        type=_positive_int,
+        type=positive_int,
         default=20_000,
         help="distinct prebuilt requests per process, cycled (default 20000)",
     )
@@ -1404,7 +1291,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=cmd_run)
 
     compare = commands.add_parser("compare", help="bare servicer vs sidecar, alternating rounds")
-    compare.add_argument("--rounds", type=_positive_int, default=3, help="rounds (default 3)")
+    compare.add_argument("--rounds", type=positive_int, default=3, help="rounds (default 3)")
     compare.add_argument("--config", default=str(DEFAULT_CONFIG.relative_to(REPO)), help="sidecar config")
     compare.add_argument("--server-cpus", help="pin both servers to these cpus (default: the first usable cpu)")
     compare.add_argument("--no-pin", action="store_true", help="do not pin anything")
@@ -1441,9 +1328,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     inproc = commands.add_parser("inproc", help="cost per call of decide(), without gRPC")
     inproc.add_argument("--pattern", choices=PATTERNS, default="mixed", help="request mix")
-    inproc.add_argument("--calls", type=_positive_int, default=100_000, help="calls per pass")
-    inproc.add_argument("--repeat", type=_positive_int, default=3, help="timed passes (median)")
-    inproc.add_argument("--pool-size", type=_positive_int, default=20_000, help="distinct requests")
+    inproc.add_argument("--calls", type=positive_int, default=100_000, help="calls per pass")
+    inproc.add_argument("--repeat", type=positive_int, default=3, help="timed passes (median)")
+    inproc.add_argument("--pool-size", type=positive_int, default=20_000, help="distinct requests")
     inproc.add_argument("--seed", type=int, default=1, help="seed of the request mix")
     inproc.add_argument("--config", default=str(DEFAULT_CONFIG.relative_to(REPO)), help="sidecar config")
     inproc.add_argument("--profile", type=int, metavar="N", help="also print the N costliest functions (cProfile)")
@@ -1462,22 +1349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
     if arguments.command == "run":
         _validate_target(arguments.target)
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
     # Explicit handlers, so that even a copy started with SIGINT ignored (a background
     # job of a non-interactive shell) stops its children on SIGINT, SIGTERM or SIGHUP.
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, interrupt)
-    try:
-        return int(arguments.handler(arguments))
-    except KeyboardInterrupt:
-        print("grpc_bench: interrupted; child processes stopped", file=sys.stderr)
-        return 130
-    except RuntimeError as error:
-        print(f"grpc_bench: error: {error}", file=sys.stderr)
-        return 1
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    return run_cli("grpc_bench", functools.partial(arguments.handler, arguments), signals)
 
 
 if __name__ == "__main__":

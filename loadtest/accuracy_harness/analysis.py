@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import percentile
+
 from accuracy_harness.driver import CODE_ERROR, CODE_NOT_SENT, ReplicaRecord
 from accuracy_harness.redis_watch import OWN_COMMANDS, parse_key
 
@@ -107,14 +109,6 @@ def window_of(moment: float, unit_seconds: int) -> int:
     """Window start as the sidecar computes it (``sidecar.limiter.windows.window_start``)."""
     whole = math.floor(moment)
     return whole - whole % unit_seconds
-
-
-def percentile(ordered: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile of an ascending sequence (0 when empty)."""
-    if not ordered:
-        return 0.0
-    rank = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
-    return ordered[rank - 1]
 
 
 def traffic_figures(calls: Calls, measure_from: float | None = None) -> dict[str, Any]:

@@ -15,7 +15,6 @@ name when the call failed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing.connection
 import os
 import time
@@ -24,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from common import METHOD, overall_code, run_worker
 
-METHOD = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 CODE_ERROR = -1
 """Recorded as the code of a call that failed (its status name goes to ``errors``)."""
 CODE_NOT_SENT = -2
@@ -82,11 +81,6 @@ class ReplicaRecord:
         recv.frombytes(message["recv"])
         codes.frombytes(message["codes"])
         return cls(values, send, recv, codes, dict(message["errors"]))
-
-
-def overall_code(response: bytes) -> int:
-    """``overall_code`` of a serialized response: field 1 is written first (tag 0x08)."""
-    return response[1] if response[:1] == b"\x08" else 0
 
 
 class OpenLoop:
@@ -219,16 +213,4 @@ async def _drive(spec: WorkerSpec, conn: multiprocessing.connection.Connection) 
 
 def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
     """Entry point of a load-generator process."""
-    import uvloop
-
-    if spec.cpus is not None:
-        os.sched_setaffinity(0, spec.cpus)  # before gRPC starts its threads
-    try:
-        uvloop.run(_drive(spec, conn))
-    except KeyboardInterrupt:
-        pass
-    except Exception as error:
-        with contextlib.suppress(OSError):
-            conn.send(("error", f"{type(error).__name__}: {error}"))
-    finally:
-        conn.close()
+    run_worker(_drive, spec, conn)

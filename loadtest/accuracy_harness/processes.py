@@ -8,11 +8,9 @@ whatever it started, also on exceptions, so nothing outlives a run.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
+from common import free_port, health_serving, start_child
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_SERVER = "/usr/bin/redis-server"
@@ -44,39 +42,13 @@ class ChildStartError(RuntimeError):
         return any(marker in text for marker in UNAVAILABLE_MARKERS)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 SERVER_CPUS: tuple[int, ...] | None = None
 """Pin redis-server and the sidecars to these cpus (``--server-cpus``); None: no pinning."""
-
-
-def _child_setup() -> None:
-    """Runs in the child before exec: pin it if asked, SIGTERM it when the harness dies."""
-    if SERVER_CPUS is not None:
-        os.sched_setaffinity(0, SERVER_CPUS)
-    with contextlib.suppress(Exception):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def clean_env() -> dict[str, str]:
     """The harness environment without ``RLS_*`` variables: only flags configure sidecars."""
     return {name: value for name, value in os.environ.items() if not name.startswith("RLS_")}
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process, or None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Child:
@@ -91,16 +63,8 @@ class Child:
 
     def start(self) -> None:
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=clean_env(),
-                start_new_session=True,
-                preexec_fn=_child_setup,  # noqa: PLW1509 - the harness starts no threads
-            )
+            # Pinned to SERVER_CPUS if set, SIGTERM when the harness dies, in its own session.
+            self.process = start_child(self.argv, log, env=clean_env(), cpus=SERVER_CPUS)
 
     @property
     def pid(self) -> int:
@@ -215,15 +179,7 @@ class Sidecar(Child):
 
     def serving(self) -> bool:
         """One gRPC health probe: True when SERVING."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-            except grpc.RpcError:
-                return False
-            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        return health_serving(self.address)
 
     def events(self) -> list[dict[str, Any]]:
         """The JSON log events this sidecar wrote (other lines skipped)."""

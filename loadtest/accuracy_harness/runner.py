@@ -7,10 +7,8 @@ key read afterwards belongs to it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
-import multiprocessing
 import multiprocessing.connection
 import os
 import time
@@ -18,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from common import Worker, cpu_seconds, start_worker, stop_workers, worker_answer
 
 from accuracy_harness import analysis, scenarios
 from accuracy_harness.driver import RUN_GRACE, WARMUP_CALLS, ReplicaRecord, WorkerSpec, worker_main
@@ -27,7 +27,6 @@ from accuracy_harness.processes import (
     ProcessGroup,
     RedisServer,
     Sidecar,
-    cpu_seconds,
     wait_all_serving,
 )
 from accuracy_harness.redis_watch import CounterWatch, command_calls, digest_map
@@ -90,16 +89,11 @@ class Workers:
     """Load-generator processes for one run; always stopped by :meth:`close`."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[Any, multiprocessing.connection.Connection]] = []
+        self.items: list[Worker] = []
 
     def start(self, specs: Sequence[WorkerSpec]) -> None:
-        context = multiprocessing.get_context("spawn")
         for spec in specs:
-            parent_end, child_end = context.Pipe()
-            process = context.Process(target=worker_main, args=(spec, child_end), daemon=True)
-            process.start()
-            child_end.close()
-            self.items.append((process, parent_end))
+            self.items.append(start_worker(worker_main, spec))
 
     def expect(self, kind: str, deadline: float, while_waiting: Any = None) -> list[Any]:
         """One message of ``kind`` from every worker, by ``deadline`` (monotonic)."""
@@ -110,12 +104,8 @@ class Workers:
             if left <= 0:
                 raise RuntimeError(f"load generator sent no {kind!r} in time")
             for conn in multiprocessing.connection.wait(list(pending), timeout=min(left, 0.5)):
-                message = conn.recv()  # type: ignore[union-attr]
-                if message[0] == "error":
-                    raise RuntimeError(f"load generator failed: {message[1]}")
-                if message[0] != kind:
-                    raise RuntimeError(f"load generator sent {message[0]!r}, expected {kind!r}")
-                answers[pending.pop(conn)] = message[1]  # type: ignore[call-overload]
+                answer = worker_answer(conn.recv(), kind)  # type: ignore[union-attr]
+                answers[pending.pop(conn)] = answer  # type: ignore[call-overload]
             if while_waiting is not None:
                 while_waiting()
         return answers
@@ -125,13 +115,7 @@ class Workers:
             conn.send(message)
 
     def close(self) -> None:
-        for process, conn in self.items:
-            with contextlib.suppress(OSError):
-                conn.close()
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
+        stop_workers(self.items, timeout=5)
         self.items.clear()
 
 

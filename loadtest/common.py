@@ -1,0 +1,256 @@
+"""Pieces shared by the load-test tools: ``grpc_bench.py`` and the accuracy harness (``accuracy.py``).
+
+A top-level module, not a package: both tools run as scripts (``python loadtest/grpc_bench.py``,
+``python loadtest/accuracy.py``), so ``loadtest/`` is first on ``sys.path`` and ``import common``
+finds this file, in the tools and in the load-generator processes they spawn alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Collection, Coroutine, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+REPO = Path(__file__).resolve().parent.parent
+METHOD = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+
+# ---------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def parse_cpus(text: str | None) -> tuple[int, ...] | None:
+    """``"0"``, ``"0,1"`` or ``"0-1"`` into a tuple of cpu numbers; None for none/empty."""
+    if not text or text == "none":
+        return None
+    cpus: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return tuple(cpus)
+
+
+def reproduce_command(words: Sequence[str], arguments: argparse.Namespace, skip: Collection[str]) -> str:
+    """``words`` followed by every option of ``arguments`` spelled out (but those in ``skip``
+    and unset ones): the command that reproduces the figures."""
+    words = list(words)
+    for name, value in vars(arguments).items():
+        if name in skip or value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                words.append(flag)
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def run_cli(prog: str, run: Callable[[], int], signals: Sequence[signal.Signals]) -> int:
+    """Run a tool's main work, turning ``signals`` into KeyboardInterrupt so that the
+    ``finally`` blocks stop every child; exit code 130 when interrupted, 1 on RuntimeError."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    for signum in signals:
+        signal.signal(signum, interrupt)
+    try:
+        return int(run())
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; child processes stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------------------
+# Machine and measurements
+# ---------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """The CPU model name from ``/proc/cpuinfo`` ("" when unknown)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+def machine_facts() -> dict[str, Any]:
+    """What every report states about the machine: cores, CPU model, Python and grpcio versions."""
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+    }
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (all its threads), or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(ordered: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (0 when empty)."""
+    if not ordered:
+        return 0.0
+    rank = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
+    return ordered[rank - 1]
+
+
+# ---------------------------------------------------------------------------------
+# Server children (sidecars, redis-server, bare servicers)
+# ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
+    """Runs in the child before exec: pin it, and have it get SIGTERM if we die (``PR_SET_PDEATHSIG``)."""
+
+    def setup() -> None:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        with contextlib.suppress(Exception):
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return setup
+
+
+def start_child(
+    argv: Sequence[str], log: IO[bytes], *, env: dict[str, str], cpus: tuple[int, ...] | None
+) -> subprocess.Popen[bytes]:
+    """Start a server child in the repository, its output to ``log``, pinned to ``cpus``.
+
+    It runs in its own session, so Ctrl-C reaches the tool only and the tool stops
+    its children itself.
+    """
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_child_setup(cpus),  # noqa: PLW1509 - the tools start no threads before this
+    )
+
+
+def health_serving(address: str, timeout: float = 0.5) -> bool:
+    """One gRPC health probe of ``address``: True when it answers SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+# ---------------------------------------------------------------------------------
+# Load-generator processes (started with the "spawn" method, one pipe each)
+# ---------------------------------------------------------------------------------
+
+Worker = tuple[Any, multiprocessing.connection.Connection]
+"""A load-generator process and the parent's end of its pipe."""
+
+
+def overall_code(response: bytes) -> int:
+    """``overall_code`` of a serialized ``RateLimitResponse`` without parsing it all.
+
+    Field 1 (varint, tag byte 0x08) is written first; absent means 0 (UNKNOWN).
+    """
+    return response[1] if response[:1] == b"\x08" else 0
+
+
+def run_worker(
+    drive: Callable[[Any, multiprocessing.connection.Connection], Coroutine[Any, Any, None]],
+    spec: Any,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """Body of a load-generator process: pin it to ``spec.cpus``, run ``drive(spec, conn)``
+    on uvloop, report a failure as an ``("error", text)`` message, always close the pipe."""
+    import uvloop
+
+    if spec.cpus is not None:
+        os.sched_setaffinity(0, spec.cpus)  # before gRPC starts any thread
+    try:
+        uvloop.run(drive(spec, conn))
+    except KeyboardInterrupt:
+        pass
+    except Exception as error:
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(error).__name__}: {error}"))
+    finally:
+        conn.close()
+
+
+def start_worker(target: Callable[[Any, multiprocessing.connection.Connection], None], spec: Any) -> Worker:
+    """Start ``target(spec, pipe)`` in a new ("spawn") daemon process."""
+    context = multiprocessing.get_context("spawn")
+    parent_end, child_end = context.Pipe()
+    process = context.Process(target=target, args=(spec, child_end), daemon=True)
+    process.start()
+    child_end.close()
+    return process, parent_end
+
+
+def worker_answer(message: Any, kind: str) -> Any:
+    """The payload of a worker's ``(kind, payload)`` message; RuntimeError for an error or another kind."""
+    if message[0] == "error":
+        raise RuntimeError(f"load generator failed: {message[1]}")
+    if message[0] != kind:
+        raise RuntimeError(f"load generator sent {message[0]!r}, expected {kind!r}")
+    return message[1]
+
+
+def stop_workers(workers: Sequence[Worker], timeout: float) -> None:
+    """Close every pipe and reap every process: joined, killed after ``timeout`` s if still alive."""
+    for process, conn in workers:
+        with contextlib.suppress(OSError):
+            conn.close()
+        process.join(timeout=timeout)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=timeout)
