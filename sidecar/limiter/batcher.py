@@ -10,6 +10,7 @@ answer is handed to a callback, so the caller can count what Redis really did.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from sidecar.limiter.redis_store import RedisStore, RedisUnavailable
 
 LateAnswer = Callable[[list[int]], None]
 """Receives the would-be counts of a decision that arrived after its budget."""
+Checks = Sequence[Check] | Callable[[], Sequence[Check]]
+"""A request's checks, or a function that gives them when its batch is sent."""
 
 
 @dataclass(slots=True)
@@ -25,7 +28,7 @@ class PendingDecision:
     """One request's script call, waiting to be sent with the others of its iteration."""
 
     keys: Sequence[str]
-    checks: Sequence[Check]
+    checks: Checks
     expire_ats: Sequence[int]
     answer: asyncio.Future[list[int]]
 
@@ -33,9 +36,12 @@ class PendingDecision:
 class DecisionBatcher:
     """Sends ``decide.lua`` calls in batches; one batch per loop iteration."""
 
-    def __init__(self, store: RedisStore, admit_all: bool = False) -> None:
+    def __init__(self, store: RedisStore, admit_all: bool = False, lock: asyncio.Lock | None = None) -> None:
         self.store = store
         self.admit_all = admit_all
+        self.lock = lock
+        """Held while a batch is on the wire, if given: whoever else takes it (sync mode's
+        flusher) never has a call in Redis at the same time as a batch."""
         self.late_answers = 0
         self._queue: list[PendingDecision] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -43,15 +49,18 @@ class DecisionBatcher:
     async def decide(
         self,
         keys: Sequence[str],
-        checks: Sequence[Check],
+        checks: Checks,
         expire_ats: Sequence[int],
         budget: float,
         on_late: LateAnswer,
     ) -> list[int]:
         """Would-be counts from the atomic script (it records the hits if it admits).
 
-        Raises :class:`RedisUnavailable`, or ``TimeoutError`` after ``budget`` seconds;
-        after a timeout the call goes on and ``on_late`` gets its answer.
+        ``checks`` may be a function: it is called when the batch is sent, holding
+        :attr:`lock`, for limits that depend on state only settled then.
+        Raises :class:`RedisUnavailable`, or ``TimeoutError`` after ``budget`` seconds
+        (waiting for the lock included); after a timeout the call goes on and
+        ``on_late`` gets its answer.
         """
         loop = asyncio.get_running_loop()
         pending = PendingDecision(keys, checks, expire_ats, loop.create_future())
@@ -83,16 +92,25 @@ class DecisionBatcher:
 
     async def _run(self, batch: list[PendingDecision]) -> None:
         """One round trip for the batch; each answer wakes its request."""
-        try:
-            answers = await self.store.decide_batch(
-                [(item.keys, item.checks, item.expire_ats) for item in batch], self.admit_all
-            )
-        except RedisUnavailable as error:
-            for item in batch:
-                if not item.answer.done():
-                    item.answer.set_exception(error)
-                item.answer.exception()  # an error nobody waits for any more is expected
-            return
-        for item, counts in zip(batch, answers, strict=True):
-            if not item.answer.done():
-                item.answer.set_result(counts)
+        async with self.lock or contextlib.nullcontext():
+            requests = [
+                (item.keys, item.checks() if callable(item.checks) else item.checks, item.expire_ats) for item in batch
+            ]
+            try:
+                answers = await self.store.decide_batch(requests, self.admit_all)
+            except RedisUnavailable as error:
+                for item in batch:
+                    if not item.answer.done():
+                        item.answer.set_exception(error)
+                    item.answer.exception()  # an error nobody waits for any more is expected
+                return
+            # Answered while holding the lock: late answers (callbacks run in order) are
+            # applied before the lock's next holder (the owner's flush) goes on.
+            for item, answer in zip(batch, answers, strict=True):
+                if item.answer.done():
+                    continue
+                if isinstance(answer, RedisUnavailable):
+                    item.answer.set_exception(answer)
+                    item.answer.exception()  # nobody may be waiting any more
+                else:
+                    item.answer.set_result(answer)

@@ -13,7 +13,10 @@ Three modes (``--redis-failure-mode``):
 Hits admitted here are remembered per Redis window key so the limiter can add them
 to Redis when it is back (:meth:`FailurePolicy.drain_admitted`, then
 :meth:`~FailurePolicy.settle` or :meth:`~FailurePolicy.restore`): the Redis counters
-then still equal the admitted hits, and other replicas see them.
+then still equal the admitted hits, and other replicas see them. The same ledger
+takes corrections (:meth:`FailurePolicy.owe`, possibly negative: hits Redis holds
+but must give back), so every adjustment of a counter is one commutative ``INCRBY``
+whatever was already sent.
 
 State changes are logged once each (``redis_unavailable``, ``redis_recovered``),
 never per request: an outage under load must not turn into a flood of log lines.
@@ -35,7 +38,9 @@ log = structlog.get_logger(__name__)
 MODES = ("local", "open", "closed")
 
 Admitted = dict[str, tuple[int, int]]
-"""Hits owed to Redis: ``{window_key: (hits, expire_at)}``."""
+"""Hits owed to Redis: ``{window_key: (hits, expire_at)}``; negative hits are to be given back."""
+WAITERS_PRUNE = 1024
+"""Abandoned waiters of :meth:`FailurePolicy.wait_settled` are pruned past this many."""
 
 
 class FailurePolicy:
@@ -61,10 +66,14 @@ class FailurePolicy:
         """Requests decided here since the process started."""
         self.dropped_hits = 0
         """Admitted hits that could not be remembered (more than ``max_counters`` keys owed)."""
+        self.dropped_give_backs = 0
+        """Hits to give back that could not be remembered (Redis keeps them: errs towards rejecting)."""
         self._local = MemoryLimiter(max_counters=max_counters, admit_all=admit_all)
         self._owed: dict[str, list[int]] = {}
         self._in_flight: dict[str, int] = {}
+        self._held: dict[str, int] = {}
         self._has_owed = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []
         self._since = 0.0
         self._drop_logged = False
 
@@ -85,6 +94,35 @@ class FailurePolicy:
         it: ``local`` mode then shares out only what was left of each limit when Redis
         went away, instead of the whole limit again.
         """
+        return self._check(checks, keys, expire_ats, now, known, owe=True)[0]
+
+    def check_without_owing(
+        self,
+        checks: Sequence[Check],
+        keys: Sequence[str],
+        expire_ats: Sequence[int],
+        now: float,
+        *,
+        known: Mapping[str, int] | None = None,
+    ) -> tuple[Decision, tuple[int, ...]]:
+        """:meth:`check`, but owing nothing: returns the hits admitted per check instead.
+
+        For a request whose Redis call is still on the wire: the caller decides what
+        is owed once it knows whether the script counted the hits (:meth:`owe`), and
+        holds the keys meanwhile (:meth:`hold`).
+        """
+        return self._check(checks, keys, expire_ats, now, known, owe=False)
+
+    def _check(
+        self,
+        checks: Sequence[Check],
+        keys: Sequence[str],
+        expire_ats: Sequence[int],
+        now: float,
+        known: Mapping[str, int] | None,
+        *,
+        owe: bool,
+    ) -> tuple[Decision, tuple[int, ...]]:
         self.decisions += 1
         if self.mode == "local":
             decision = self._decide_locally(checks, keys, now, known)
@@ -92,12 +130,15 @@ class FailurePolicy:
             decision = self._open(checks)
         else:
             decision = self._closed(checks)
-        if decision.admitted:
-            _, _, consume = decide(checks, decision.counts, decision.limits, self.admit_all)
-            for check, key, expire_at, spend in zip(checks, keys, expire_ats, consume, strict=True):
-                if spend and check.hits:
-                    self._owe(key, check.hits, expire_at, now)
-        return decision
+        if not decision.admitted:
+            return decision, (0,) * len(checks)
+        _, _, consume = decide(checks, decision.counts, decision.limits, self.admit_all)
+        spent = tuple(check.hits if spend else 0 for check, spend in zip(checks, consume, strict=True))
+        if owe:
+            for key, expire_at, hits in zip(keys, expire_ats, spent, strict=True):
+                if hits:
+                    self._owe(key, hits, expire_at, now)
+        return decision, spent
 
     def _decide_locally(
         self, checks: Sequence[Check], keys: Sequence[str], now: float, known: Mapping[str, int] | None
@@ -141,15 +182,58 @@ class FailurePolicy:
     @property
     def owed_hits(self) -> int:
         """Hits admitted here and not sent to Redis yet (in flight excluded)."""
-        return sum(hits for hits, _ in self._owed.values())
+        return sum(hits for hits, _ in self._owed.values() if hits > 0)
+
+    @property
+    def owed_give_backs(self) -> int:
+        """Hits Redis holds but must give back, not sent yet (in flight excluded)."""
+        return -sum(hits for hits, _ in self._owed.values() if hits < 0)
 
     def reconciled(self) -> bool:
-        """Whether Redis holds every hit admitted here (nothing owed, nothing in flight)."""
-        return not self._owed and not self._in_flight
+        """Whether Redis holds every hit admitted here (nothing owed, in flight or held)."""
+        return not self._owed and not self._in_flight and not self._held
 
     def owes(self) -> bool:
         """Whether any hit waits for reconciliation (in flight excluded)."""
         return bool(self._owed)
+
+    def settled(self, keys: Iterable[str]) -> bool:
+        """Whether Redis holds exactly what this replica admitted on ``keys``.
+
+        False while one of them has hits (or give-backs) owed, on their way, or held
+        (:meth:`hold`): Redis might not hold them yet, so an exact decision on that
+        counter must wait.
+        """
+        owed, in_flight, held = self._owed, self._in_flight, self._held
+        if not owed and not in_flight and not held:
+            return True
+        return not any(key in owed or key in in_flight or key in held for key in keys)
+
+    def hold(self, keys: Iterable[str]) -> None:
+        """Hits of ``keys`` are in doubt (a Redis call that may still count them is on the wire)."""
+        held = self._held
+        for key in keys:
+            held[key] = held.get(key, 0) + 1
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Undo one :meth:`hold` of ``keys``: the doubt is resolved (and owed as needed)."""
+        held = self._held
+        for key in keys:
+            left = held.get(key, 0) - 1
+            if left > 0:
+                held[key] = left
+            else:
+                held.pop(key, None)
+        self._wake()
+
+    async def wait_settled(self, keys: Sequence[str]) -> None:
+        """Return once :meth:`settled` holds for ``keys`` (the caller bounds the wait)."""
+        while not self.settled(keys):
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if len(self._waiters) >= WAITERS_PRUNE:
+                self._waiters = [pending for pending in self._waiters if not pending.done()]
+            self._waiters.append(waiter)
+            await waiter
 
     def busy(self, keys: Iterable[str]) -> bool:
         """Whether hits of one of ``keys`` are on their way to Redis right now.
@@ -190,20 +274,36 @@ class FailurePolicy:
         for key, (hits, expire_at) in adds.items():
             self._owe(key, hits, expire_at, None)
 
+    def owe(self, key: str, hits: int, expire_at: int) -> bool:
+        """Add ``hits`` (negative: take them off) to what Redis is owed for ``key``.
+
+        For corrections: a negative entry is sent like any other (``INCRBY`` with a
+        negative amount), and entries of one key merge, so a correction is exact
+        whether what it corrects is still owed, on the wire, or already in Redis.
+        Returns False if it could not be remembered (see :attr:`dropped_hits` and
+        :attr:`dropped_give_backs`).
+        """
+        return self._owe(key, hits, expire_at, None) if hits else True
+
     async def wait_owed(self) -> None:
         """Return once some hit is owed."""
         await self._has_owed.wait()
 
-    def _owe(self, key: str, hits: int, expire_at: int, now: float | None) -> None:
+    def _owe(self, key: str, hits: int, expire_at: int, now: float | None) -> bool:
         entry = self._owed.get(key)
         if entry is not None:
             entry[0] += hits
+            if not entry[0]:
+                del self._owed[key]  # a correction cancelled what was owed: nothing to send
+                self._wake()
+                return True
         elif len(self._owed) < self.max_counters or self._make_room(now):
             self._owed[key] = [hits, expire_at]
         else:
             self._drop(hits)
-            return
+            return False
         self._has_owed.set()
+        return True
 
     def _make_room(self, now: float | None) -> bool:
         """Forget hits owed to windows that have ended (their keys are gone from Redis anyway)."""
@@ -213,7 +313,10 @@ class FailurePolicy:
         return len(self._owed) < self.max_counters
 
     def _drop(self, hits: int) -> None:
-        self.dropped_hits += hits
+        if hits < 0:
+            self.dropped_give_backs -= hits
+        else:
+            self.dropped_hits += hits
         if not self._drop_logged:
             self._drop_logged = True
             log.warning(
@@ -233,6 +336,14 @@ class FailurePolicy:
                 self._in_flight[key] = left
             else:
                 self._in_flight.pop(key, None)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Let every :meth:`wait_settled` look again."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     # -- state changes -----------------------------------------------------------------
 

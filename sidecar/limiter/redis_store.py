@@ -219,35 +219,70 @@ class RedisStore:
         self._timeouts_in_a_row = 0
         return result
 
-    async def decide_batch(self, requests: Sequence[DecideRequest], admit_all: bool) -> list[list[int]]:
+    async def decide_batch(
+        self, requests: Sequence[DecideRequest], admit_all: bool
+    ) -> list[list[int] | RedisUnavailable]:
         """Several requests' decisions in one round trip; each is atomic on its own.
 
-        Returns each request's would-be counts (see :meth:`decide`). Callers that
-        coalesce the escalations of one event-loop iteration use this, and enforce
+        Returns each request's would-be counts (see :meth:`decide`), or the
+        :class:`RedisUnavailable` that request alone met (a key holding something that
+        is not a counter fails its own script, not the others, which did run). A
+        failure of the whole round trip raises. Callers that
+        coalesce the script calls of one event-loop iteration use this, and enforce
         their own request budget around it: the call itself may take up to the
         background timeout, so a late answer still tells the caller what Redis did.
-        In Cluster mode the requests go out concurrently, one :meth:`decide` each.
+        In Cluster mode the requests go out concurrently, one script (or cross-slot
+        reservation) each, under that same background timeout, not the request budget
+        (a call cut off at the budget may still run, and nobody would hear of it).
         """
         self._ensure_available()
         if self.cluster:
             answers = await asyncio.gather(
-                *(self.decide(keys, checks, expiries, admit_all) for keys, checks, expiries in requests)
+                *(self._decide_in_cluster(keys, checks, expiries, admit_all) for keys, checks, expiries in requests),
+                return_exceptions=True,
             )
-            return [counts for _, counts, _ in answers]
+            results: list[list[int] | RedisUnavailable] = []
+            for answer in answers:
+                if isinstance(answer, RedisUnavailable):
+                    results.append(answer)
+                elif isinstance(answer, BaseException):
+                    raise answer
+                else:
+                    results.append(answer)
+            return results
         replies = await self._decide_pipeline(requests, admit_all)
         missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
-            await self._probe_once()  # reloads the scripts; NOSCRIPT means the call did not run
+            try:
+                await self._probe_once()  # reloads the scripts; NOSCRIPT means the call did not run
+            except FAILURES as error:
+                raise self._failed(error, request_path=False) from error
             retried = await self._decide_pipeline([requests[index] for index in missing], admit_all)
             for index, reply in zip(missing, retried, strict=True):
                 replies[index] = reply
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise self._failed(reply, request_path=True)
         return [
-            [int(value) for value in reply[1 : 1 + len(checks)]]
+            self._failed(reply, request_path=True)
+            if isinstance(reply, Exception)
+            else [int(value) for value in reply[1 : 1 + len(checks)]]
             for reply, (_, checks, _) in zip(replies, requests, strict=True)
         ]
+
+    async def _decide_in_cluster(
+        self, keys: Sequence[str], checks: Sequence[Check], expire_ats: Sequence[int], admit_all: bool
+    ) -> list[int]:
+        """One request of a Cluster batch: a request-path call under the background timeout."""
+        if not keys:
+            return []
+        try:
+            async with asyncio.timeout(self.background_timeout):
+                if same_slot(keys):
+                    _, counts, _ = await self._decide_script(keys, checks, expire_ats, admit_all, {}, request_path=True)
+                else:
+                    _, counts, _ = await self._reserve(keys, checks, expire_ats, admit_all, {}, request_path=True)
+        except FAILURES as error:
+            raise self._failed(error, request_path=False) from error
+        self._timeouts_in_a_row = 0
+        return counts
 
     async def _decide_pipeline(self, requests: Sequence[DecideRequest], admit_all: bool) -> list[Any]:
         """EVALSHA decide.lua once per request, pipelined; errors come back as values."""
@@ -293,7 +328,10 @@ class RedisStore:
                 pipe.expireat(key, expire_at)
             else:
                 owner, sequence = once
-                pipe.evalsha(FLUSH_ONCE.sha, 2, key, f"{key}:flushed:{owner}", sequence, hits, expire_at)
+                # execute_command, not pipe.evalsha: redis-py blocks the evalsha method on
+                # Cluster pipelines, though it routes EVALSHA by its keys like any command.
+                marker = f"{key}:flushed:{owner}"
+                pipe.execute_command("EVALSHA", FLUSH_ONCE.sha, 2, key, marker, sequence, hits, expire_at)
         for key in read_keys:
             pipe.get(key)
         replies = await self._background(pipe.execute(raise_on_error=False))
@@ -425,6 +463,14 @@ class RedisStore:
                 return await call
         except FAILURES as error:
             raise self._failed(error, request_path=False) from error
+
+    def note_request_timeout(self) -> None:
+        """A caller stopped waiting for a call still on the wire (its budget ran out).
+
+        Counts as a request-path timeout of :meth:`decide` does: enough of them in a
+        row mark Redis unavailable, so later requests stop waiting on it.
+        """
+        self._failed(TimeoutError(f"no answer within {self.request_timeout * 1000:g} ms"), request_path=True)
 
     def _count(self, request_path: bool) -> None:
         if request_path:

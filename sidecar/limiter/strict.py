@@ -1,16 +1,31 @@
-"""``strict`` mode: every request is decided by Redis in one atomic round trip.
+"""``strict`` mode: every request is decided by Redis in one atomic script call.
 
 This is the envoyproxy/ratelimit design, made all-or-nothing: ``decide.lua`` reads
 every counter of the request, applies :func:`protocol.decide` and adds the hits only
 if the request is admitted, so the Redis counters equal the admitted hits and no
 replica can overshoot a limit while Redis answers within the budget
-(``--redis-timeout``). When it does not, the request is decided by the failure
-policy and the hits it admits are reconciled to Redis once Redis is back.
+(``--redis-timeout``). The script calls of one event-loop iteration share one
+pipelined round trip (:class:`DecisionBatcher`); each request is still its own
+atomic script and waits only its own budget.
 
-Reconciliation is exact per counter: hits owed for a counter are sent inside the next
-request's script for that counter (so the decision sees them), or by a background
-flush; while a flush for a counter is on the wire, requests on that counter stay
-with the failure policy rather than ask Redis a question it cannot answer yet.
+When Redis does not answer in time, the request is decided by the failure policy,
+and the accounting is made exact afterwards. The script usually still runs, so the
+hits the failure policy admitted for it are held, not owed, until its answer comes
+(:meth:`StrictLimiter._late_answer`): then Redis is owed the admitted hits minus the
+hits the script consumed. Hits both admitted and consumed are thus never sent again,
+hits the script consumed for a refused request are given back, and admitted hits the
+script did not consume are sent. If no answer comes (the call failed, or nothing
+arrives within twice the background timeout), the admitted hits are owed as they
+are (:meth:`StrictLimiter._give_up`), and an answer arriving after all still
+corrects them. Owed hits and corrections are entries of one ledger per counter,
+merged by addition and sent as ``INCRBY`` (negative for give-backs), so a correction
+is exact whether what it corrects is still owed, on the wire, or already in Redis.
+
+Owed hits are never sent inside a request's script: a request on a counter whose
+owed hits Redis may not hold yet waits (within its budget) until the reconciler's
+flush has landed, so its decision sees them; the flush is idempotent
+(``flush_once.lua``, one sequence number per flush), so a flush whose reply is lost
+is retried as is and counted once.
 """
 
 from __future__ import annotations
@@ -18,12 +33,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import structlog
 
-from sidecar.limiter.failure import FailurePolicy
+from sidecar.limiter.batcher import DecisionBatcher
+from sidecar.limiter.failure import Admitted, FailurePolicy
 from sidecar.limiter.keys import counter_digest, expire_at, window_key
-from sidecar.limiter.protocol import Check, Decision, Role
+from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
 from sidecar.limiter.windows import window_start
@@ -35,6 +52,32 @@ RECONCILE_RETRY = 0.1
 """Seconds between two failed reconciliations while Redis still counts as available."""
 KNOWN_CAP = 100_000
 """Counters whose last Redis count is remembered (about 15 MB at most)."""
+
+
+@dataclass(slots=True, eq=False)
+class RedisCall:
+    """One request's script call, kept so a late answer can correct the accounting."""
+
+    keys: Sequence[str]
+    checks: Sequence[Check]
+    expire_ats: Sequence[int]
+    abandoned: bool = False
+    """The request stopped waiting while the call was on the wire: it may still run."""
+    spent: tuple[int, ...] = ()
+    """Per check, hits the failure policy admitted for the request (when abandoned)."""
+    owed: list[int] = field(default_factory=list)
+    """Per check, hits owed to Redis so far on account of this request."""
+    held: bool = False
+    """Its keys are held in the failure policy until the script's fate is known."""
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
+class OwedFlush:
+    """Owed hits sent (or to be sent again) as one idempotent flush."""
+
+    adds: Admitted
+    sequence: int
 
 
 class StrictLimiter:
@@ -54,8 +97,15 @@ class StrictLimiter:
         self.policy = policy
         self.prefix = prefix
         self.admit_all = admit_all
+        self.batcher = DecisionBatcher(store, admit_all)
         self.redis_decisions = 0
         self._reconciler: asyncio.Task[None] | None = None
+        self._reconcile_lock = asyncio.Lock()
+        self._sequence = 0
+        self._unacknowledged: OwedFlush | None = None
+        self._held: set[RedisCall] = set()
+        """Abandoned calls whose answer (or failure) has not come yet."""
+        """A flush whose reply was lost: sent again, as is, before anything newer."""
         self._known: dict[str, int] = {}
         """Last count Redis reported per window key, so ``local`` failure mode shares what is left."""
         store.add_listener(policy.on_redis_state)
@@ -79,80 +129,200 @@ class StrictLimiter:
         await self.replicas.start()
         self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever(), name="strict-reconcile")
 
+    # -- deciding --------------------------------------------------------------------
+
     async def check(self, checks: Sequence[Check], now: float) -> Decision:
-        """One EVALSHA within the budget; the failure policy when Redis cannot answer."""
+        """One script call within the budget; the failure policy when Redis cannot answer."""
+        if not checks:
+            return Decision(True, (), (), ())
         keys = [
             window_key(self.prefix, counter_digest(check.key), window_start(now, check.unit_seconds))
             for check in checks
         ]
         expire_ats = [expire_at(window_start(now, check.unit_seconds), check.unit_seconds) for check in checks]
-        policy = self.policy
-        if self.store.available and not policy.busy(keys):
-            owed = policy.take(keys)
+        call = RedisCall(keys, checks, expire_ats)
+        if self.store.available:
             try:
-                admitted, counts, _ = await self.store.decide(keys, checks, expire_ats, self.admit_all, owed)
-            except RedisUnavailable:
-                # A timed-out script may have run: re-sending its owed hits can count them
-                # twice, which errs towards rejecting, never towards overshooting.
-                policy.restore(owed)
+                counts = await self._ask(call)
+            except (TimeoutError, RedisUnavailable):
+                if call.abandoned:
+                    # Same step as the timeout, so before any late answer can be applied.
+                    decision, call.spent = self.policy.check_without_owing(
+                        checks, keys, expire_ats, now, known=self._known
+                    )
+                    self._hold(call)
+                    return decision
             else:
-                policy.settle(owed)
-                self.redis_decisions += 1
-                self._remember(keys, checks, counts, admitted)
-                return Decision(
-                    admitted,
-                    tuple(count > check.limit for count, check in zip(counts, checks, strict=True)),
-                    tuple(counts),
-                    tuple(check.limit for check in checks),
-                )
-        return policy.check(checks, keys, expire_ats, now, known=self._known)
+                return self._redis_decision(call, counts)
+        return self.policy.check(checks, keys, expire_ats, now, known=self._known)
 
-    def _remember(self, keys: Sequence[str], checks: Sequence[Check], counts: Sequence[int], admitted: bool) -> None:
-        """Keep each counter's count after this request, as Redis reported it.
+    async def _ask(self, call: RedisCall) -> list[int]:
+        """The script's would-be counts, within the request budget.
 
-        Bounded by :data:`KNOWN_CAP`: past it everything is forgotten at once, which only
-        makes a later outage share out whole limits again for the counters forgotten.
+        A counter with hits owed to Redis (or on their way, or held) is asked only
+        once they have landed, so the script counts them. Raises ``TimeoutError`` or
+        :class:`RedisUnavailable`; ``call.abandoned`` then says whether the call is
+        still on the wire, in which case its answer reaches :meth:`_late_answer`.
+        Either wait running out counts as a Redis timeout, so a stalled Redis is soon
+        marked unavailable and not waited on.
         """
+        budget = self.store.request_timeout
+        try:
+            if not self.policy.settled(call.keys):
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                async with asyncio.timeout(budget):
+                    await self.policy.wait_settled(call.keys)
+                budget -= loop.time() - started
+                if budget <= 0:
+                    raise TimeoutError
+                if not self.store.available:
+                    raise RedisUnavailable("redis became unavailable while owed hits were being sent")
+            call.abandoned = True  # until the batcher answers: its timeout leaves the call on the wire
+            counts = await self.batcher.decide(
+                call.keys, call.checks, call.expire_ats, budget, lambda counts: self._late_answer(call, counts)
+            )
+        except TimeoutError:
+            self.store.note_request_timeout()
+            raise
+        except RedisUnavailable:
+            call.abandoned = False  # the batch failed: nothing more will come of it
+            raise
+        call.abandoned = False
+        return counts
+
+    def _redis_decision(self, call: RedisCall, counts: list[int]) -> Decision:
+        checks = call.checks
+        limits = tuple(check.limit for check in checks)
+        admitted, over, consume = decide(checks, counts, limits, self.admit_all)
+        self.redis_decisions += 1
         known = self._known
         if len(known) >= KNOWN_CAP:
+            # Forgetting everything at once only makes a later outage share out whole
+            # limits again for the counters forgotten.
             known.clear()
-        admit_all = self.admit_all
-        for key, check, count in zip(keys, checks, counts, strict=True):
-            spent = admitted and (admit_all or count <= check.limit or check.role is Role.SHADOW)
+        for key, check, count, spent in zip(call.keys, checks, counts, consume, strict=True):
             known[key] = count if spent else count - check.hits
+        return Decision(admitted, over, tuple(counts), limits)
+
+    def _hold(self, call: RedisCall) -> None:
+        """The request was answered by the failure policy while its script may still run."""
+        call.owed = [0] * len(call.checks)
+        call.held = True
+        self.policy.hold(call.keys)
+        self._held.add(call)
+        call.timer = asyncio.get_running_loop().call_later(2 * self.store.background_timeout, self._give_up, call)
+
+    def _late_answer(self, call: RedisCall, counts: list[int]) -> None:
+        """The script ran after the failure policy answered: owe exactly what Redis lacks.
+
+        Redis holds the hits the script consumed; the request was admitted for
+        ``call.spent``. Per check, Redis is owed the difference, less what was owed for
+        this request already (by :meth:`_give_up`): negative when the script consumed
+        hits the failure policy refused, which gives them back.
+        """
+        _, _, consume = decide(call.checks, counts, [check.limit for check in call.checks], self.admit_all)
+        self._unhold(call)
+        self._owe_for(call, [check.hits if spent else 0 for check, spent in zip(call.checks, consume, strict=True)])
+
+    def _give_up(self, call: RedisCall) -> None:
+        """No answer came (the batch failed, or is too late to wait for): owe the admitted hits.
+
+        If the script did run after all, Redis counts those hits twice (errs towards
+        rejecting) unless its answer still arrives, which :meth:`_late_answer` corrects.
+        """
+        if call.held:
+            self._unhold(call)
+            self._owe_for(call, [0] * len(call.checks))
+
+    def _unhold(self, call: RedisCall) -> None:
+        if call.held:
+            call.held = False
+            self.policy.release(call.keys)
+            self._held.discard(call)
+            if call.timer is not None:
+                call.timer.cancel()
+
+    def _owe_for(self, call: RedisCall, consumed: Sequence[int]) -> None:
+        """Make what is owed for ``call`` equal to its admitted hits minus ``consumed``."""
+        for index, (key, deadline, spent, script) in enumerate(
+            zip(call.keys, call.expire_ats, call.spent, consumed, strict=True)
+        ):
+            change = spent - script - call.owed[index]
+            if change and self.policy.owe(key, change, deadline):
+                call.owed[index] += change
+
+    # -- reconciling -------------------------------------------------------------------
 
     async def reconcile(self) -> bool:
-        """Send every owed hit to Redis in one round trip; False if Redis failed (hits kept)."""
+        """Send owed hits and give-backs to Redis; False if Redis failed (they are kept).
+
+        A flush whose reply is lost may or may not have landed: it is sent again with
+        the same sequence number (and nothing newer goes first), and ``flush_once.lua``
+        adds it only if the first attempt did not.
+        """
+        async with self._reconcile_lock:
+            while True:
+                retry = self._unacknowledged is not None
+                flush = self._unacknowledged or self._next_flush()
+                if flush is None:
+                    return True
+                if not await self._send(flush):
+                    return False
+                if not retry:
+                    return True
+
+    def _next_flush(self) -> OwedFlush | None:
         owed = self.policy.drain_admitted()
         if not owed:
-            return True
+            return None
+        self._sequence += 1
+        return OwedFlush(owed, self._sequence)
+
+    async def _send(self, flush: OwedFlush) -> bool:
+        """One idempotent flush; until Redis acknowledges it (even if cancelled), it stays to be resent."""
+        self._unacknowledged = flush
         try:
-            totals = await self.store.flush(owed)
+            totals = await self.store.flush(flush.adds, once=(self.replicas.replica_id, flush.sequence))
         except RedisUnavailable:
-            self.policy.restore(owed)
             return False
-        self.policy.settle(owed)
-        refused = [key for key in owed if key not in totals]
+        self._unacknowledged = None
+        self.policy.settle(flush.adds)
+        refused = [key for key in flush.adds if key not in totals]
         if refused:
-            log.error("owed_hits_refused", keys=len(refused), hits=sum(owed[key][0] for key in refused))
+            log.error("owed_hits_refused", keys=len(refused), hits=sum(flush.adds[key][0] for key in refused))
         return True
 
+    def unreconciled_hits(self) -> int:
+        """Admitted hits Redis may not hold yet: owed, held, or in a flush not acknowledged."""
+        pending = self._unacknowledged
+        unsent = sum(hits for hits, _ in pending.adds.values() if hits > 0) if pending else 0
+        held = sum(sum(call.spent) for call in self._held)
+        return self.policy.owed_hits + unsent + held
+
     async def close(self) -> None:
-        """Leave the replica set, send what is still owed (waiting a little for Redis), close."""
+        """Apply late answers, leave the replica set, send what is still owed, close."""
         if self._reconciler is not None:
             await stop_task(self._reconciler)
+        await asyncio.sleep(0)  # a batch queued in this iteration is sent in the next one
+        await self.batcher.drain()  # late answers correct the ledger before the last flush
+        for call in list(self._held):
+            self._give_up(call)  # its batch failed: no answer will come
         await self.replicas.close()
-        if self.policy.owes():
+        if self.policy.owes() or self._unacknowledged is not None:
             if not await self.store.probe():
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.store.background_timeout):
                         await self.store.wait_available()
             await self.reconcile()
-        (log.warning if self.policy.owed_hits else log.info)(
+        unreconciled = self.unreconciled_hits()
+        (log.warning if unreconciled else log.info)(
             "strict_closed",
             redis_decisions=self.redis_decisions,
             failure_decisions=self.policy.decisions,
-            unreconciled_hits=self.policy.owed_hits,
+            late_answers=self.batcher.late_answers,
+            unreconciled_hits=unreconciled,
+            unreturned_hits=self.policy.owed_give_backs,
             dropped_hits=self.policy.dropped_hits,
             redis_round_trips_request_path=self.store.round_trips_request_path,
             redis_round_trips_background=self.store.round_trips_background,
@@ -162,7 +332,8 @@ class StrictLimiter:
     async def _reconcile_forever(self) -> None:
         """Whenever hits are owed and Redis is available, flush them."""
         while True:
-            await self.policy.wait_owed()
+            if self._unacknowledged is None:
+                await self.policy.wait_owed()
             await self.store.wait_available()
             if not await self.reconcile():
                 # Usually the failed flush marked Redis unavailable and the next wait blocks;

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -130,7 +130,8 @@ class SyncLimiter:
         self._sequence = 0
         self._unacknowledged: FlushBatch | None = None
         self.escalations = 0
-        self.batcher = DecisionBatcher(store, admit_all)
+        self.batcher = DecisionBatcher(store, admit_all, lock=self._flush_lock)
+        """Shares the flush lock: no escalation is in Redis while one of our flushes is."""
         self.local_decisions = 0
         self.failure_decisions = 0
 
@@ -151,6 +152,7 @@ class SyncLimiter:
         for attempt in range(3):
             if not self._has_unflushed():
                 break
+            await self.store.probe()  # Redis may be back while the probe sleeps (up to 1 s)
             await self.sync_once()
             if self._has_unflushed():
                 await asyncio.sleep(0.1 * (attempt + 1))
@@ -180,14 +182,18 @@ class SyncLimiter:
     # -------------------------------------------------------------- the decision
 
     async def check(self, checks: Sequence[Check], now: float) -> Decision:
-        """Decide locally when safe, else escalate to one atomic Redis call."""
+        """Decide locally when safe, else escalate to one atomic Redis call.
+
+        While Redis is known to be down, the failure mode decides everything, so
+        ``closed`` really refuses and ``local`` really enforces the safe share.
+        """
         counters = [self._counter(check, now) for check in checks]
+        if not self.store.available:
+            return self._decide_without_redis(checks, counters)
         decision = self._decide_locally(checks, counters)
         if decision is not None:
             self.local_decisions += 1
             return decision
-        if not self.store.available:
-            return self._decide_without_redis(checks, counters)
         try:
             return await self._escalate(checks, counters)
         except (RedisUnavailable, TimeoutError):
@@ -196,7 +202,7 @@ class SyncLimiter:
     def _decide_locally(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision | None:
         """A decision from local knowledge, or None when Redis must be asked."""
         replicas = self.replicas.live
-        counts = self._would_be(checks, counters, lambda counter: counter.known + counter.unflushed)
+        counts = self._would_be(checks, counters)
         limits = tuple(check.limit for check in checks)
         for check, counter, count in zip(checks, counters, counts, strict=True):
             counter.limit = check.limit
@@ -217,11 +223,23 @@ class SyncLimiter:
         our pending hits so every admitted hit is counted exactly once.
         """
         self.escalations += 1
-        held = self._would_be(checks, counters, lambda counter: counter.unflushed, include_hits=False)
-        adjusted = [check._replace(limit=max(0, check.limit - own)) for check, own in zip(checks, held, strict=True)]
+        held: list[int] = []
+        adjusted: list[Check] = []
+
+        def lowered() -> list[Check]:
+            # Called when the batch is sent, holding the flush lock: none of our flushes is
+            # on the wire, so Redis holds none of our unflushed hits (computed earlier, a
+            # flush could deliver them before the script runs and they would count twice).
+            # Only our own hits: the script adds earlier checks of the same counter itself.
+            held[:] = [counter.unflushed for counter in counters]
+            adjusted[:] = [
+                check._replace(limit=max(0, check.limit - own)) for check, own in zip(checks, held, strict=True)
+            ]
+            return adjusted
+
         counts = await self.batcher.decide(
             [counter.key for counter in counters],
-            adjusted,
+            lowered,
             [counter.expire_at for counter in counters],
             self.request_budget,
             lambda late: self._late_answer(checks, counters, adjusted, late),
@@ -265,7 +283,7 @@ class SyncLimiter:
     def _decide_without_redis(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision:
         """Redis is unreachable: apply the failure mode; admitted hits stay pending."""
         self.failure_decisions += 1
-        counts = self._would_be(checks, counters, lambda counter: counter.known + counter.unflushed)
+        counts = self._would_be(checks, counters)
         if self.failure_mode == "open":
             limits = tuple(max(check.limit, count) for check, count in zip(checks, counts, strict=True))
         elif self.failure_mode == "closed":
@@ -296,19 +314,15 @@ class SyncLimiter:
         return Decision(admitted, over, counts, tuple(max(0, limit) for limit in limits))
 
     @staticmethod
-    def _would_be(
-        checks: Sequence[Check],
-        counters: Sequence[WindowCounter],
-        base: Callable[[WindowCounter], int],
-        include_hits: bool = True,
-    ) -> tuple[int, ...]:
-        """Per check, ``base(counter)`` plus this request's hits (earlier checks of the
-        same counter included, so a counter named twice is not admitted twice)."""
+    def _would_be(checks: Sequence[Check], counters: Sequence[WindowCounter]) -> tuple[int, ...]:
+        """Per check, what this replica knows is admitted plus this request's hits
+        (earlier checks of the same counter included, so a counter named twice is not
+        admitted twice)."""
         extra: dict[int, int] = {}
         values = []
         for check, counter in zip(checks, counters, strict=True):
             before = extra.get(id(counter), 0)
-            values.append(base(counter) + before + (check.hits if include_hits else 0))
+            values.append(counter.known + counter.unflushed + before + check.hits)
             extra[id(counter)] = before + check.hits
         return tuple(values)
 
@@ -425,6 +439,11 @@ class SyncLimiter:
                 # retry a no-op if the first attempt landed, so nothing is counted twice.
                 self._unacknowledged = batch
                 return
+            except asyncio.CancelledError:
+                # Stopped on the wire (close() cancels the flusher): it may or may not have
+                # landed, like a lost reply, so the same batch is sent again.
+                self._unacknowledged = batch
+                raise
             self._unacknowledged = None
             self._apply_flush(batch, totals)
 

@@ -132,9 +132,9 @@ class RedisServer:
         time.sleep(down_for)
         self.start()
 
-    def pause(self, milliseconds: int) -> None:
-        """``CLIENT PAUSE``: every client's commands wait that long (the server stays reachable)."""
-        self.client().execute_command("CLIENT", "PAUSE", milliseconds, "ALL")
+    def pause(self, milliseconds: int, mode: str = "ALL") -> None:
+        """``CLIENT PAUSE``: clients' commands (``WRITE``: writes and scripts only) wait that long."""
+        self.client().execute_command("CLIENT", "PAUSE", milliseconds, mode)
 
     def debug_sleep(self, seconds: float) -> threading.Thread:
         """``DEBUG SLEEP`` in a thread: the whole server blocks, as under a long command."""
