@@ -71,6 +71,8 @@ class WindowCounter:
     growth: float = 0.0
     """EWMA of hits other replicas add between two of our syncs."""
     limit: int = 0
+    own: int = 0
+    """Hits this replica admitted in the window (the ``local`` failure mode's measure)."""
     touched: bool = True
     """Used since the last flush: its total is worth reading back."""
 
@@ -244,7 +246,8 @@ class SyncLimiter:
             self.request_budget,
             lambda late: self._late_answer(checks, counters, adjusted, late),
         )
-        admitted, over, _ = self._learn(checks, counters, adjusted, counts)
+        admitted, over, consume = self._learn(checks, counters, adjusted, counts)
+        self._escalated(checks, counters, consume)
         totals = tuple(count + own for count, own in zip(counts, held, strict=True))
         return Decision(admitted, over, totals, tuple(check.limit for check in checks))
 
@@ -260,6 +263,12 @@ class SyncLimiter:
         for check, counter, count, spent in zip(checks, counters, counts, verdict[2], strict=True):
             counter.known = max(counter.known, count if spent else count - check.hits)
         return verdict
+
+    def _escalated(self, checks: Sequence[Check], counters: Sequence[WindowCounter], consume: Sequence[bool]) -> None:
+        """Hits an answered-in-time escalation admitted are this replica's own hits too."""
+        for check, counter, spent in zip(checks, counters, consume, strict=True):
+            if spent:
+                counter.own += check.hits
 
     def _late_answer(
         self,
@@ -283,17 +292,20 @@ class SyncLimiter:
     def _decide_without_redis(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision:
         """Redis is unreachable: apply the failure mode; admitted hits stay pending."""
         self.failure_decisions += 1
+        if self.failure_mode == "local":
+            # Safe capacity: this replica's own hits in the window stay within its share
+            # of the limit. If every replica does so, the total stays within the limit
+            # whatever each one's stale view of the others, even in a burst where some
+            # escalations were answered and others timed out.
+            replicas = self.replicas.live
+            counts = self._would_be(checks, counters, own=True)
+            limits = tuple(math.ceil(check.limit / replicas) for check in checks)
+            return self._apply(checks, counters, counts, limits)
         counts = self._would_be(checks, counters)
         if self.failure_mode == "open":
             limits = tuple(max(check.limit, count) for check, count in zip(checks, counts, strict=True))
-        elif self.failure_mode == "closed":
-            limits = tuple(-1 for _ in checks)
         else:
-            replicas = self.replicas.live
-            limits = tuple(
-                counter.known + math.ceil(max(0, check.limit - counter.known) / replicas)
-                for check, counter in zip(checks, counters, strict=True)
-            )
+            limits = tuple(-1 for _ in checks)
         return self._apply(checks, counters, counts, limits)
 
     def _apply(
@@ -309,20 +321,22 @@ class SyncLimiter:
             for check, counter, spend in zip(checks, counters, consume, strict=True):
                 if spend and check.hits:
                     counter.pending += check.hits
+                    counter.own += check.hits
                     if counter.pending * 2 >= self.blind_cap(check.limit, self.replicas.live):
                         self._wake.set()
         return Decision(admitted, over, counts, tuple(max(0, limit) for limit in limits))
 
     @staticmethod
-    def _would_be(checks: Sequence[Check], counters: Sequence[WindowCounter]) -> tuple[int, ...]:
-        """Per check, what this replica knows is admitted plus this request's hits
-        (earlier checks of the same counter included, so a counter named twice is not
-        admitted twice)."""
+    def _would_be(checks: Sequence[Check], counters: Sequence[WindowCounter], own: bool = False) -> tuple[int, ...]:
+        """Per check, what this replica knows is admitted (``own``: what it admitted
+        itself) plus this request's hits (earlier checks of the same counter included,
+        so a counter named twice is not admitted twice)."""
         extra: dict[int, int] = {}
         values = []
         for check, counter in zip(checks, counters, strict=True):
             before = extra.get(id(counter), 0)
-            values.append(counter.known + counter.unflushed + before + check.hits)
+            base = counter.own if own else counter.known + counter.unflushed
+            values.append(base + before + check.hits)
             extra[id(counter)] = before + check.hits
         return tuple(values)
 
