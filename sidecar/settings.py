@@ -153,7 +153,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "mode",
         _choice("sync", "strict"),
         "sync",
-        "redis backend: sync (local windows, reconciled off the request path) or strict (one round trip per request)",
+        "redis backend: sync (local windows reconciled off the request path) or strict (an atomic script per request)",
     ),
     Option(
         "sync_interval",

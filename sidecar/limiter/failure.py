@@ -85,16 +85,9 @@ class FailurePolicy:
         keys: Sequence[str],
         expire_ats: Sequence[int],
         now: float,
-        *,
-        known: Mapping[str, int] | None = None,
     ) -> Decision:
-        """Decide one request without Redis; ``keys``/``expire_ats`` are its Redis window keys.
-
-        ``known`` is the last count Redis reported per window key, if the caller kept
-        it: ``local`` mode then shares out only what was left of each limit when Redis
-        went away, instead of the whole limit again.
-        """
-        return self._check(checks, keys, expire_ats, now, known, owe=True)[0]
+        """Decide one request without Redis; ``keys``/``expire_ats`` are its Redis window keys."""
+        return self._check(checks, keys, expire_ats, now, owe=True)[0]
 
     def check_without_owing(
         self,
@@ -102,8 +95,6 @@ class FailurePolicy:
         keys: Sequence[str],
         expire_ats: Sequence[int],
         now: float,
-        *,
-        known: Mapping[str, int] | None = None,
     ) -> tuple[Decision, tuple[int, ...]]:
         """:meth:`check`, but owing nothing: returns the hits admitted per check instead.
 
@@ -111,7 +102,7 @@ class FailurePolicy:
         is owed once it knows whether the script counted the hits (:meth:`owe`), and
         holds the keys meanwhile (:meth:`hold`).
         """
-        return self._check(checks, keys, expire_ats, now, known, owe=False)
+        return self._check(checks, keys, expire_ats, now, owe=False)
 
     def _check(
         self,
@@ -119,13 +110,12 @@ class FailurePolicy:
         keys: Sequence[str],
         expire_ats: Sequence[int],
         now: float,
-        known: Mapping[str, int] | None,
         *,
         owe: bool,
     ) -> tuple[Decision, tuple[int, ...]]:
         self.decisions += 1
         if self.mode == "local":
-            decision = self._decide_locally(checks, keys, now, known)
+            decision = self._decide_locally(checks, now)
         elif self.mode == "open":
             decision = self._open(checks)
         else:
@@ -140,21 +130,25 @@ class FailurePolicy:
                     self._owe(key, hits, expire_at, now)
         return decision, spent
 
-    def _decide_locally(
-        self, checks: Sequence[Check], keys: Sequence[str], now: float, known: Mapping[str, int] | None
-    ) -> Decision:
-        """This replica's share of each limit (of what is left of it), counted in memory per window.
+    def _decide_locally(self, checks: Sequence[Check], now: float) -> Decision:
+        """This replica's share of each limit, counted over all of its own hits of the window.
 
-        Local counts outlive the outage until their window ends, so a second outage in
-        the same window counts the first one's hits twice: it errs towards rejecting.
+        The hits this replica had Redis admit before the outage count too
+        (:meth:`note_admitted`): if every replica keeps its own hits of a window within
+        ``ceil(limit / R)``, the total stays within the limit whatever each one knew of
+        the others. Local counts outlive the outage until their window ends, so a
+        second outage in the same window still sees the first one's hits.
         """
         self._local.instances = max(1, self.live())
-        if known:
-            checks = [
-                check._replace(limit=max(0, check.limit - known.get(key, 0)))
-                for check, key in zip(checks, keys, strict=True)
-            ]
         return self._local.check_now(checks, now)
+
+    def note_admitted(self, checks: Sequence[Check], consume: Sequence[bool], now: float) -> None:
+        """Count hits Redis admitted for this replica against its local share (``local`` mode)."""
+        if self.mode != "local":
+            return
+        for check, spent in zip(checks, consume, strict=True):
+            if spent and check.hits:
+                self._local.record(check.key, check.unit_seconds, check.hits, now)
 
     @staticmethod
     def _open(checks: Sequence[Check]) -> Decision:

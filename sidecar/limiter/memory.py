@@ -88,6 +88,12 @@ class MemoryLimiter:
                     self._add(window, check.key, check.hits)
         return Decision(admitted, over, counts, limits)
 
+    def record(self, key: CounterKey, unit_seconds: int, hits: int, now: float) -> None:
+        """Add hits admitted elsewhere (by Redis) to a counter, without deciding anything."""
+        if now >= self._next_expiry:
+            self._expire(now)
+        self._add((unit_seconds, window_start(now, unit_seconds)), key, hits)
+
     def count(self, key: CounterKey, unit_seconds: int, now: float) -> int:
         """Current count of one counter (0 when absent or expired)."""
         window = self._windows.get((unit_seconds, window_start(now, unit_seconds)))

@@ -50,8 +50,6 @@ log = structlog.get_logger(__name__)
 
 RECONCILE_RETRY = 0.1
 """Seconds between two failed reconciliations while Redis still counts as available."""
-KNOWN_CAP = 100_000
-"""Counters whose last Redis count is remembered (about 15 MB at most)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -106,7 +104,6 @@ class StrictLimiter:
         self._held: set[RedisCall] = set()
         """Abandoned calls whose answer (or failure) has not come yet."""
         """A flush whose reply was lost: sent again, as is, before anything newer."""
-        self._known: dict[str, int] = {}
         """Last count Redis reported per window key, so ``local`` failure mode shares what is left."""
         store.add_listener(policy.on_redis_state)
 
@@ -147,14 +144,12 @@ class StrictLimiter:
             except (TimeoutError, RedisUnavailable):
                 if call.abandoned:
                     # Same step as the timeout, so before any late answer can be applied.
-                    decision, call.spent = self.policy.check_without_owing(
-                        checks, keys, expire_ats, now, known=self._known
-                    )
+                    decision, call.spent = self.policy.check_without_owing(checks, keys, expire_ats, now)
                     self._hold(call)
                     return decision
             else:
-                return self._redis_decision(call, counts)
-        return self.policy.check(checks, keys, expire_ats, now, known=self._known)
+                return self._redis_decision(call, counts, now)
+        return self.policy.check(checks, keys, expire_ats, now)
 
     async def _ask(self, call: RedisCall) -> list[int]:
         """The script's would-be counts, within the request budget.
@@ -191,18 +186,12 @@ class StrictLimiter:
         call.abandoned = False
         return counts
 
-    def _redis_decision(self, call: RedisCall, counts: list[int]) -> Decision:
+    def _redis_decision(self, call: RedisCall, counts: list[int], now: float) -> Decision:
         checks = call.checks
         limits = tuple(check.limit for check in checks)
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
         self.redis_decisions += 1
-        known = self._known
-        if len(known) >= KNOWN_CAP:
-            # Forgetting everything at once only makes a later outage share out whole
-            # limits again for the counters forgotten.
-            known.clear()
-        for key, check, count, spent in zip(call.keys, checks, counts, consume, strict=True):
-            known[key] = count if spent else count - check.hits
+        self.policy.note_admitted(checks, consume, now)
         return Decision(admitted, over, tuple(counts), limits)
 
     def _hold(self, call: RedisCall) -> None:

@@ -223,7 +223,9 @@ async def test_local_mode_enforces_a_share_per_replica_within_budget(own_redis: 
     assert pair[0].policy.owed_hits == 5
 
 
-async def test_local_mode_shares_what_was_left_when_redis_went_away(own_redis: RedisServer, limiters: Factory) -> None:
+async def test_local_mode_counts_each_replicas_own_hits_against_its_share(
+    own_redis: RedisServer, limiters: Factory
+) -> None:
     prefix = fresh_prefix()
     pair = [limiters(own_redis.url, redis_prefix=prefix, redis_timeout=0.2, heartbeat_interval=5) for _ in range(2)]
     await started(*pair)
@@ -235,8 +237,10 @@ async def test_local_mode_shares_what_was_left_when_redis_went_away(own_redis: R
     for replica in pair:
         decisions = [await replica.check([item], time.time()) for _ in range(6)]
         admitted_by.append(sum(decision.admitted for decision in decisions))
-    # Replica 0 last saw 3 of 10 used: ceil(7 / 2) = 4; replica 1 saw 4: ceil(6 / 2) = 3.
-    assert admitted_by == [4, 3]
+    # Each replica had Redis admit 2 of its own; its safe share is ceil(10 / 2) = 5, so
+    # 3 more each: 4 + 6 = 10, exactly the limit (sharing out what each last saw left
+    # would have admitted 4 + 3 more, one over).
+    assert admitted_by == [3, 3]
 
 
 async def test_open_mode_admits_everything_and_owes_it(own_redis: RedisServer, limiters: Factory) -> None:
