@@ -157,6 +157,7 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
         address=settings.grpc_address,
         port=sidecar.port,
         backend=settings.backend,
+        mode=settings.mode if settings.backend == "redis" else None,
         instances=settings.instances,
         shadow_mode=settings.shadow_mode,
         domains=sorted(config.domains),
