@@ -75,6 +75,7 @@ def build_redis_limiter(settings: Settings) -> Limiter:
         failure_mode=settings.redis_failure_mode,
         admit_all=settings.shadow_mode,
         max_overshoot=settings.sync_max_overshoot,
+        max_counters=settings.max_counters,
     )
 
 

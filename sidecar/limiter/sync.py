@@ -70,7 +70,6 @@ class WindowCounter:
     """Sent in a flush that has not been acknowledged yet."""
     growth: float = 0.0
     """EWMA of hits other replicas add between two of our syncs."""
-    limit: int = 0
     own: int = 0
     """Hits this replica admitted in the window (the ``local`` failure mode's measure)."""
     touched: bool = True
@@ -207,7 +206,6 @@ class SyncLimiter:
         counts = self._would_be(checks, counters)
         limits = tuple(check.limit for check in checks)
         for check, counter, count in zip(checks, counters, counts, strict=True):
-            counter.limit = check.limit
             if count > check.limit:
                 continue  # certain: our own knowledge already leaves no room
             cap = self.blind_cap(check.limit, replicas)

@@ -341,3 +341,20 @@ def test_a_flush_whose_reply_was_lost_is_retried_without_counting_twice() -> Non
         assert only_counter(store) == 5
 
     asyncio.run(scenario())
+
+
+def test_a_flood_of_unique_keys_stays_under_the_cap_and_loses_no_hit() -> None:
+    store = SimulatedStore()
+    (limiter,) = cluster(1, store, max_counters=50)
+
+    async def scenario() -> None:
+        for index in range(500):
+            assert (await limiter.check([Check(("rule", f"user-{index}"), 1, 10, 1)], NOW)).admitted
+            if index % 20 == 19:
+                await limiter.sync_once()
+            assert limiter.live_counters <= 50 + 20  # counters with unflushed hits are never evicted
+        await limiter.sync_once()
+
+    asyncio.run(scenario())
+    assert limiter.evictions > 0
+    assert only_counter(store) == 500
