@@ -70,11 +70,9 @@ def command_calls(client: Any) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(entry["calls"]) for name, entry in stats.items()}
 
 
-def digest_map(config_dir: Path, key: str, unit_seconds: int, values: Sequence[str]) -> dict[str, int]:
+def digest_map(config_dir: Path, key: str, values: Sequence[str]) -> dict[str, int]:
     """Counter digest -> value index, computed with the sidecar's own matcher and key code.
 
-    Two digest forms are mapped: the counter key with the window length appended (sync
-    mode's ``_digest_key``) and without it, so a backend using either is recognized.
     Returns an empty map if the sidecar's internals cannot be imported.
     """
     try:
@@ -93,7 +91,6 @@ def digest_map(config_dir: Path, key: str, unit_seconds: int, values: Sequence[s
         match = match_descriptor(domain, [entry])
         if match is None:
             continue
-        mapping[counter_digest((*match.key, str(unit_seconds)))] = index
         mapping[counter_digest(tuple(match.key))] = index
     return mapping
 

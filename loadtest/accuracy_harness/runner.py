@@ -304,7 +304,7 @@ class Run:
         answered = traffic.get("measured_calls", traffic["answered"])
         outcome["cpu"] = cpu_figures(outcome.pop("cpu_raw"), answered)
         if self.watch is not None:
-            digests = digest_map(self.config_dir, scenario.descriptor_key, scenario.unit_seconds, self.values)
+            digests = digest_map(self.config_dir, scenario.descriptor_key, self.values)
             check = analysis.cross_check(self.watch.values, digests, calls, scenario.limit, scenario.unit_seconds)
             outcome["redis_check"] = check | {"polls": self.watch.polls}
             if not self.watch.values and traffic["admitted"]:

@@ -32,7 +32,12 @@ def encode_counter(key: CounterKey) -> bytes:
 
 
 def counter_digest(key: CounterKey) -> str:
-    """Fixed-length hex digest naming a counter in Redis."""
+    """Fixed-length hex digest naming a counter in Redis.
+
+    Every backend names a counter this way, so replicas in sync and strict mode
+    share counters. The window length is part of ``key`` (the rule's ``counter_id``
+    carries it), so a rule whose unit changes on reload starts new counters.
+    """
     return hashlib.blake2b(encode_counter(key), digest_size=DIGEST_BYTES).hexdigest()
 
 

@@ -367,7 +367,7 @@ class SyncLimiter:
         slot = (check.key, check.unit_seconds)
         counter = window.get(slot)
         if counter is None:
-            digest = _digest_key(check.key, check.unit_seconds)
+            digest = counter_digest(check.key)
             counter = WindowCounter(
                 window_key(self.prefix, digest, start), digest, expire_at(start, check.unit_seconds), end
             )
@@ -485,8 +485,3 @@ class SyncLimiter:
             counter.growth = GROWTH_SMOOTHING * others + (1 - GROWTH_SMOOTHING) * counter.growth
             counter.inflight -= sent
             counter.known = max(counter.known, total)
-
-
-def _digest_key(key: CounterKey, unit_seconds: int) -> str:
-    """Digest of a counter and its window length: one Redis hash tag per counter."""
-    return counter_digest((*key, str(unit_seconds)))

@@ -132,8 +132,8 @@ def item(limit: int, hits: int = 1, name: str = "hot", role: Role = Role.ENFORCE
 
 
 def key_of(prefix: str, check: Check, now: float) -> str:
-    """The Redis key sync mode uses: the digest covers the counter key and the window length."""
-    digest = counter_digest((*check.key, str(check.unit_seconds)))
+    """The Redis key both Redis modes use for a counter and window."""
+    digest = counter_digest(check.key)
     return window_key(prefix, digest, window_start(now, check.unit_seconds))
 
 
