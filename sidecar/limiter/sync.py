@@ -26,7 +26,9 @@ The rule for admitting locally (per counter, per window, ``R`` live replicas):
 Bound (see README): escalations are exact against the counts Redis holds, and the
 only hits Redis does not hold are the other replicas' blind hits, at most ``Q`` each,
 so the admitted total per counter and window exceeds the limit by at most
-``(R - 1) * Q <= max_overshoot * limit`` hits.
+``(R - 1) * Q <= max_overshoot * limit`` hits. It holds while Redis answers within
+the request budget (otherwise the failure mode decides) and while the replicas agree
+on ``R`` (a new replica is seen by the others within one heartbeat interval).
 """
 
 from __future__ import annotations
