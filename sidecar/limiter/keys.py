@@ -12,7 +12,6 @@ never carry request data, and every key of one counter shares the hash tag
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 
 from sidecar.limiter.protocol import CounterKey
 
@@ -54,8 +53,3 @@ def expire_at(start: int, unit_seconds: int) -> int:
 def replicas_key(prefix: str) -> str:
     """The sorted set of live replicas (member = replica id, score = last heartbeat)."""
     return f"{prefix}:replicas"
-
-
-def distinct(keys: Iterable[str]) -> list[str]:
-    """Keys in first-seen order without repeats."""
-    return list(dict.fromkeys(keys))

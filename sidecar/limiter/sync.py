@@ -63,7 +63,6 @@ class WindowCounter:
     key: str
     digest: str
     expire_at: int
-    window_end: int
     known: int = 0
     """Global total last read from Redis (includes our flushed hits)."""
     pending: int = 0
@@ -371,7 +370,7 @@ class SyncLimiter:
         if counter is None:
             digest = counter_digest(check.key)
             counter = WindowCounter(
-                window_key(self.prefix, digest, start), digest, expire_at(start, check.unit_seconds), end
+                window_key(self.prefix, digest, start), digest, expire_at(start, check.unit_seconds)
             )
             counter.growth = self._previous_growth.get(digest, 0.0)
             window[slot] = counter
