@@ -229,6 +229,15 @@ class FailurePolicy:
             self._waiters.append(waiter)
             await waiter
 
+    def busy(self, keys: Iterable[str]) -> bool:
+        """Whether hits of one of ``keys`` are on their way to Redis right now.
+
+        A request on such a key must not ask Redis yet: Redis might not have the
+        hits, and this replica would count them as if they were not admitted.
+        """
+        in_flight = self._in_flight
+        return bool(in_flight) and any(key in in_flight for key in keys)
+
     def take(self, keys: Iterable[str]) -> Admitted:
         """Owed hits of ``keys`` only (to send with a request's own script); marks them in flight."""
         if not self._owed:
