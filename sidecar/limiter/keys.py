@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 
 from sidecar.limiter.protocol import CounterKey
+from sidecar.limiter.windows import window_start
 
 DIGEST_BYTES = 16
 EXPIRY_GRACE_SECONDS = 5
@@ -43,6 +44,12 @@ def counter_digest(key: CounterKey) -> str:
 def window_key(prefix: str, digest: str, start: int) -> str:
     """Name of one counter's window: ``prefix:{digest}:start``."""
     return f"{prefix}:{{{digest}}}:{start}"
+
+
+def counter_window(prefix: str, key: CounterKey, unit_seconds: int, now: float) -> tuple[str, int]:
+    """The Redis key of ``key``'s window at ``now`` and the time that key may expire."""
+    start = window_start(now, unit_seconds)
+    return window_key(prefix, counter_digest(key), start), expire_at(start, unit_seconds)
 
 
 def expire_at(start: int, unit_seconds: int) -> int:

@@ -39,11 +39,10 @@ import structlog
 
 from sidecar.limiter.batcher import DecisionBatcher
 from sidecar.limiter.failure import Admitted, FailurePolicy
-from sidecar.limiter.keys import counter_digest, expire_at, window_key
+from sidecar.limiter.keys import counter_window
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
-from sidecar.limiter.windows import window_start
 from sidecar.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -132,11 +131,9 @@ class StrictLimiter:
         """One script call within the budget; the failure policy when Redis cannot answer."""
         if not checks:
             return Decision(True, (), (), ())
-        keys = [
-            window_key(self.prefix, counter_digest(check.key), window_start(now, check.unit_seconds))
-            for check in checks
-        ]
-        expire_ats = [expire_at(window_start(now, check.unit_seconds), check.unit_seconds) for check in checks]
+        windows = [counter_window(self.prefix, check.key, check.unit_seconds, now) for check in checks]
+        keys = [key for key, _ in windows]
+        expire_ats = [expires for _, expires in windows]
         call = RedisCall(keys, checks, expire_ats)
         if self.store.available:
             try:

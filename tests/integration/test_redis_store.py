@@ -23,7 +23,7 @@ from redis_fixtures import (
 )
 from sidecar_harness import free_port
 
-from sidecar.limiter.keys import counter_digest, expire_at, window_key
+from sidecar.limiter.keys import counter_digest, counter_window, expire_at, window_key
 from sidecar.limiter.protocol import Check, Role, decide
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, client_url, same_slot
 from sidecar.limiter.scripts import DECIDE
@@ -69,9 +69,7 @@ def check(limit: int, hits: int = 1, role: Role = Role.ENFORCED, key: str = "k")
 
 def keys_of(store: RedisStore, checks: Sequence[Check], now: float | None = None) -> list[str]:
     moment = time.time() if now is None else now
-    return [
-        window_key(store.prefix, counter_digest(item.key), window_start(moment, item.unit_seconds)) for item in checks
-    ]
+    return [counter_window(store.prefix, item.key, item.unit_seconds, moment)[0] for item in checks]
 
 
 async def ask(store: RedisStore, checks: Sequence[Check], admit_all: bool = False) -> tuple[bool, list[int]]:

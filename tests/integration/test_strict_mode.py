@@ -27,12 +27,11 @@ from redis_fixtures import (
 from sidecar_harness import OK, OVER_LIMIT, SidecarFactory, in_one_window, log_events, request
 
 from sidecar.limiter.failure import FailurePolicy
-from sidecar.limiter.keys import counter_digest, window_key
+from sidecar.limiter.keys import counter_window
 from sidecar.limiter.protocol import Check, Decision, Role
 from sidecar.limiter.redis_store import Pending, RedisStore
 from sidecar.limiter.replicas import Replicas
 from sidecar.limiter.strict import StrictLimiter
-from sidecar.limiter.windows import window_start
 from sidecar.settings import Settings
 
 GENEROUS = 2.0
@@ -89,7 +88,7 @@ def one(limit: int, hits: int = 1, name: str = "hot", role: Role = Role.ENFORCED
 
 def key_of(prefix: str, item: Check, now: float | None = None) -> str:
     moment = time.time() if now is None else now
-    return window_key(prefix, counter_digest(item.key), window_start(moment, item.unit_seconds))
+    return counter_window(prefix, item.key, item.unit_seconds, moment)[0]
 
 
 async def timed(limiter: StrictLimiter, checks: Sequence[Check]) -> tuple[Decision, float]:

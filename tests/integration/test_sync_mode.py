@@ -29,7 +29,7 @@ from redis_fixtures import REDIS_CLI, RedisCluster, RedisServer
 from sidecar_harness import OK, OVER_LIMIT, SidecarFactory, log_events, request, write_config
 
 from sidecar.limiter import sync as sync_module
-from sidecar.limiter.keys import counter_digest, window_key
+from sidecar.limiter.keys import counter_window
 from sidecar.limiter.protocol import Check, Decision, Role
 from sidecar.limiter.sync import SyncLimiter
 from sidecar.limiter.windows import window_start
@@ -133,8 +133,7 @@ def item(limit: int, hits: int = 1, name: str = "hot", role: Role = Role.ENFORCE
 
 def key_of(prefix: str, check: Check, now: float) -> str:
     """The Redis key both Redis modes use for a counter and window."""
-    digest = counter_digest(check.key)
-    return window_key(prefix, digest, window_start(now, check.unit_seconds))
+    return counter_window(prefix, check.key, check.unit_seconds, now)[0]
 
 
 def counter(server: RedisServer, prefix: str, check: Check, now: float) -> int:
