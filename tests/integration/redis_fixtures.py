@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -22,6 +23,8 @@ import pytest
 import redis
 import redis.cluster
 from sidecar_harness import free_port
+
+from sidecar.settings import Settings
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -297,3 +300,21 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
     with running(cluster):
         yield cluster
+
+
+def fresh_prefix(letter: str = "t") -> str:
+    """A key prefix no other test uses, so tests can share one Redis server."""
+    return f"{letter}{uuid.uuid4().hex[:10]}"
+
+
+def redis_settings(url: str, mode: str, budget: float, **overrides: object) -> Settings:
+    """Settings of a Redis-backed sidecar as ``serve`` would build them, for in-process limiters."""
+    values: dict[str, object] = {
+        "config": "unused",
+        "backend": "redis",
+        "mode": mode,
+        "redis_url": url,
+        "redis_timeout": budget,
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]

@@ -23,6 +23,8 @@ from redis_fixtures import (
     ACL_USER,
     RedisCluster,
     RedisServer,
+    fresh_prefix,
+    redis_settings,
 )
 from sidecar_harness import OK, OVER_LIMIT, SidecarFactory, in_one_window, log_events, request
 
@@ -44,21 +46,8 @@ loaded 2-core machine from failing the test."""
 Factory = Callable[..., StrictLimiter]
 
 
-def fresh_prefix() -> str:
-    return f"s{uuid.uuid4().hex[:10]}"
-
-
 def strict_settings(url: str, **overrides: object) -> Settings:
-    values: dict[str, object] = {
-        "config": "unused",
-        "backend": "redis",
-        "mode": "strict",
-        "redis_url": url,
-        "redis_timeout": GENEROUS,
-        "heartbeat_interval": 0.1,
-    }
-    values.update(overrides)
-    return Settings(**values)  # type: ignore[arg-type]
+    return redis_settings(url, "strict", GENEROUS, **{"heartbeat_interval": 0.1, **overrides})
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import REDIS_CLI, RedisCluster, RedisServer
+from redis_fixtures import REDIS_CLI, RedisCluster, RedisServer, fresh_prefix, redis_settings
 from sidecar_harness import OK, OVER_LIMIT, SidecarFactory, log_events, request, write_config
 
 from sidecar.limiter import sync as sync_module
@@ -51,24 +51,11 @@ SETTLE = 10.0
 """Longest wait for reconciliation after an outage (the probe backs off up to 1 s)."""
 
 
-def fresh_prefix() -> str:
-    return f"y{uuid.uuid4().hex[:10]}"
-
-
 def sync_settings(url: str, **overrides: object) -> Settings:
-    values: dict[str, object] = {
-        "config": "unused",
-        "backend": "redis",
-        "mode": "sync",
-        "redis_url": url,
-        "redis_timeout": GENEROUS,
-        # A replica is dead after 3 missed beats: 1.5 s, far beyond any stall of the shared
-        # event loop, so no replica drops out (and enlarges its blind cap) mid-test.
-        "heartbeat_interval": 0.5,
-        "sync_interval": 0.05,
-    }
-    values.update(overrides)
-    return Settings(**values)  # type: ignore[arg-type]
+    # A replica is dead after 3 missed beats: 1.5 s, far beyond any stall of the shared
+    # event loop, so no replica drops out (and enlarges its blind cap) mid-test.
+    defaults: dict[str, object] = {"heartbeat_interval": 0.5, "sync_interval": 0.05}
+    return redis_settings(url, "sync", GENEROUS, **{**defaults, **overrides})
 
 
 class Fleet:
