@@ -93,6 +93,8 @@ class RedisStore:
     ) -> None:
         self.client = client
         self.prefix = prefix
+        self.replicas_key = replicas_key(prefix)
+        """The sorted set of live replicas (heartbeats)."""
         self.request_timeout = request_timeout
         self.background_timeout = background_timeout
         self.cluster = isinstance(client, RedisCluster)
@@ -300,7 +302,12 @@ class RedisStore:
         return replies
 
     async def flush(
-        self, adds: Pending, reads: Sequence[str] = (), *, once: tuple[str, int] | None = None
+        self,
+        adds: Pending,
+        reads: Sequence[str] = (),
+        *,
+        once: tuple[str, int] | None = None,
+        live_since: float | None = None,
     ) -> dict[str, int]:
         """Add ``adds`` (INCRBY, EXPIREAT) and read ``reads`` in one pipeline.
 
@@ -316,6 +323,10 @@ class RedisStore:
         ``once=(owner, sequence)`` makes the adds idempotent (``flush_once.lua``): a
         retry with the same owner, sequence and hits adds nothing if the first attempt
         landed, so a flush whose reply was lost can be sent again safely.
+
+        ``live_since`` also counts the replicas that beat since then, in the same round
+        trip, returned under :attr:`replicas_key`: a replica learns of a new peer within
+        one flush, not one heartbeat interval.
         """
         self._ensure_available()
         read_keys = [key for key in dict.fromkeys(reads) if key not in adds]
@@ -334,13 +345,19 @@ class RedisStore:
                 pipe.execute_command("EVALSHA", FLUSH_ONCE.sha, 2, key, marker, sequence, hits, expire_at)
         for key in read_keys:
             pipe.get(key)
+        if live_since is not None:
+            pipe.zcount(self.replicas_key, live_since, "+inf")
         replies = await self._background(pipe.execute(raise_on_error=False))
         if once is not None and any(isinstance(reply, NoScriptError) for reply in replies):
             await self._probe_once()  # reloads the scripts; NOSCRIPT means that call did not run
-            return await self.flush(adds, reads, once=once)
+            return await self.flush(adds, reads, once=once, live_since=live_since)
+        totals: dict[str, int] = {}
+        if live_since is not None:
+            live = replies.pop()
+            if not isinstance(live, BaseException):
+                totals[self.replicas_key] = int(live)
         stride = 2 if once is None else 1
         add_replies, read_replies = replies[: stride * len(adds) : stride], replies[stride * len(adds) :]
-        totals: dict[str, int] = {}
         for key, reply in zip([*adds, *read_keys], [*add_replies, *read_replies], strict=True):
             if type(reply) is ResponseError:
                 self.refused_hits += adds[key][0] if key in adds else 0
@@ -353,7 +370,7 @@ class RedisStore:
     async def heartbeat(self, replica_id: str, now: float, ttl: float) -> int:
         """Mark this replica alive, forget replicas silent for ``ttl``; returns live replicas (>= 1)."""
         self._ensure_available()
-        key = replicas_key(self.prefix)
+        key = self.replicas_key
         pipe = self.client.pipeline(transaction=False)
         pipe.zadd(key, {replica_id: now})
         pipe.zremrangebyscore(key, "-inf", f"({now - ttl}")
@@ -366,7 +383,7 @@ class RedisStore:
     async def leave(self, replica_id: str) -> None:
         """Remove this replica from the live set (clean shutdown)."""
         self._ensure_available()
-        await self._background(self.client.zrem(replicas_key(self.prefix), replica_id))
+        await self._background(self.client.zrem(self.replicas_key, replica_id))
 
     # -- decide, two ways -------------------------------------------------------------
 

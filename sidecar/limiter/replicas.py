@@ -62,10 +62,20 @@ class Replicas:
             live = await self.store.heartbeat(self.replica_id, self.clock(), self.ttl)
         except RedisUnavailable:
             return self.live
+        self.observe(live)
+        return self.live
+
+    @property
+    def alive_since(self) -> float:
+        """Replicas that beat after this Unix time count as live."""
+        return self.clock() - self.ttl
+
+    def observe(self, live: int) -> None:
+        """Take a live count read elsewhere (a sync flush reads it in the same round trip)."""
+        live = max(1, live)
         if live != self.live:
             log.info("replicas_changed", live=live, previous=self.live, replica_id=self.replica_id)
             self.live = live
-        return live
 
     async def close(self) -> None:
         """Stop beating and leave the set, so the others stop counting us at once."""

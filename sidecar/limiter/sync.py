@@ -28,7 +28,8 @@ only hits Redis does not hold are the other replicas' blind hits, at most ``Q`` 
 so the admitted total per counter and window exceeds the limit by at most
 ``(R - 1) * Q <= max_overshoot * limit`` hits. It holds while Redis answers within
 the request budget (otherwise the failure mode decides) and while the replicas agree
-on ``R`` (a new replica is seen by the others within one heartbeat interval).
+on ``R`` (every flush reads the live count, so a new replica is seen within one
+flush of the others).
 """
 
 from __future__ import annotations
@@ -445,7 +446,8 @@ class SyncLimiter:
             adds = {key: (hits, counter.expire_at) for key, (counter, hits) in batch.sent.items()}
             once = (self.replicas.replica_id, batch.sequence)
             try:
-                totals = await self.store.flush(adds, [counter.key for counter in batch.reads], once=once)
+                reads = [counter.key for counter in batch.reads]
+                totals = await self.store.flush(adds, reads, once=once, live_since=self.replicas.alive_since)
             except RedisUnavailable:
                 # The adds may or may not have landed: send exactly this batch again (same
                 # sequence number) until Redis acknowledges it; flush_once.lua makes the
@@ -458,6 +460,9 @@ class SyncLimiter:
                 self._unacknowledged = batch
                 raise
             self._unacknowledged = None
+            live = totals.pop(self.store.replicas_key, None)
+            if live is not None:
+                self.replicas.observe(live)
             self._apply_flush(batch, totals)
 
     def _prepare_flush(self) -> FlushBatch:

@@ -28,6 +28,8 @@ KEY = ("rule", "value")
 class SimulatedStore:
     """Counts in a dict; ``decide`` and ``flush`` behave like the Redis scripts."""
 
+    replicas_key = "rls:replicas"
+
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
         self.markers: dict[tuple[str, str], int] = {}
@@ -77,8 +79,11 @@ class SimulatedStore:
         reads: Sequence[str],
         *,
         once: tuple[str, int] | None = None,
+        live_since: float | None = None,
     ) -> dict[str, int]:
-        """INCRBY each add once per (owner, sequence), as flush_once.lua does."""
+        """INCRBY each add once per (owner, sequence), as flush_once.lua does.
+
+        Membership is fixed (:class:`FixedReplicas`), so ``live_since`` reads nothing."""
         self._round_trip(False)
         for key, (hits, _) in adds.items():
             marker = (key, once[0] if once else "")
@@ -109,9 +114,14 @@ class SimulatedStore:
 class FixedReplicas:
     """Replica membership with a fixed live count."""
 
+    alive_since = 0.0
+
     def __init__(self, live: int) -> None:
         self.live = live
         self.replica_id = f"replica-{id(self)}"
+
+    def observe(self, live: int) -> None:
+        """The count is fixed; a simulated store never reports another."""
 
     async def start(self) -> None:
         """No heartbeats in a simulation."""
