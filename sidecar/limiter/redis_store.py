@@ -333,16 +333,7 @@ class RedisStore:
         if not adds and not read_keys:
             return {}
         pipe = self.client.pipeline(transaction=False)
-        for key, (hits, expire_at) in adds.items():
-            if once is None:
-                pipe.incrby(key, hits)
-                pipe.expireat(key, expire_at)
-            else:
-                owner, sequence = once
-                # execute_command, not pipe.evalsha: redis-py blocks the evalsha method on
-                # Cluster pipelines, though it routes EVALSHA by its keys like any command.
-                marker = f"{key}:flushed:{owner}"
-                pipe.execute_command("EVALSHA", FLUSH_ONCE.sha, 2, key, marker, sequence, hits, expire_at)
+        self._queue_adds(pipe, adds, once)
         for key in read_keys:
             pipe.get(key)
         if live_since is not None:
@@ -366,6 +357,20 @@ class RedisStore:
             else:
                 totals[key] = int(reply or 0)
         return totals
+
+    @staticmethod
+    def _queue_adds(pipe: Any, adds: Pending, once: tuple[str, int] | None) -> None:
+        """INCRBY + EXPIREAT per key, or one idempotent ``flush_once.lua`` call per key."""
+        for key, (hits, expire_at) in adds.items():
+            if once is None:
+                pipe.incrby(key, hits)
+                pipe.expireat(key, expire_at)
+            else:
+                owner, sequence = once
+                # execute_command, not pipe.evalsha: redis-py blocks the evalsha method on
+                # Cluster pipelines, though it routes EVALSHA by its keys like any command.
+                marker = f"{key}:flushed:{owner}"
+                pipe.execute_command("EVALSHA", FLUSH_ONCE.sha, 2, key, marker, sequence, hits, expire_at)
 
     async def heartbeat(self, replica_id: str, now: float, ttl: float) -> int:
         """Mark this replica alive, forget replicas silent for ``ttl``; returns live replicas (>= 1)."""
