@@ -83,8 +83,13 @@ def render(
     *,
     failure_mode_deny: bool | None = None,
     timeout_seconds: float | None = None,
+    ratelimit: bool = True,
 ) -> dict[str, Any]:
-    """``template`` with every address on 127.0.0.1 at ``ports`` (and the filter options given)."""
+    """``template`` with every address on 127.0.0.1 at ``ports`` (and the filter options given).
+
+    ``ratelimit=False`` removes the rate-limit filter: the baseline for measuring what
+    the filter adds to a request's latency.
+    """
     config: dict[str, Any] = yaml.safe_load(template.read_text())
     resources = config["static_resources"]
     _point(config["admin"]["address"], ports.admin)
@@ -97,6 +102,9 @@ def render(
         limiter["failure_mode_deny"] = failure_mode_deny
     if timeout_seconds is not None:
         limiter["timeout"] = f"{timeout_seconds:g}s"
+    if not ratelimit:
+        manager = ingress_manager(config, template)
+        manager["http_filters"] = [item for item in manager["http_filters"] if item["name"] != RATELIMIT_FILTER]
     return config
 
 
@@ -120,12 +128,15 @@ class EnvoyProcess(Child):
         *,
         failure_mode_deny: bool | None = None,
         timeout_seconds: float | None = None,
+        ratelimit: bool = True,
         concurrency: int = 1,
     ) -> None:
         self.ports = ports
         self.url = f"http://127.0.0.1:{ports.listen}"
         self.config_path = directory / f"{name}.yaml"
-        config = render(template, ports, failure_mode_deny=failure_mode_deny, timeout_seconds=timeout_seconds)
+        config = render(
+            template, ports, failure_mode_deny=failure_mode_deny, timeout_seconds=timeout_seconds, ratelimit=ratelimit
+        )
         directory.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         argv = [

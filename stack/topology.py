@@ -1,0 +1,127 @@
+"""The whole local stack: one redis-server and, per replica, an upstream app, a sidecar and an Envoy.
+
+Replica ``i`` is a pod as in production: Envoy ``i`` sends its rate-limit calls to
+sidecar ``i`` and its traffic to app ``i``. With Redis the sidecars share every limit
+(``sync`` mode unless told otherwise); without it each runs the embedded backend with
+``--instances R`` (limit / R each), and :attr:`Stack.backend_note` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stack.components import REDIS_SERVER, RedisProcess, SidecarProcess, UpstreamProcess
+from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
+from stack.processes import REPO, ProcessGroup, StartError, free_port, port_free
+
+EXAMPLE_CONFIG = REPO / "examples" / "config"
+
+
+def preferred_port(port: int | None) -> int:
+    """``port`` when it is given and free on loopback, else any free port."""
+    return port if port and port_free(port) else free_port()
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    """What to start. Ports left at None are picked free; preferred ones fall back to free ones."""
+
+    replicas: int = 2
+    use_redis: bool = True
+    mode: str = "sync"
+    config: Path = EXAMPLE_CONFIG
+    envoy_template: Path = ENVOY_CONFIGS / "front.yaml"
+    sidecar_args: Sequence[str] = ()
+    failure_mode_deny: bool | None = None
+    envoy_ports: Sequence[int] = ()
+    """Preferred listen ports of the Envoys (the demo asks for 10000, 10001, ...)."""
+
+
+@dataclass
+class Replica:
+    """One pod's worth of processes."""
+
+    app: UpstreamProcess
+    sidecar: SidecarProcess
+    envoy: EnvoyProcess
+
+
+@dataclass
+class Stack:
+    """The running processes, and why the backend is what it is."""
+
+    group: ProcessGroup
+    redis: RedisProcess | None
+    replicas: list[Replica] = field(default_factory=list)
+    backend_note: str = ""
+
+    @property
+    def envoy_urls(self) -> list[str]:
+        return [replica.envoy.url for replica in self.replicas]
+
+
+def _start_redis(group: ProcessGroup, directory: Path) -> tuple[RedisProcess | None, str]:
+    """redis-server, or None and the reason when it is missing or will not start."""
+    if not Path(REDIS_SERVER).exists() and shutil.which("redis-server") is None:
+        return None, "redis-server is not installed"
+    redis = RedisProcess(directory)
+    group.start(redis)
+    try:
+        redis.wait_ready()
+    except StartError as error:
+        return None, f"redis-server did not start ({str(error).splitlines()[0]})"
+    return redis, ""
+
+
+def _serve_args(options: StackOptions, redis: RedisProcess | None) -> list[str]:
+    args = ["--config", str(options.config), *options.sidecar_args]
+    if redis is not None:
+        return [*args, "--backend", "redis", "--redis-url", redis.url, "--mode", options.mode]
+    return [*args, "--backend", "memory", "--instances", str(options.replicas)]
+
+
+def _backend_note(options: StackOptions, redis: RedisProcess | None, reason: str) -> str:
+    if redis is not None:
+        return f"{options.replicas} sidecars in {options.mode} mode sharing redis-server at {redis.url}"
+    why = reason or "Redis was not asked for"
+    return (
+        f"{why}: embedded in-memory backend, each of the {options.replicas} sidecars "
+        f"enforces limit / {options.replicas} (--instances {options.replicas})"
+    )
+
+
+def start(group: ProcessGroup, directory: Path, options: StackOptions) -> Stack:
+    """Start everything in dependency order and wait until each part serves."""
+    redis, reason = _start_redis(group, directory) if options.use_redis else (None, "")
+    stack = Stack(group=group, redis=redis, backend_note=_backend_note(options, redis, reason))
+    apps, sidecars = [], []
+    for index in range(1, options.replicas + 1):
+        apps.append(group.start(UpstreamProcess(f"app-{index}", directory)))
+        sidecars.append(group.start(SidecarProcess(f"sidecar-{index}", _serve_args(options, redis), directory)))
+    for child in (*apps, *sidecars):
+        child.wait_ready()
+    for index, (app, sidecar) in enumerate(zip(apps, sidecars, strict=True)):
+        wanted = options.envoy_ports[index] if index < len(options.envoy_ports) else None
+        ports = EnvoyPorts(listen=preferred_port(wanted), admin=free_port(), app=app.port, ratelimit=sidecar.port)
+        envoy = EnvoyProcess(
+            f"envoy-{index + 1}", options.envoy_template, ports, directory, failure_mode_deny=options.failure_mode_deny
+        )
+        stack.replicas.append(Replica(app=app, sidecar=sidecar, envoy=envoy))
+        group.start(envoy)
+    for replica in stack.replicas:
+        replica.envoy.wait_ready()
+    return stack
+
+
+@contextlib.contextmanager
+def running_stack(directory: Path, options: StackOptions) -> Iterator[Stack]:
+    """:func:`start` inside a process group that stops everything on exit."""
+    group = ProcessGroup()
+    try:
+        yield start(group, directory, options)
+    finally:
+        group.close()
