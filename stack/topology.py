@@ -56,6 +56,8 @@ class Stack:
 
     group: ProcessGroup
     redis: RedisProcess | None
+    mode: str
+    """``sync`` or ``strict`` with Redis; ``local`` on the embedded backend."""
     replicas: list[Replica] = field(default_factory=list)
     backend_note: str = ""
 
@@ -97,7 +99,8 @@ def _backend_note(options: StackOptions, redis: RedisProcess | None, reason: str
 def start(group: ProcessGroup, directory: Path, options: StackOptions) -> Stack:
     """Start everything in dependency order and wait until each part serves."""
     redis, reason = _start_redis(group, directory) if options.use_redis else (None, "")
-    stack = Stack(group=group, redis=redis, backend_note=_backend_note(options, redis, reason))
+    mode = options.mode if redis is not None else "local"
+    stack = Stack(group=group, redis=redis, mode=mode, backend_note=_backend_note(options, redis, reason))
     apps, sidecars = [], []
     for index in range(1, options.replicas + 1):
         apps.append(group.start(UpstreamProcess(f"app-{index}", directory)))

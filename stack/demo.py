@@ -1,0 +1,259 @@
+"""The local demo: the whole stack on 127.0.0.1 and a scripted run through both Envoys.
+
+Run through ``scripts/demo`` (which sets everything up first). It starts redis-server,
+two sidecars in sync mode sharing it, two Envoys (``envoy/front.yaml``) each calling
+its own sidecar, two sample upstream apps, and HAProxy when its config is shipped;
+then it sends requests through both Envoys, shows where the 429s start and the
+``x-ratelimit-*`` headers, and prints admitted vs limit per limit. Without Redis it
+runs on the embedded backend and says so. Ctrl-C (or SIGTERM) stops every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import math
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.settings import Settings
+from stack.processes import REPO, StartError
+from stack.topology import Stack, StackOptions, running_stack
+
+LOG_DIR = REPO / ".run" / "demo"
+RATELIMIT_HEADERS = ("x-envoy-ratelimited", "x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset")
+
+
+@dataclass
+class Reply:
+    """One HTTP answer: which Envoy gave it, its status and the rate-limit headers."""
+
+    envoy: int
+    status: int
+    headers: dict[str, str]
+
+
+class Clients:
+    """One keep-alive HTTP connection per Envoy; requests alternate between them."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.connections = [http.client.HTTPConnection(url.removeprefix("http://"), timeout=5) for url in urls]
+
+    def send(self, index: int, method: str, path: str, headers: dict[str, str]) -> Reply:
+        envoy = index % len(self.connections)
+        connection = self.connections[envoy]
+        try:
+            connection.request(method, path, headers=headers)
+            response = connection.getresponse()
+        except (OSError, http.client.HTTPException):
+            connection.close()  # Envoy closed the idle connection: reconnect once
+            connection.request(method, path, headers=headers)
+            response = connection.getresponse()
+        response.read()
+        kept = {name: value for name, value in response.getheaders() if name.lower() in RATELIMIT_HEADERS}
+        return Reply(envoy + 1, response.status, kept)
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+
+
+@dataclass
+class Step:
+    """One scripted burst and the limit it is meant to reach."""
+
+    title: str
+    limit_label: str
+    expected: int | None
+    """Admitted hits the limit allows for this burst (None: all of them, nothing enforced)."""
+    method: str
+    path: str
+    headers: dict[str, str]
+    count: int
+    unit_seconds: int
+    replies: list[Reply] = field(default_factory=list)
+
+    @property
+    def admitted(self) -> int:
+        return sum(reply.status == 200 for reply in self.replies)
+
+
+def steps() -> list[Step]:
+    """The tour: each step uses its own client address, so steps never share a counter."""
+    return [
+        Step(
+            "One client address, 30 requests within one second, alternating between the Envoys",
+            "remote_address: 20/second per address",
+            20, "GET", "/", {"x-forwarded-for": "203.0.113.7"}, 30, 1,
+        ),
+        Step(
+            "API key 'alice': 12 requests (x-api-key header) on /api",
+            "per_api_key: 10/minute per key",
+            10, "GET", "/api/items", {"x-forwarded-for": "203.0.113.8", "x-api-key": "alice"}, 12, 60,
+        ),
+        Step(
+            "Premium key 'premium-bob': 12 requests; its own limit, and it replaces the route cap",
+            "premium_key: 100/minute per key",
+            None, "GET", "/api/items", {"x-forwarded-for": "203.0.113.9", "x-api-key": "premium-bob"}, 12, 60,
+        ),
+        Step(
+            "Writes: 8 POSTs within one second",
+            "header_match=write: 5/second",
+            5, "POST", "/orders", {"x-forwarded-for": "203.0.113.10"}, 8, 1,
+        ),
+        Step(
+            "Login attempts: 5 in a minute; the 3/minute limit is in shadow mode (counted, never enforced)",
+            "login_attempts: 3/minute (shadow)",
+            None, "POST", "/login", {"x-forwarded-for": "203.0.113.11"}, 5, 60,
+        ),
+    ]  # fmt: skip
+
+
+def wait_for_fresh_window(unit_seconds: int, needed: float = 2.0) -> None:
+    """Sleep to the next second (so per-second counters start from zero, whatever the
+    step before spent), and to the next window when fewer than ``needed`` seconds are
+    left in this one: a burst is counted in one window (aligned to the Unix clock)."""
+    now = time.time()
+    left = unit_seconds - now % unit_seconds
+    time.sleep((left if left < needed else 1 - now % 1) + 0.01)
+
+
+def run_step(clients: Clients, step: Step) -> None:
+    wait_for_fresh_window(step.unit_seconds)
+    step.replies = [clients.send(index, step.method, step.path, step.headers) for index in range(step.count)]
+
+
+def describe_step(step: Step) -> list[str]:
+    """What a user should see: admitted per Envoy, the first 429 and its headers."""
+    per_envoy = {}
+    for reply in step.replies:
+        sent, admitted = per_envoy.get(reply.envoy, (0, 0))
+        per_envoy[reply.envoy] = (sent + 1, admitted + (reply.status == 200))
+    spread = ", ".join(f"envoy-{envoy} {admitted}/{sent}" for envoy, (sent, admitted) in sorted(per_envoy.items()))
+    lines = [f"  {step.count} requests -> {step.admitted} admitted ({spread})"]
+    rejected = [index for index, reply in enumerate(step.replies) if reply.status == 429]
+    if rejected:
+        first = step.replies[rejected[0]]
+        lines.append(f"  first 429 at request {rejected[0] + 1} (through envoy-{first.envoy}); its headers:")
+        shown = first
+    else:
+        lines.append("  no 429; headers of the last response:")
+        shown = step.replies[-1]
+    lines += [f"    {name}: {shown.headers[name]}" for name in RATELIMIT_HEADERS if name in shown.headers]
+    return lines
+
+
+def overshoot_bound(mode: str, limit: int, replicas: int) -> int:
+    """Hits a mode may admit beyond ``limit`` across ``replicas`` (README, accuracy):
+    sync ``(R - 1) * Q`` with the default 5 % overshoot; local (``--instances R``) each
+    replica enforces ``ceil(limit / R)``; strict none."""
+    if replicas <= 1 or mode == "strict":
+        return 0
+    if mode == "local":
+        return replicas * math.ceil(limit / replicas) - limit
+    return (replicas - 1) * math.floor(Settings.sync_max_overshoot * limit / (replicas - 1))
+
+
+def verdict(step: Step, allowed: int, mode: str, bound: int) -> str:
+    if step.admitted == allowed:
+        return "exact"
+    if allowed < step.admitted <= allowed + bound:
+        return f"within {mode} mode's bound (+{bound})"
+    return "DIFFERS from the config"
+
+
+def summary(done: Sequence[Step], stack: Stack) -> list[str]:
+    """One line per limit: admitted vs what the limit allows for that burst."""
+    lines = ["", "Summary (admitted vs what the limit allows, per burst):"]
+    for step in done:
+        allowed = step.count if step.expected is None else step.expected
+        bound = overshoot_bound(stack.mode, allowed, len(stack.replicas)) if step.expected is not None else 0
+        lines.append(
+            f"  {step.limit_label:<40} admitted {step.admitted:>3} of {step.count:<3} allowed {allowed:<3} "
+            + verdict(step, allowed, stack.mode, bound)
+        )
+    return lines
+
+
+def tour(stack: Stack) -> list[Step]:
+    """Send the scripted traffic through the Envoys and print what happened."""
+    clients = Clients(stack.envoy_urls)
+    done = []
+    try:
+        for number, step in enumerate(steps(), start=1):
+            run_step(clients, step)
+            print(f"\n{number}. {step.title}")
+            print("\n".join(describe_step(step)))
+            done.append(step)
+    finally:
+        clients.close()
+    print("\n".join(summary(done, stack)))
+    return done
+
+
+def describe_stack(stack: Stack) -> Iterator[str]:
+    """Where everything listens, and curl lines to try."""
+    if stack.redis is not None:
+        yield f"  redis-server   {stack.redis.url}"
+    for replica in stack.replicas:
+        yield (
+            f"  {replica.envoy.label:<14} {replica.envoy.url}  (admin 127.0.0.1:{replica.envoy.ports.admin})"
+            f" -> {replica.sidecar.label} {replica.sidecar.address} -> {replica.app.label} :{replica.app.port}"
+        )
+    yield f"  backend        {stack.backend_note}"
+    yield f"  logs           {LOG_DIR.relative_to(REPO)}/"
+    first = stack.envoy_urls[0]
+    yield ""
+    yield "Point curl at either Envoy, for example:"
+    yield f"  curl -i {first}/api/items -H 'x-api-key: alice'"
+    yield f"  curl -i {first}/ -H 'x-forwarded-for: 198.51.100.1'"
+    yield f"  curl -i -X POST {first}/orders"
+
+
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--once", action="store_true", help="run the scripted tour and stop")
+    parser.add_argument("--no-redis", action="store_true", help="use the embedded in-memory backend")
+    parser.add_argument("--replicas", type=int, default=2, help="pods to start (default 2)")
+    return parser.parse_args(argv)
+
+
+def raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    signal.signal(signal.SIGTERM, raise_interrupt)
+    shutil.rmtree(LOG_DIR, ignore_errors=True)
+    LOG_DIR.mkdir(parents=True)
+    options = StackOptions(
+        replicas=arguments.replicas,
+        use_redis=not arguments.no_redis,
+        envoy_ports=[10000 + index for index in range(arguments.replicas)],
+    )
+    print("Starting the local stack on 127.0.0.1 ...", flush=True)
+    try:
+        with running_stack(LOG_DIR, options) as stack:
+            print("\n".join(describe_stack(stack)), flush=True)
+            tour(stack)
+            if not arguments.once:
+                print("\nEverything keeps running. Ctrl-C stops it.", flush=True)
+                while True:
+                    signal.pause()  # until SIGINT or SIGTERM raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    except StartError as error:
+        print(f"demo: {error}", file=sys.stderr)
+        return 1
+    print("\nDemo stopped; every process it started has exited.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
