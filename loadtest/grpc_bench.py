@@ -891,7 +891,12 @@ def compare_servers(arguments: argparse.Namespace, server_cpus: tuple[int, ...] 
             "sidecar",
             [sys.executable, "-m", "sidecar", "serve", "--config", config_path(arguments.config)],
             server_cpus,
-            env={"RLS_LOG_LEVEL": "warning", "RLS_LOG_FORMAT": "json", "RLS_SHUTDOWN_GRACE": "1"},
+            env={
+                "RLS_LOG_LEVEL": "warning",
+                "RLS_LOG_FORMAT": "json",
+                "RLS_SHUTDOWN_GRACE": "1",
+                "RLS_METRICS_ADDRESS": "",  # its port may be taken; metrics are still recorded
+            },
         )
     )
     for spin in parse_numbers(arguments.calibrate_us):

@@ -12,10 +12,13 @@ import structlog
 import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, ProcessCollector
 
+from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, RateLimitConfig, load_config
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
+from sidecar.metrics import RuleStats, ServiceStats, SidecarCollector
 from sidecar.service import SERVICE_NAME, RateLimitService, add_to_server
 from sidecar.settings import Settings
 
@@ -101,14 +104,28 @@ def ensure_bindable(address: str) -> None:
 
 
 class Sidecar:
-    """A running gRPC server with its service, health and limiter."""
+    """A running gRPC server with its service, health, limiter and admin endpoint."""
 
     def __init__(self, settings: Settings, config: RateLimitConfig, limiter: Limiter) -> None:
         self.settings = settings
-        self.service = RateLimitService(config, limiter)
+        self.stats = ServiceStats(rules=RuleStats(near_ratio=settings.near_limit_ratio))
+        self.stats.config_loaded(config.digest)
+        debug = settings.log_level == "debug"
+        self.service = RateLimitService(
+            config, limiter, stats=self.stats, log_every=settings.request_log_sample if debug else 0
+        )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.port = 0
+        self.serving = False
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SidecarCollector(self.stats, self.service.limiter.snapshot))
+        ProcessCollector(registry=self.registry)
+        self.admin = AdminEndpoint(
+            self.registry,
+            lambda: config_json(self.service.config, self.stats.config_loaded_at),
+            lambda: self.serving,
+        )
 
     async def start(self) -> None:
         """Bind, start serving, and only then report SERVING."""
@@ -123,16 +140,24 @@ class Sidecar:
             raise StartupError(f"cannot listen on {address}: {error} (port in use?)") from None
         if self.port == 0:
             raise StartupError(f"cannot listen on {address} (port in use?)")
+        if self.settings.metrics_address:
+            try:
+                await self.admin.start(self.settings.metrics_address)
+            except OSError as error:
+                raise StartupError(f"cannot listen on {self.settings.metrics_address}: {error.strerror}") from None
         await self.service.limiter.start()
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.serving = True
 
     async def drain(self) -> None:
         """NOT_SERVING first, then let in-flight calls finish within the grace period."""
+        self.serving = False
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.settings.shutdown_grace)
         await self.service.limiter.close()
+        await self.admin.close()
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> Callable[[], None]:
@@ -157,6 +182,7 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
         "sidecar_started",
         address=settings.grpc_address,
         port=sidecar.port,
+        metrics_address=settings.metrics_address or None,
         backend=settings.backend,
         mode=settings.mode if settings.backend == "redis" else None,
         instances=settings.instances,
@@ -177,6 +203,8 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
 def serve(settings: Settings) -> None:
     """Load the config and serve on uvloop; raises :class:`StartupError` on failure."""
     ensure_bindable(settings.grpc_address)
+    if settings.metrics_address:
+        ensure_bindable(settings.metrics_address)
     try:
         config = load_config(settings.config)
     except ConfigError as error:

@@ -8,6 +8,7 @@ the response. It awaits only the limiter; everything else is plain computation.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from time import perf_counter
 from typing import Any, NamedTuple
 
 import grpc
@@ -20,6 +21,7 @@ from sidecar.config.match import Match, match_descriptor
 from sidecar.config.model import RateLimitConfig, RateLimitRule
 from sidecar.limiter.protocol import Check, Decision, Limiter, Role
 from sidecar.limiter.windows import Clock, Unit, seconds_until_reset, system_clock
+from sidecar.metrics import ServiceStats
 from sidecar.validate import request_problem
 
 log = structlog.get_logger(__name__)
@@ -37,6 +39,13 @@ class Applied(NamedTuple):
     rule: RateLimitRule
     check: int | None
     """Index into the request's checks; None for unlimited rules, which count nothing."""
+    stats: list[int] | None = None
+    """The rule's metric counts (per request values with ``detailed_metric``)."""
+
+
+def detailed_stat_key(domain: str, descriptor: Any) -> str:
+    """``domain.key_value...`` with the request's own values, for ``detailed_metric`` rules."""
+    return ".".join([domain, *(f"{e.key}_{e.value}" if e.value else e.key for e in descriptor.entries)])
 
 
 def override_rule(domain: str, descriptor: Any) -> Match:
@@ -47,7 +56,7 @@ def override_rule(domain: str, descriptor: Any) -> Match:
     """
     unit = Unit(descriptor.limit.unit)
     entries = [part for entry in descriptor.entries for part in (entry.key, entry.value)]
-    stat = ".".join([domain, *(f"{e.key}_{e.value}" if e.value else e.key for e in descriptor.entries)])
+    stat = detailed_stat_key(domain, descriptor)
     counter_id = f"override\0{domain}\0{unit.seconds}"
     rule = RateLimitRule(
         domain=domain,
@@ -84,26 +93,47 @@ def drop_replaced(matches: list[Match | None]) -> list[Match | None]:
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     """Answers ``ShouldRateLimit`` from the current config and a limiter backend."""
 
-    def __init__(self, config: RateLimitConfig, limiter: Limiter, clock: Clock = system_clock) -> None:
+    def __init__(
+        self,
+        config: RateLimitConfig,
+        limiter: Limiter,
+        clock: Clock = system_clock,
+        stats: ServiceStats | None = None,
+        log_every: int = 0,
+    ) -> None:
         self.config = config
         """Swapped as a whole on reload; the handler reads it once per request."""
         self.limiter = limiter
         self.clock = clock
+        self.stats = stats or ServiceStats()
+        self.log_every = log_every
+        """Log one decision in this many at debug level; 0 logs none (and costs nothing)."""
         self._messages = MessageCache()
 
     async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
         """The RPC: INVALID_ARGUMENT for bad input, INTERNAL (logged) for our own faults."""
+        stats = self.stats
         if request is None:
+            stats.error("undecodable")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid RateLimitRequest message")
         problem = request_problem(request)
         if problem is not None:
+            stats.error("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        started = perf_counter()
         try:
-            return await self.decide(request)
+            response = await self.decide(request)
         except Exception:
             log.exception("decision_failed", domain=request.domain)
+        else:
+            stats.latency.observe(perf_counter() - started)
+            stats.requests += 1
+            if response.overall_code == OVER_LIMIT:
+                stats.over_limit_requests += 1
+            return response
+        stats.error("internal")
         await context.abort(grpc.StatusCode.INTERNAL, "internal error deciding the request; see sidecar logs")
 
     async def decide(self, request: Any) -> Any:
@@ -129,11 +159,29 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         if not checks:
             return self._respond(applied, None, now, True)
         decision = await self.limiter.check(checks, now)
+        self._record(checks, applied, decision)
+        if self.log_every and self.stats.requests % self.log_every == 0:
+            log_decision(request, checks, decision)
         return self._respond(applied, decision, now, decision.admitted)
 
-    @staticmethod
-    def _checks(request: Any, matches: Sequence[Match | None]) -> tuple[list[Check], list[Applied | None]]:
+    def _record(self, checks: Sequence[Check], applied: Sequence[Applied | None], decision: Decision) -> None:
+        """Per-rule metrics: plain integer additions, read only when Prometheus scrapes."""
+        record = self.stats.rules.record
+        for item in applied:
+            if item is not None and item.stats is not None and item.check is not None:
+                index = item.check
+                record(
+                    item.stats,
+                    checks[index].hits,
+                    decision.over[index],
+                    shadow=item.rule.shadow_mode,
+                    count=decision.counts[index],
+                    limit=decision.limits[index],
+                )
+
+    def _checks(self, request: Any, matches: Sequence[Match | None]) -> tuple[list[Check], list[Applied | None]]:
         default_hits = request.hits_addend or 1
+        rule_stats = self.stats.rules
         checks: list[Check] = []
         applied: list[Applied | None] = []
         for descriptor, match in zip(request.descriptors, matches, strict=True):
@@ -145,7 +193,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 applied.append(Applied(rule, None))
                 continue
             hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
-            applied.append(Applied(rule, len(checks)))
+            stat_key = detailed_stat_key(rule.domain, descriptor) if rule.detailed_metric else rule.stat_key
+            applied.append(Applied(rule, len(checks), rule_stats.row(stat_key, rule.domain)))
             checks.append(Check(match.key, rule.unit_seconds, rule.requests_per_unit, hits, role_of(rule)))
         return checks, applied
 
@@ -166,6 +215,19 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     duration_until_reset=self._messages.duration(seconds_until_reset(now, rule.unit_seconds)),
                 )
         return response
+
+
+def log_decision(request: Any, checks: Sequence[Check], decision: Decision) -> None:
+    """One sampled request at debug level: enough to see what a client sends and gets."""
+    log.debug(
+        "decision",
+        domain=request.domain,
+        descriptors=[[(entry.key, entry.value) for entry in item.entries] for item in request.descriptors],
+        admitted=decision.admitted,
+        counts=list(decision.counts),
+        limits=list(decision.limits),
+        hits=[check.hits for check in checks],
+    )
 
 
 class MessageCache:

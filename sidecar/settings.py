@@ -74,6 +74,10 @@ def _address(text: str) -> str:
     return text
 
 
+def _optional_address(text: str) -> str:
+    return _address(text) if text.strip() else ""
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         lowered = text.strip().lower()
@@ -192,6 +196,24 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         10.0,
         "seconds in-flight calls get to finish on SIGTERM/SIGINT",
     ),
+    Option(
+        "metrics_address",
+        _optional_address,
+        "127.0.0.1:9090",
+        "plain HTTP for /metrics (Prometheus), /config and /healthz; empty turns it off",
+    ),
+    Option(
+        "near_limit_ratio",
+        _fraction,
+        0.8,
+        "a hit counts as near_limit in the metrics once its counter reaches this fraction of the limit",
+    ),
+    Option(
+        "request_log_sample",
+        _positive_int,
+        100,
+        "at --log-level debug, log one decision in this many (1 = every request)",
+    ),
     Option("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
     Option(
         "log_format",
@@ -222,6 +244,9 @@ class Settings:
     redis_prefix: str = "rls"
     heartbeat_interval: float = 1.0
     shutdown_grace: float = 10.0
+    metrics_address: str = "127.0.0.1:9090"
+    near_limit_ratio: float = 0.8
+    request_log_sample: int = 100
     log_level: str = "info"
     log_format: str = "auto"
 

@@ -62,7 +62,14 @@ class SidecarProcess(Child):
     def __init__(self, name: str, serve_args: Sequence[str], directory: Path, port: int = 0) -> None:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "sidecar", "serve", *serve_args, "--grpc-address", self.address]
+        self.metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
+        """``/metrics``, ``/config`` and ``/healthz`` of this sidecar."""
+        argv = [
+            sys.executable, "-m", "sidecar", "serve", *serve_args,
+            "--grpc-address", self.address,
+            "--metrics-address", f"127.0.0.1:{self.metrics_port}",
+        ]  # fmt: skip
         env = {key: value for key, value in os.environ.items() if not key.startswith("RLS_")}
         super().__init__(name, argv, directory / f"{name}.log", env=env)
 

@@ -174,6 +174,8 @@ class Sidecar(Child):
             self.address,
             "--log-format",
             "json",
+            "--metrics-address",
+            "",
         ]
         super().__init__(f"sidecar-{index}", argv, directory / f"sidecar-{index}.log")
 

@@ -32,6 +32,7 @@ import structlog
 
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, MemoryLimiter
 from sidecar.limiter.protocol import Check, Decision, Role, decide
+from sidecar.metrics import LimiterSnapshot
 
 log = structlog.get_logger(__name__)
 
@@ -170,6 +171,10 @@ class FailurePolicy:
             ),
             tuple(check.limit for check in checks),
         )
+
+    def local_snapshot(self) -> LimiterSnapshot:
+        """Counters of the local failure-mode limiter (the only counters strict mode holds)."""
+        return self._local.snapshot()
 
     # -- what Redis is owed ------------------------------------------------------------
 

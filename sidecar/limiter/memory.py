@@ -16,6 +16,7 @@ import structlog
 
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
 from sidecar.limiter.windows import window_start
+from sidecar.metrics import LimiterSnapshot
 
 log = structlog.get_logger(__name__)
 
@@ -98,6 +99,9 @@ class MemoryLimiter:
         """Current count of one counter (0 when absent or expired)."""
         window = self._windows.get((unit_seconds, window_start(now, unit_seconds)))
         return window.get(key, 0) if window else 0
+
+    def snapshot(self) -> LimiterSnapshot:
+        return LimiterSnapshot(counters=self.live_counters, evictions=self.evictions)
 
     async def start(self) -> None:
         """Nothing runs in the background: expiry happens on the request path."""

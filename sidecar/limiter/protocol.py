@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from sidecar.metrics import LimiterSnapshot
 
 CounterKey = tuple[str, ...]
 """Identity of one counter without its window: rule identity plus the request's values.
@@ -76,6 +79,10 @@ class Limiter(Protocol):
 
     async def close(self) -> None:
         """Release resources; backends with pending state flush it first."""
+        ...
+
+    def snapshot(self) -> LimiterSnapshot:
+        """Numbers for the metrics endpoint, read when Prometheus scrapes."""
         ...
 
 

@@ -43,6 +43,7 @@ from sidecar.limiter.keys import counter_window
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
+from sidecar.metrics import LimiterSnapshot
 from sidecar.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -278,6 +279,18 @@ class StrictLimiter:
         if refused:
             log.error("owed_hits_refused", keys=len(refused), hits=sum(flush.adds[key][0] for key in refused))
         return True
+
+    def snapshot(self) -> LimiterSnapshot:
+        local = self.policy.local_snapshot()
+        return LimiterSnapshot(
+            counters=local.counters,
+            evictions=local.evictions,
+            redis_up=self.store.available,
+            replicas=self.replicas.live,
+            round_trips_request_path=self.store.round_trips_request_path,
+            round_trips_background=self.store.round_trips_background,
+            pending_hits=self.unreconciled_hits(),
+        )
 
     def unreconciled_hits(self) -> int:
         """Admitted hits Redis may not hold yet: owed, held, or in a flush not acknowledged."""

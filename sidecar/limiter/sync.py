@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
 from sidecar.limiter.windows import Clock, system_clock, window_start
+from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
 
 log = structlog.get_logger(__name__)
 
@@ -133,6 +135,8 @@ class SyncLimiter:
         self._sequence = 0
         self._unacknowledged: FlushBatch | None = None
         self.escalations = 0
+        self.flush_seconds = Buckets(FLUSH_SECONDS_BUCKETS)
+        self.flush_keys = Buckets(FLUSH_KEYS_BUCKETS)
         self.batcher = DecisionBatcher(store, admit_all, lock=self._flush_lock)
         """Shares the flush lock: no escalation is in Redis while one of our flushes is."""
         self.local_decisions = 0
@@ -400,6 +404,19 @@ class SyncLimiter:
         """Counters currently tracked."""
         return self._live
 
+    def snapshot(self) -> LimiterSnapshot:
+        return LimiterSnapshot(
+            counters=self._live,
+            evictions=self.evictions,
+            redis_up=self.store.available,
+            replicas=self.replicas.live,
+            round_trips_request_path=self.store.round_trips_request_path,
+            round_trips_background=self.store.round_trips_background,
+            pending_hits=sum(counter.unflushed for counter in self._all_counters()),
+            flush_seconds=self.flush_seconds,
+            flush_keys=self.flush_keys,
+        )
+
     def _evict(self) -> None:
         """Over the cap: forget counters Redis already holds, window ending first.
 
@@ -445,8 +462,10 @@ class SyncLimiter:
                 return
             adds = {key: (hits, counter.expire_at) for key, (counter, hits) in batch.sent.items()}
             once = (self.replicas.replica_id, batch.sequence)
+            reads = [counter.key for counter in batch.reads]
+            self.flush_keys.observe(len(adds) + len(reads))
+            started = time.perf_counter()
             try:
-                reads = [counter.key for counter in batch.reads]
                 totals = await self.store.flush(adds, reads, once=once, live_since=self.replicas.alive_since)
             except RedisUnavailable:
                 # The adds may or may not have landed: send exactly this batch again (same
@@ -460,6 +479,7 @@ class SyncLimiter:
                 self._unacknowledged = batch
                 raise
             self._unacknowledged = None
+            self.flush_seconds.observe(time.perf_counter() - started)
             live = totals.pop(self.store.replicas_key, None)
             if live is not None:
                 self.replicas.observe(live)

@@ -86,8 +86,12 @@ def free_port() -> int:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment without any ``RLS_*`` variable, plus ``extra``."""
+    """The test's environment without any ``RLS_*`` variable, plus ``extra``.
+
+    The metrics endpoint is off unless ``extra`` asks for it: its default port is one
+    per machine, and tests run many sidecars at once."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("RLS_")}
+    env["RLS_METRICS_ADDRESS"] = ""
     env.update(extra)
     return env
 
