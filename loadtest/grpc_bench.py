@@ -1145,6 +1145,20 @@ class AbortingContext:
         raise RuntimeError(f"abort {code}: {details}")
 
 
+def unmetered_service(config: Any) -> Any:
+    """The service with metric recording switched off: prices what recording costs."""
+    from sidecar.limiter.memory import MemoryLimiter
+    from sidecar.service import RateLimitService
+
+    class Unmetered(RateLimitService):  # type: ignore[misc]
+        def _record(self, *_: Any) -> None:
+            """No per-rule counts."""
+
+    service = Unmetered(config, MemoryLimiter())
+    service.stats.latency.observe = lambda _: None  # no latency histogram either
+    return service
+
+
 async def measure_inproc(config: Any, requests: Sequence[Any], repeat: int) -> dict[str, float]:
     """Median over ``repeat`` passes of each step's cost, each pass on a fresh limiter."""
     from sidecar.limiter.memory import MemoryLimiter
@@ -1169,10 +1183,16 @@ async def measure_inproc(config: Any, requests: Sequence[Any], repeat: int) -> d
                 functools.partial(RateLimitService(config, MemoryLimiter()).ShouldRateLimit, context=context),
                 requests,
             ),
+            "handler without recording metrics": await per_await(
+                functools.partial(unmetered_service(config).ShouldRateLimit, context=context), requests
+            ),
         }
         for name, value in figures.items():
             samples.setdefault(name, []).append(value)
     result = {name: statistics.median(values[1:]) for name, values in samples.items()}
+    result["metrics recording (handler - without)"] = (
+        result["ShouldRateLimit handler (validate + decide)"] - result["handler without recording metrics"]
+    )
     over = sum(1 for r in responses if r.overall_code == rls_pb2.RateLimitResponse.OVER_LIMIT)
     result["share OVER_LIMIT"] = over / len(requests)
     return result
