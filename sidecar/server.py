@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, RateLimitConfig, load_config
+from sidecar.config.reload import ConfigReloader, rule_count
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
 from sidecar.metrics import RuleStats, ServiceStats, SidecarCollector
@@ -126,6 +127,14 @@ class Sidecar:
             lambda: config_json(self.service.config, self.stats.config_loaded_at),
             lambda: self.serving,
         )
+        self.reloader = ConfigReloader(
+            settings.config, lambda: self.service.config, self._install, self.stats.config_refused
+        )
+
+    def _install(self, config: RateLimitConfig) -> None:
+        """Swap the config the request path reads (one assignment: no request sees half of it)."""
+        self.service.config = config
+        self.stats.config_loaded(config.digest)
 
     async def start(self) -> None:
         """Bind, start serving, and only then report SERVING."""
@@ -160,13 +169,15 @@ class Sidecar:
         await self.admin.close()
 
 
-def _install_signal_handlers(stop: asyncio.Event) -> Callable[[], None]:
+def _install_signal_handlers(stop: asyncio.Event, reload: Callable[[], None]) -> Callable[[], None]:
+    """SIGTERM/SIGINT stop, SIGHUP reloads the config."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload)
 
     def remove() -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
 
     return remove
@@ -175,8 +186,15 @@ def _install_signal_handlers(stop: asyncio.Event) -> Callable[[], None]:
 async def run(settings: Settings, config: RateLimitConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain."""
     stop = asyncio.Event()
-    remove_handlers = _install_signal_handlers(stop)
     sidecar = Sidecar(settings, config, build_limiter(settings))
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def reload_on_sighup() -> None:
+        task = asyncio.get_running_loop().create_task(sidecar.reloader.reload("SIGHUP"))
+        reloads.add(task)  # keep a reference until it is done
+        task.add_done_callback(reloads.discard)
+
+    remove_handlers = _install_signal_handlers(stop, reload_on_sighup)
     await sidecar.start()
     log.info(
         "sidecar_started",
@@ -188,7 +206,7 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
         instances=settings.instances,
         shadow_mode=settings.shadow_mode,
         domains=sorted(config.domains),
-        rules=sum(len(domain.rules) for domain in config.domains.values()),
+        rules=rule_count(config),
         config_digest=config.digest[:12],
     )
     try:
@@ -210,5 +228,5 @@ def serve(settings: Settings) -> None:
     except ConfigError as error:
         hint = f"run 'ratelimit-sidecar check-config {settings.config}' to list every issue"
         raise StartupError(f"{error}; {hint}") from None
-    log.info("config_loaded", files=len(config.files), domains=sorted(config.domains))
+    log.info("config_loaded", files=len(config.files), domains=sorted(config.domains), rules=rule_count(config))
     uvloop.run(run(settings, config))

@@ -197,6 +197,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "seconds in-flight calls get to finish on SIGTERM/SIGINT",
     ),
     Option(
+        "watch_config",
+        _bool,
+        True,
+        "reload the config when its file or directory changes (Kubernetes ConfigMap updates too); SIGHUP always reloads",
+    ),
+    Option(
         "metrics_address",
         _optional_address,
         "127.0.0.1:9090",
@@ -244,6 +250,7 @@ class Settings:
     redis_prefix: str = "rls"
     heartbeat_interval: float = 1.0
     shutdown_grace: float = 10.0
+    watch_config: bool = True
     metrics_address: str = "127.0.0.1:9090"
     near_limit_ratio: float = 0.8
     request_log_sample: int = 100
