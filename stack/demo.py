@@ -205,6 +205,8 @@ def describe_stack(stack: Stack) -> Iterator[str]:
             f"  {replica.envoy.label:<14} {replica.envoy.url}  (admin 127.0.0.1:{replica.envoy.ports.admin})"
             f" -> {replica.sidecar.label} {replica.sidecar.address} -> {replica.app.label} :{replica.app.port}"
         )
+    sidecars = ", ".join(f"{replica.sidecar.metrics_url}/metrics" for replica in stack.replicas)
+    yield f"  metrics        {sidecars} (also /config, /healthz)"
     yield f"  backend        {stack.backend_note}"
     yield f"  logs           {LOG_DIR.relative_to(REPO)}/"
     first = stack.envoy_urls[0]
