@@ -40,6 +40,31 @@ def share_of_limit(limit: int, instances: int) -> int:
     return math.ceil(limit / instances) if instances > 1 else limit
 
 
+class EvictionLog:
+    """Logs counter evictions at most once per interval: a flood of unique values must
+    not flood the logs as well."""
+
+    def __init__(self, max_counters: int, interval: float = EVICTION_LOG_INTERVAL) -> None:
+        self.max_counters = max_counters
+        self.interval = interval
+        self._unlogged = 0
+        self._last = -math.inf
+
+    def note(self, evicted: int, total: int) -> None:
+        self._unlogged += evicted
+        now = time.monotonic()
+        if self._unlogged and now - self._last >= self.interval:
+            log.warning(
+                "counters_evicted",
+                evicted=self._unlogged,
+                total_evictions=total,
+                max_counters=self.max_counters,
+                hint="raise --max-counters or look for a flood of unique descriptor values",
+            )
+            self._unlogged = 0
+            self._last = now
+
+
 class MemoryLimiter:
     """Fixed-window counters held in memory, with expiry and a cap on live counters."""
 
@@ -63,8 +88,7 @@ class MemoryLimiter:
         self._next_expiry = math.inf
         self._on_evict = on_evict
         self.evictions = 0
-        self._evictions_unlogged = 0
-        self._last_eviction_log = -math.inf
+        self._eviction_log = EvictionLog(max_counters)
 
     @property
     def live_counters(self) -> int:
@@ -154,6 +178,7 @@ class MemoryLimiter:
         unique values; evictions are counted and logged at most once a minute.
         """
         excess = self._live - self.max_counters
+        evicted = 0
         while excess > 0:
             oldest = min(self._windows, key=lambda window: window[1] + window[0])
             counters = self._windows[oldest]
@@ -162,22 +187,9 @@ class MemoryLimiter:
                 excess -= 1
                 self._live -= 1
                 self.evictions += 1
-                self._evictions_unlogged += 1
+                evicted += 1
             if not counters:
                 del self._windows[oldest]
         if self._on_evict is not None:
             self._on_evict(self.evictions)
-        self._log_evictions()
-
-    def _log_evictions(self) -> None:
-        now = time.monotonic()
-        if now - self._last_eviction_log >= EVICTION_LOG_INTERVAL:
-            log.warning(
-                "counters_evicted",
-                evicted=self._evictions_unlogged,
-                total_evictions=self.evictions,
-                max_counters=self.max_counters,
-                hint="raise --max-counters or look for a flood of unique descriptor values",
-            )
-            self._evictions_unlogged = 0
-            self._last_eviction_log = now
+        self._eviction_log.note(evicted, self.evictions)

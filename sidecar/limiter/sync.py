@@ -45,7 +45,7 @@ import structlog
 
 from sidecar.limiter.batcher import DecisionBatcher
 from sidecar.limiter.keys import counter_digest, expire_at, window_key
-from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
+from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, EvictionLog
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
@@ -122,6 +122,7 @@ class SyncLimiter:
         self.max_overshoot = max_overshoot
         self.max_counters = max_counters
         self.evictions = 0
+        self._eviction_log = EvictionLog(max_counters)
         self.clock = clock
         self._windows: dict[int, dict[tuple[CounterKey, int], WindowCounter]] = {}
         """Counters by window end, then by (counter key, unit): ended windows are dropped
@@ -424,6 +425,7 @@ class SyncLimiter:
         a forgotten counter is re-read from Redis by the next decision that needs it
         (it starts at ``known = 0`` and the reserve/escalation path corrects it).
         """
+        before = self.evictions
         for end in sorted(self._windows):
             window = self._windows[end]
             for slot in [slot for slot, counter in window.items() if counter.unflushed == 0]:
@@ -431,7 +433,11 @@ class SyncLimiter:
                 self._live -= 1
                 self.evictions += 1
                 if self._live <= self.max_counters * 9 // 10:
-                    return
+                    break
+            else:
+                continue
+            break
+        self._eviction_log.note(self.evictions - before, self.evictions)
 
     def _all_counters(self) -> list[WindowCounter]:
         return [counter for window in self._windows.values() for counter in window.values()]
