@@ -389,3 +389,22 @@ def test_enforced_counters_never_pass_their_limit(steps):
             stored = limiter.count((key,), UNITS[key], now)
             assert stored <= limit
             assert stored == before[key] + (spent[key] if fits else 0)
+
+
+def test_eviction_bursts_are_logged_at_most_once_per_interval() -> None:
+    from structlog.testing import capture_logs
+
+    from sidecar.limiter.memory import EvictionLog
+
+    eviction_log = EvictionLog(max_counters=10, interval=3600)
+    with capture_logs() as logs:
+        eviction_log.note(5, 5)
+        eviction_log.note(7, 12)
+        eviction_log.note(0, 12)
+    assert [(entry["event"], entry["evicted"], entry["total_evictions"]) for entry in logs] == [
+        ("counters_evicted", 5, 5)
+    ]
+    eviction_log.interval = 0
+    with capture_logs() as logs:
+        eviction_log.note(1, 13)
+    assert [(entry["evicted"], entry["total_evictions"]) for entry in logs] == [(8, 13)], "held-back ones are reported"
