@@ -200,7 +200,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "watch_config",
         _bool,
         True,
-        "reload the config when its file or directory changes (Kubernetes ConfigMap updates too); SIGHUP always reloads",
+        "reload the config when its file or directory changes (ConfigMap updates too); SIGHUP always reloads",
     ),
     Option(
         "metrics_address",

@@ -59,7 +59,7 @@ def test_metrics_count_rule_hits_requests_and_config(start_sidecar: SidecarFacto
 
 def test_invalid_requests_are_counted_by_kind(start_sidecar: SidecarFactory, config_dir: Path) -> None:
     sidecar, port = with_admin(start_sidecar, config_dir)
-    with pytest.raises(Exception, match="INVALID_ARGUMENT|domain"):
+    with pytest.raises(Exception, match=r"INVALID_ARGUMENT|domain"):
         sidecar.ask(request("", [("per_minute", "x")]))
     _, _, text = get(port, "/metrics")
     assert metric(text, "ratelimit_sidecar_request_errors_total", kind="invalid_argument") == 1

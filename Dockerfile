@@ -1,0 +1,97 @@
+# syntax=docker/dockerfile:1
+#
+# ratelimit-sidecar: the Envoy RateLimitService next to every app pod.
+#
+#   docker build -t ratelimit-sidecar:0.1.0 .                                     # the sidecar (default target)
+#   docker build -t ratelimit-sidecar-demo-upstream:0.1.0 --target demo-upstream .  # the demo app (compose)
+#   docker run --rm -v "$PWD/examples/config:/etc/ratelimit/config:ro" ratelimit-sidecar:0.1.0
+#
+# Stages:
+#   builder        pip wheel: the project and every dependency as wheels, installed into
+#                  /opt/venv (a venv without pip). Every dependency ships manylinux wheels
+#                  for CPython 3.11 (grpcio, uvloop, hiredis, protobuf, PyYAML), so no
+#                  compiler is installed anywhere; if one is ever needed, it goes here.
+#   runtime        slim Python, a non-root user and the venv copied from builder, nothing else.
+#   demo-upstream  runtime + stack/upstream.py, the sample app of the compose demo.
+#   sidecar        runtime + how to run the sidecar. Last, so it is what a plain build gives.
+#
+# Configuration: every `serve` flag has an RLS_* environment variable (README,
+# Configuration reference). The descriptor config is read from the directory
+# RLS_CONFIG=/etc/ratelimit/config: mount a directory of *.yaml files (a Kubernetes
+# ConfigMap, a bind mount) there. No config is baked in: a sidecar without one
+# refuses to start rather than enforce limits nobody chose.
+#
+# Listening: gRPC on 127.0.0.1:8081 (the default). In a pod, Envoy shares the pod's
+# network namespace, so loopback is right and nothing else can call the service.
+# Set RLS_GRPC_ADDRESS=0.0.0.0:8081 only when Envoy runs in another network
+# namespace. 9090 is the metrics/admin HTTP port (/metrics, /config, /healthz;
+# RLS_METRICS_ADDRESS, loopback by default as well).
+
+FROM python:3.11-slim-bookworm AS builder
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+WORKDIR /src
+# Only what setuptools needs to build the wheel (.dockerignore keeps the rest out).
+COPY pyproject.toml README.md ./
+COPY sidecar ./sidecar
+
+# The venv has no pip and no setuptools: the builder's pip installs into it.
+RUN pip wheel --wheel-dir /wheels . \
+    && python -m venv --without-pip /opt/venv \
+    && pip --python /opt/venv/bin/python install --no-index --find-links /wheels /wheels/ratelimit_sidecar-*.whl
+
+
+FROM python:3.11-slim-bookworm AS runtime
+
+LABEL org.opencontainers.image.title="ratelimit-sidecar" \
+      org.opencontainers.image.description="Envoy RateLimitService sidecar: wall-clock fixed windows, replicas kept consistent through Redis" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+
+# A fixed numeric UID/GID, so Kubernetes' runAsNonRoot can check it without /etc/passwd.
+RUN groupadd --system --gid 10001 ratelimit \
+    && useradd --system --uid 10001 --gid ratelimit --no-create-home --home-dir /nonexistent \
+       --shell /usr/sbin/nologin ratelimit
+
+COPY --from=builder /opt/venv /opt/venv
+
+USER 10001:10001
+
+
+# The sample upstream app of the compose demo (answers 200 "hello from <name>").
+# stack/ is not part of the wheel; upstream.py needs only the standard library and uvloop.
+FROM runtime AS demo-upstream
+
+WORKDIR /opt/demo
+COPY stack/__init__.py stack/upstream.py ./stack/
+
+EXPOSE 8080
+HEALTHCHECK --interval=5s --timeout=3s --start-period=5s --retries=3 \
+    CMD ["python", "-c", "import socket; socket.create_connection(('127.0.0.1', 8080), timeout=2).close()"]
+ENTRYPOINT ["python", "-m", "stack.upstream"]
+CMD ["--host", "0.0.0.0", "--port", "8080", "--name", "app"]
+
+
+# The sidecar: the default target.
+FROM runtime AS sidecar
+
+ENV RLS_CONFIG=/etc/ratelimit/config
+
+# 8081: gRPC (RateLimitService, grpc.health.v1, reflection). 9090: metrics/admin HTTP.
+# Both are the defaults of RLS_GRPC_ADDRESS and RLS_METRICS_ADDRESS (a test checks).
+EXPOSE 8081 9090
+
+# Exit 0 only when the health service reports SERVING (config loaded, not draining).
+# It dials 127.0.0.1:8081; if you move the gRPC port, change --address here too.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
+    CMD ["ratelimit-sidecar", "health", "--address", "127.0.0.1:8081"]
+
+# Exec form: the sidecar is PID 1 and gets SIGTERM itself (drain, flush to Redis, exit 0).
+ENTRYPOINT ["ratelimit-sidecar"]
+CMD ["serve"]
