@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import time
 from collections.abc import Callable
 
 import grpc
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, RateLimitConfig, load_config
 from sidecar.config.reload import ConfigReloader, rule_count
+from sidecar.config.watch import ConfigWatcher
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
 from sidecar.metrics import RuleStats, ServiceStats, SidecarCollector
@@ -35,6 +37,10 @@ SERVER_OPTIONS = [
     # same port silently and split Envoy's traffic between two unrelated counters.
     ("grpc.so_reuseport", 0),
 ]
+
+
+DRAIN_QUIET = 0.1
+"""On SIGTERM, serving stops once no call has arrived for this long (the callers have stopped)."""
 
 
 class StartupError(Exception):
@@ -127,6 +133,8 @@ class Sidecar:
             lambda: config_json(self.service.config, self.stats.config_loaded_at),
             lambda: self.serving,
         )
+        self.watcher: ConfigWatcher | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self.reloader = ConfigReloader(
             settings.config, lambda: self.service.config, self._install, self.stats.config_refused
         )
@@ -159,14 +167,48 @@ class Sidecar:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
+        if self.settings.watch_config:
+            await self._watch_config()
+
+    async def _watch_config(self) -> None:
+        """Reload on every change under the config path, from now on."""
+        self.watcher = ConfigWatcher(self.settings.config, self._reload_on_change)
+        self._watch_task = asyncio.get_running_loop().create_task(self.watcher.run(), name="config-watch")
+        await self.watcher.ready.wait()
+        # A change between the startup load and the watch being armed has no event: look once.
+        await self.reloader.reload("watch")
+
+    async def _reload_on_change(self) -> None:
+        await self.reloader.reload("watch")
 
     async def drain(self) -> None:
-        """NOT_SERVING first, then let in-flight calls finish within the grace period."""
+        """NOT_SERVING, keep answering until calls stop coming, then stop and flush.
+
+        ``grpc.aio``'s ``server.stop(grace)`` cancels every call gRPC has received but
+        not yet handed to a handler, and an open health Watch stream would hold it for
+        the whole grace. So the server keeps answering (health says NOT_SERVING) until
+        no call has arrived for :data:`DRAIN_QUIET` and none is in flight, bounded by
+        ``--shutdown-grace``; only then does it stop, cutting what is left (streams).
+        """
         self.serving = False
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.settings.shutdown_grace)
+        if self.watcher is not None and self._watch_task is not None:
+            self.watcher.stop()
+            await self._watch_task
+        deadline = time.monotonic() + self.settings.shutdown_grace
+        await self._wait_until_quiet(deadline)
+        await self.server.stop(0)
         await self.service.limiter.close()
         await self.admin.close()
+
+    async def _wait_until_quiet(self, deadline: float) -> None:
+        stats = self.service.stats
+        while time.monotonic() < deadline:
+            seen = stats.requests + sum(stats.errors.values())
+            await asyncio.sleep(min(DRAIN_QUIET, max(0.0, deadline - time.monotonic())))
+            arrived = stats.requests + sum(stats.errors.values()) != seen
+            if not arrived and self.service.in_flight == 0:
+                return
 
 
 def _install_signal_handlers(stop: asyncio.Event, reload: Callable[[], None]) -> Callable[[], None]:

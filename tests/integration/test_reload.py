@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import time
 import urllib.request
@@ -89,3 +91,52 @@ def test_a_broken_config_is_refused_and_the_last_good_one_stays(
         text = reply.read().decode()
     assert 'ratelimit_sidecar_config_loads_total{result="error"} 1.0' in text
     assert sidecar.alive()
+
+
+def test_editing_the_file_reloads_without_a_signal(start_sidecar: SidecarFactory, config_dir: Path) -> None:
+    sidecar, port = started(start_sidecar, config_dir)
+    before = active_digest(port)
+    (config_dir / "reload.yaml").write_text(CHANGED)
+    event = wait_for_event(sidecar, "config_reloaded")
+    assert event["trigger"] == "watch"
+    assert active_digest(port) != before
+    assert codes(sidecar, "changed", "d", 3) == [OK, OK, OVER_LIMIT]
+
+
+def configmap_mount(directory: Path, text: str) -> None:
+    """A volume as the kubelet writes a ConfigMap: ``..data`` -> a timestamped dir, and
+    ``reload.yaml -> ..data/reload.yaml``."""
+    directory.mkdir()
+    version = directory / "..2026_11_21_00_00_00.000000001"
+    version.mkdir()
+    (version / "reload.yaml").write_text(text)
+    (directory / "..data").symlink_to(version.name)
+    (directory / "reload.yaml").symlink_to("..data/reload.yaml")
+
+
+def kubelet_update(directory: Path, text: str, stamp: str) -> None:
+    """The kubelet's atomic update: new dir, ``..data_tmp`` symlink, rename over ``..data``,
+    old dir removed."""
+    old = (directory / "..data").resolve()
+    version = directory / f"..2026_11_21_00_00_{stamp}"
+    version.mkdir()
+    (version / "reload.yaml").write_text(text)
+    (directory / "..data_tmp").symlink_to(version.name)
+    os.rename(directory / "..data_tmp", directory / "..data")
+    shutil.rmtree(old)
+
+
+def test_a_configmap_update_reloads(start_sidecar: SidecarFactory, tmp_path: Path) -> None:
+    mount = tmp_path / "configmap"
+    configmap_mount(mount, BASE)
+    sidecar, port = started(start_sidecar, mount)
+    before = active_digest(port)
+    assert codes(sidecar, "kept", "e", 2) == [OK, OK]
+    kubelet_update(mount, CHANGED, "01.000000002")
+    wait_for_event(sidecar, "config_reloaded")
+    assert active_digest(port) != before
+    assert codes(sidecar, "changed", "e", 3) == [OK, OK, OVER_LIMIT]
+    assert codes(sidecar, "kept", "e", 4) == [OK, OK, OK, OVER_LIMIT], "2 spent before the update still count"
+    kubelet_update(mount, BROKEN, "02.000000003")
+    wait_for_event(sidecar, "config_reload_refused")
+    assert codes(sidecar, "changed", "f", 3) == [OK, OK, OVER_LIMIT], "the last good config stays"
