@@ -108,6 +108,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self.stats = stats or ServiceStats()
         self.log_every = log_every
         """Log one decision in this many at debug level; 0 logs none (and costs nothing)."""
+        self.in_flight = 0
+        """Valid calls being decided right now; the drain waits for them."""
         self._messages = MessageCache()
 
     async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
@@ -123,6 +125,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             stats.error("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         started = perf_counter()
+        self.in_flight += 1
         try:
             response = await self.decide(request)
         except Exception:
@@ -133,6 +136,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             if response.overall_code == OVER_LIMIT:
                 stats.over_limit_requests += 1
             return response
+        finally:
+            self.in_flight -= 1
         stats.error("internal")
         await context.abort(grpc.StatusCode.INTERNAL, "internal error deciding the request; see sidecar logs")
 
