@@ -1,4 +1,4 @@
-"""Command line: ``serve``, ``check-config``, ``query`` and ``health``.
+"""Command line: ``serve``, ``check-config``, ``query``, ``health`` and ``export-haproxy``.
 
 Failures an operator can fix (bad config, port in use, bad flag) end with one line
 on stderr and a non-zero exit, never a traceback.
@@ -15,6 +15,7 @@ import grpc
 from sidecar import __version__
 from sidecar.client import build_request, describe, health_status, query
 from sidecar.config import ConfigError, load_config
+from sidecar.haproxy import ExportError, add_export_arguments, run_export
 from sidecar.logs import configure_logging
 from sidecar.server import StartupError, serve
 from sidecar.settings import SettingsError, add_serve_arguments, resolve
@@ -44,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     probe = commands.add_parser("health", help="exit 0 when the sidecar reports SERVING")
     probe.add_argument("--address", default=DEFAULT_ADDRESS, help=f"sidecar address (default {DEFAULT_ADDRESS})")
     probe.add_argument("--service", default="", help="service name to check (default: overall)")
+    haproxy = commands.add_parser(
+        "export-haproxy",
+        help="write HAProxy 2.6 stick tables and rules for a config's limits (problems on stderr)",
+    )
+    add_export_arguments(haproxy)
     return parser
 
 
@@ -99,6 +105,21 @@ def _health(arguments: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def _export_haproxy(arguments: argparse.Namespace) -> int:
+    try:
+        result = run_export(arguments)
+    except ConfigError as error:
+        for issue in error.issues:
+            print(f"{PROG}: error: {issue}", file=sys.stderr)
+        return 1
+    except ExportError as error:
+        return _fail(str(error))
+    sys.stdout.write(result.text)
+    for problem in result.problems:
+        print(problem, file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ratelimit-sidecar`` console script."""
     arguments = _parser().parse_args(argv)
@@ -108,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_config(arguments.path)
     if arguments.command == "query":
         return _query(arguments)
+    if arguments.command == "export-haproxy":
+        return _export_haproxy(arguments)
     return _health(arguments)
 
 
