@@ -26,27 +26,36 @@ from stack.processes import REPO, StartError
 from stack.topology import Stack, StackOptions, running_stack
 
 LOG_DIR = REPO / ".run" / "demo"
-RATELIMIT_HEADERS = ("x-envoy-ratelimited", "x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset")
+RATELIMIT_HEADERS = (
+    "x-envoy-ratelimited",
+    "x-ratelimit-limit",
+    "x-ratelimit-remaining",
+    "x-ratelimit-reset",
+    "retry-after",
+)
+ENVOYS = "envoys"
+"""A step's ``via``: alternate between every Envoy (otherwise a HAProxy flavour)."""
 
 
 @dataclass
 class Reply:
-    """One HTTP answer: which Envoy gave it, its status and the rate-limit headers."""
+    """One HTTP answer: which proxy gave it, its status and the rate-limit headers."""
 
-    envoy: int
+    via: str
     status: int
     headers: dict[str, str]
 
 
 class Clients:
-    """One keep-alive HTTP connection per Envoy; requests alternate between them."""
+    """One keep-alive HTTP connection per proxy; requests alternate between them."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
-        self.connections = [http.client.HTTPConnection(url.removeprefix("http://"), timeout=5) for url in urls]
+    def __init__(self, targets: Sequence[tuple[str, str]]) -> None:
+        self.names = [name for name, _ in targets]
+        self.connections = [http.client.HTTPConnection(url.removeprefix("http://"), timeout=5) for _, url in targets]
 
     def send(self, index: int, method: str, path: str, headers: dict[str, str]) -> Reply:
-        envoy = index % len(self.connections)
-        connection = self.connections[envoy]
+        slot = index % len(self.connections)
+        connection = self.connections[slot]
         try:
             connection.request(method, path, headers=headers)
             response = connection.getresponse()
@@ -55,8 +64,8 @@ class Clients:
             connection.request(method, path, headers=headers)
             response = connection.getresponse()
         response.read()
-        kept = {name: value for name, value in response.getheaders() if name.lower() in RATELIMIT_HEADERS}
-        return Reply(envoy + 1, response.status, kept)
+        kept = {name.lower(): value for name, value in response.getheaders() if name.lower() in RATELIMIT_HEADERS}
+        return Reply(self.names[slot], response.status, kept)
 
     def close(self) -> None:
         for connection in self.connections:
@@ -76,6 +85,7 @@ class Step:
     headers: dict[str, str]
     count: int
     unit_seconds: int
+    via: str = ENVOYS
     replies: list[Reply] = field(default_factory=list)
 
     @property
@@ -83,8 +93,29 @@ class Step:
         return sum(reply.status == 200 for reply in self.replies)
 
 
-def steps() -> list[Step]:
+def steps(haproxy: bool = False) -> list[Step]:
     """The tour: each step uses its own client address, so steps never share a counter."""
+    return [*envoy_steps(), *(haproxy_steps() if haproxy else [])]
+
+
+def haproxy_steps() -> list[Step]:
+    """The per-address limit again, as HAProxy stick tables enforce it (haproxy/haproxy.cfg).
+
+    HAProxy keys it by the connection's source (the config trusts no X-Forwarded-For),
+    so all of the demo's requests count as one client there.
+    """
+    return [
+        Step(
+            f"HAProxy, {flavour} flavour: the same 20/second per address as stick tables, 30 requests",
+            f"HAProxy {flavour}: 20/second per address",
+            20, "GET", "/", {}, 30, 1, via=flavour,
+        )
+        for flavour in ("fixed", "sliding")
+    ]  # fmt: skip
+
+
+def envoy_steps() -> list[Step]:
+    """Steps through the Envoys and sidecars."""
     return [
         Step(
             "One client address, 30 requests within one second, alternating between the Envoys",
@@ -123,23 +154,35 @@ def wait_for_fresh_window(unit_seconds: int, needed: float = 2.0) -> None:
     time.sleep((left if left < needed else 1 - now % 1) + 0.01)
 
 
-def run_step(clients: Clients, step: Step) -> None:
-    wait_for_fresh_window(step.unit_seconds)
-    step.replies = [clients.send(index, step.method, step.path, step.headers) for index in range(step.count)]
+def run_step(stack: Stack, step: Step) -> None:
+    clients = Clients(targets(stack, step.via))
+    try:
+        wait_for_fresh_window(step.unit_seconds)
+        step.replies = [clients.send(index, step.method, step.path, step.headers) for index in range(step.count)]
+    finally:
+        clients.close()
+
+
+def targets(stack: Stack, via: str) -> list[tuple[str, str]]:
+    """``(name, url)`` of the proxies a step goes through."""
+    if via == ENVOYS:
+        return [(replica.envoy.label, replica.envoy.url) for replica in stack.replicas]
+    assert stack.haproxy is not None
+    return [(f"haproxy {via}", stack.haproxy.url(via))]
 
 
 def describe_step(step: Step) -> list[str]:
-    """What a user should see: admitted per Envoy, the first 429 and its headers."""
-    per_envoy = {}
+    """What a user should see: admitted per proxy, the first 429 and its headers."""
+    per_proxy: dict[str, tuple[int, int]] = {}
     for reply in step.replies:
-        sent, admitted = per_envoy.get(reply.envoy, (0, 0))
-        per_envoy[reply.envoy] = (sent + 1, admitted + (reply.status == 200))
-    spread = ", ".join(f"envoy-{envoy} {admitted}/{sent}" for envoy, (sent, admitted) in sorted(per_envoy.items()))
+        sent, admitted = per_proxy.get(reply.via, (0, 0))
+        per_proxy[reply.via] = (sent + 1, admitted + (reply.status == 200))
+    spread = ", ".join(f"{via} {admitted}/{sent}" for via, (sent, admitted) in sorted(per_proxy.items()))
     lines = [f"  {step.count} requests -> {step.admitted} admitted ({spread})"]
     rejected = [index for index, reply in enumerate(step.replies) if reply.status == 429]
     if rejected:
         first = step.replies[rejected[0]]
-        lines.append(f"  first 429 at request {rejected[0] + 1} (through envoy-{first.envoy}); its headers:")
+        lines.append(f"  first 429 at request {rejected[0] + 1} (through {first.via}); its headers:")
         shown = first
     else:
         lines.append("  no 429; headers of the last response:")
@@ -172,26 +215,23 @@ def summary(done: Sequence[Step], stack: Stack) -> list[str]:
     lines = ["", "Summary (admitted vs what the limit allows, per burst):"]
     for step in done:
         allowed = step.count if step.expected is None else step.expected
-        bound = overshoot_bound(stack.mode, allowed, len(stack.replicas)) if step.expected is not None else 0
+        mode, replicas = (stack.mode, len(stack.replicas)) if step.via == ENVOYS else ("haproxy", 1)
+        bound = overshoot_bound(mode, allowed, replicas) if step.expected is not None else 0
         lines.append(
             f"  {step.limit_label:<40} admitted {step.admitted:>3} of {step.count:<3} allowed {allowed:<3} "
-            + verdict(step, allowed, stack.mode, bound)
+            + verdict(step, allowed, mode, bound)
         )
     return lines
 
 
 def tour(stack: Stack) -> list[Step]:
-    """Send the scripted traffic through the Envoys and print what happened."""
-    clients = Clients(stack.envoy_urls)
+    """Send the scripted traffic through the proxies and print what happened."""
     done = []
-    try:
-        for number, step in enumerate(steps(), start=1):
-            run_step(clients, step)
-            print(f"\n{number}. {step.title}")
-            print("\n".join(describe_step(step)))
-            done.append(step)
-    finally:
-        clients.close()
+    for number, step in enumerate(steps(haproxy=stack.haproxy is not None), start=1):
+        run_step(stack, step)
+        print(f"\n{number}. {step.title}")
+        print("\n".join(describe_step(step)))
+        done.append(step)
     print("\n".join(summary(done, stack)))
     return done
 
@@ -208,6 +248,13 @@ def describe_stack(stack: Stack) -> Iterator[str]:
     sidecars = ", ".join(f"{replica.sidecar.metrics_url}/metrics" for replica in stack.replicas)
     yield f"  metrics        {sidecars} (also /config, /healthz)"
     yield f"  backend        {stack.backend_note}"
+    if stack.haproxy is not None:
+        yield (
+            f"  haproxy        {stack.haproxy.url('fixed')} (fixed windows), {stack.haproxy.url('sliding')}"
+            f" (sliding) -> app-1, the same limits as stick tables (haproxy/haproxy.cfg)"
+        )
+    elif stack.haproxy_note:
+        yield f"  haproxy        not started: {stack.haproxy_note}"
     yield f"  logs           {LOG_DIR.relative_to(REPO)}/"
     first = stack.envoy_urls[0]
     yield ""
@@ -222,6 +269,7 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--once", action="store_true", help="run the scripted tour and stop")
     parser.add_argument("--no-redis", action="store_true", help="use the embedded in-memory backend")
     parser.add_argument("--replicas", type=int, default=2, help="pods to start (default 2)")
+    parser.add_argument("--no-haproxy", action="store_true", help="do not start HAProxy")
     return parser.parse_args(argv)
 
 
@@ -238,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         replicas=arguments.replicas,
         use_redis=not arguments.no_redis,
         envoy_ports=[10000 + index for index in range(arguments.replicas)],
+        haproxy=not arguments.no_haproxy,
     )
     print("Starting the local stack on 127.0.0.1 ...", flush=True)
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from stack.components import REDIS_SERVER, RedisProcess, SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
+from stack.haproxy import HAProxyPorts, HAProxyProcess, haproxy_binary
 from stack.processes import REPO, ProcessGroup, StartError, free_port, port_free
 
 EXAMPLE_CONFIG = REPO / "examples" / "config"
@@ -39,6 +40,10 @@ class StackOptions:
     failure_mode_deny: bool | None = None
     envoy_ports: Sequence[int] = ()
     """Preferred listen ports of the Envoys (the demo asks for 10000, 10001, ...)."""
+    haproxy: bool = False
+    """Also run ``haproxy/haproxy.cfg`` (both flavours) in front of the first app."""
+    haproxy_ports: tuple[int, int] = (10080, 10081)
+    """Preferred ports of HAProxy's fixed and sliding frontends."""
 
 
 @dataclass
@@ -60,6 +65,8 @@ class Stack:
     """``sync`` or ``strict`` with Redis; ``local`` on the embedded backend."""
     replicas: list[Replica] = field(default_factory=list)
     backend_note: str = ""
+    haproxy: HAProxyProcess | None = None
+    haproxy_note: str = ""
 
     @property
     def envoy_urls(self) -> list[str]:
@@ -117,7 +124,28 @@ def start(group: ProcessGroup, directory: Path, options: StackOptions) -> Stack:
         group.start(envoy)
     for replica in stack.replicas:
         replica.envoy.wait_ready()
+    if options.haproxy:
+        stack.haproxy, stack.haproxy_note = _start_haproxy(group, directory, options, apps[0].port)
     return stack
+
+
+def _start_haproxy(
+    group: ProcessGroup, directory: Path, options: StackOptions, app_port: int
+) -> tuple[HAProxyProcess | None, str]:
+    """HAProxy with the same limits as stick tables, or None and why not."""
+    try:
+        binary = haproxy_binary()
+    except FileNotFoundError as error:
+        return None, str(error)
+    fixed, sliding = options.haproxy_ports
+    ports = HAProxyPorts(fixed=preferred_port(fixed), sliding=preferred_port(sliding), admin=free_port(), app=app_port)
+    haproxy = HAProxyProcess("haproxy", ports, directory)
+    group.start(haproxy)
+    try:
+        haproxy.wait_ready()
+    except StartError as error:
+        return None, f"{binary} did not start ({str(error).splitlines()[0]})"
+    return haproxy, ""
 
 
 @contextlib.contextmanager

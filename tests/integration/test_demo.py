@@ -74,7 +74,10 @@ def test_demo_run_through_both_envoys_matches_the_config(flags: tuple[str, ...],
         "premium_key: 100/minute per key",
         "header_match=write: 5/second",
         "login_attempts: 3/minute (shadow)",
+        "HAProxy fixed: 20/second per address",
+        "HAProxy sliding: 20/second per address",
     }, out
+    assert "retry-after: 1" in out, "HAProxy's 429 carries Retry-After"
     for label, (admitted, allowed, verdict) in rows.items():
         assert verdict == "exact" or verdict.startswith("within"), f"{label}: {verdict}\n{out}"
         assert admitted >= allowed, f"{label}: a well-behaved burst was refused\n{out}"
@@ -98,7 +101,7 @@ def test_ctrl_c_stops_every_process_the_demo_started() -> None:
                 break
         assert "Ctrl-C stops it" in lines[-1], "".join(lines)
         children = children_of(demo.pid)
-        assert len(children) >= 6, f"expected 2 apps, 2 sidecars, 2 Envoys: {children}"
+        assert len(children) >= 7, f"expected 2 apps, 2 sidecars, 2 Envoys, HAProxy: {children}"
         demo.send_signal(signal.SIGINT)
         rest, _ = demo.communicate(timeout=30)
         assert demo.returncode == 0, "".join(lines) + rest
