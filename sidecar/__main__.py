@@ -7,8 +7,9 @@ on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 
@@ -24,6 +25,17 @@ PROG = "ratelimit-sidecar"
 DEFAULT_ADDRESS = "127.0.0.1:8081"
 
 
+def local_address(environ: Mapping[str, str] = os.environ) -> str:
+    """Where this host's sidecar listens: ``RLS_GRPC_ADDRESS`` (a wildcard host means
+    loopback), else the default. So ``health`` and ``query`` inside a container that
+    moved the port need no ``--address``."""
+    configured = environ.get("RLS_GRPC_ADDRESS", "").strip()
+    if not configured:
+        return DEFAULT_ADDRESS
+    host, _, port = configured.rpartition(":")
+    return f"127.0.0.1:{port}" if host in ("0.0.0.0", "[::]", "::", "") else configured
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Envoy rate-limit sidecar")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -33,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a config file or directory")
     check.add_argument("path", help="YAML file or directory of YAML files")
     ask = commands.add_parser("query", help="ask a running sidecar about one request")
-    ask.add_argument("--address", default=DEFAULT_ADDRESS, help=f"sidecar address (default {DEFAULT_ADDRESS})")
+    ask.add_argument(
+        "--address", default=local_address(), help="sidecar address (default: RLS_GRPC_ADDRESS or 127.0.0.1:8081)"
+    )
     ask.add_argument("--domain", required=True, help="rate limit domain")
     ask.add_argument("--hits", type=int, default=0, help="hits_addend (0 means 1)")
     ask.add_argument(
@@ -43,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
         help="one argument per descriptor",
     )
     probe = commands.add_parser("health", help="exit 0 when the sidecar reports SERVING")
-    probe.add_argument("--address", default=DEFAULT_ADDRESS, help=f"sidecar address (default {DEFAULT_ADDRESS})")
+    probe.add_argument(
+        "--address", default=local_address(), help="sidecar address (default: RLS_GRPC_ADDRESS or 127.0.0.1:8081)"
+    )
     probe.add_argument("--service", default="", help="service name to check (default: overall)")
     haproxy = commands.add_parser(
         "export-haproxy",

@@ -137,3 +137,20 @@ def test_redis_backend_needs_a_url():
 def test_redis_url_needs_a_known_scheme():
     with pytest.raises(SettingsError, match="must start with one of redis://"):
         settings_from(["--config", "c", "--redis-url", "http://127.0.0.1:6379"])
+
+
+@pytest.mark.parametrize(
+    ("configured", "expected"),
+    [
+        (None, "127.0.0.1:8081"),
+        ("127.0.0.1:9000", "127.0.0.1:9000"),
+        ("0.0.0.0:9001", "127.0.0.1:9001"),
+        ("[::]:9002", "127.0.0.1:9002"),
+        ("10.0.0.5:9003", "10.0.0.5:9003"),
+    ],
+)
+def test_health_and_query_default_to_where_serve_listens(configured: str | None, expected: str) -> None:
+    from sidecar.__main__ import local_address
+
+    environ = {} if configured is None else {"RLS_GRPC_ADDRESS": configured}
+    assert local_address(environ) == expected
