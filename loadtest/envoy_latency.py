@@ -1,0 +1,567 @@
+"""Latency that Envoy's rate-limit filter adds, with our sidecar behind it, at a fixed request rate.
+
+Three variants run side by side on 127.0.0.1, all with ``envoy/front.yaml`` (its routes and
+descriptors) in front of one sample upstream app (``stack/upstream.py``):
+
+(a) ``no_filter``      Envoy without the rate-limit filter (``stack.envoy.render(ratelimit=False)``);
+(b) ``memory``         Envoy + filter + sidecar, embedded memory backend;
+(c) ``sync_redis``     Envoy + filter + sidecar in sync mode with a local redis-server.
+
+The load is open loop: request ``i`` is scheduled at ``start + i / rate`` whatever happened
+to the earlier ones, on keep-alive HTTP/1.1 connections (a new one is opened when none is
+idle, up to ``--connections``), and its latency is measured from the *scheduled* time, so a
+stall delays every request scheduled during it and shows in the percentiles (no coordinated
+omission). The variants alternate in ``--rounds`` rounds (the order rotates each round), so
+noise on this shared machine hits all of them; each run sends ``--warmup`` seconds unmeasured,
+then ``--duration`` seconds measured. The report gives, per variant, the median over rounds of
+p50 / p90 / p99 / max, and the added latency against (a): the median over rounds of the
+difference to (a) in the same round. "gen lag p99" is how late the load generator sent
+requests against their schedule: when it is large, the generator, not the server, is slow.
+
+What is sent: ``GET /latency`` (the catch-all route: one descriptor, the client address,
+limited to 20/s per address) with ``X-Forwarded-For`` cycling over 508 documentation
+addresses (198.51.100.0/24, 203.0.113.0/24), so at 200 requests/s each address sends under
+one request per second. Every request is decided by the sidecar and admitted: what is measured
+is the cost of asking, not the cost of refusing. A 429 in the counts means a limit was hit
+after all (raise the address count or lower ``--rate``).
+
+Pinning: ``--server-cpus`` pins every server (Envoys, sidecars, redis-server, app) and
+``--client-cpus`` the load generator (this process); giving only one pins the other to the
+remaining usable cpus. Nothing is pinned by default. On 2 cores::
+
+    python loadtest/envoy_latency.py --server-cpus 0 --client-cpus 1
+
+Examples::
+
+    python loadtest/envoy_latency.py                                   # 200 req/s, 3 rounds x 10 s per variant
+    python loadtest/envoy_latency.py --rate 500 --duration 5 --rounds 5 --json loadtest/results/envoy-latency.json
+
+Every child process is stopped at the end, also on Ctrl-C, SIGTERM or error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from common import machine_facts, parse_cpus, percentile, positive_int, reproduce_command, run_cli
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # the stack package lives in the checkout, not in the installed project
+
+from stack.components import RedisProcess, SidecarProcess, UpstreamProcess  # noqa: E402
+from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, envoy_binary  # noqa: E402
+from stack.processes import ProcessGroup  # noqa: E402
+
+EXAMPLE_CONFIG = REPO / "examples" / "config"
+PATH = "/latency"
+VARIANTS = {
+    "no_filter": "(a) Envoy, no rate-limit filter",
+    "memory": "(b) Envoy + filter + sidecar (memory)",
+    "sync_redis": "(c) Envoy + filter + sidecar (sync, Redis)",
+}
+BASELINE = "no_filter"
+
+
+def addresses() -> list[str]:
+    """508 documentation addresses: at 200 requests/s each sends about 0.4 per second."""
+    return [f"198.51.100.{i}" for i in range(1, 255)] + [f"203.0.113.{i}" for i in range(1, 255)]
+
+
+# ---------------------------------------------------------------------------------
+# The servers
+# ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Servers:
+    """The processes of all three variants, and where each variant's Envoy listens."""
+
+    group: ProcessGroup
+    ports: dict[str, int] = field(default_factory=dict)
+    pids: dict[str, list[int]] = field(default_factory=dict)
+
+
+def start_servers(directory: Path, server_cpus: tuple[int, ...] | None) -> Servers:
+    """App, redis-server, two sidecars and three Envoys, each waited for until it serves.
+
+    The servers inherit this process's affinity: when ``server_cpus`` is given it is set
+    before they start (the caller moves itself to the client cpus afterwards).
+    """
+    if server_cpus is not None:
+        os.sched_setaffinity(0, server_cpus)
+    group = ProcessGroup()
+    servers = Servers(group)
+    try:
+        app = group.start(UpstreamProcess("app", directory))
+        redis = group.start(RedisProcess(directory))
+        redis.wait_ready()
+        config = ["--config", str(EXAMPLE_CONFIG), "--log-level", "warning"]
+        memory = group.start(SidecarProcess("sidecar-memory", [*config, "--backend", "memory"], directory))
+        sync_args = [*config, "--backend", "redis", "--redis-url", redis.url, "--mode", "sync"]
+        sync = group.start(SidecarProcess("sidecar-sync", sync_args, directory))
+        for child in (app, memory, sync):
+            child.wait_ready()
+        template = ENVOY_CONFIGS / "front.yaml"
+        envoys = {
+            "no_filter": EnvoyProcess(
+                "envoy-no-filter", template, EnvoyPorts.free(app.port, memory.port), directory, ratelimit=False
+            ),
+            "memory": EnvoyProcess("envoy-memory", template, EnvoyPorts.free(app.port, memory.port), directory),
+            "sync_redis": EnvoyProcess("envoy-sync", template, EnvoyPorts.free(app.port, sync.port), directory),
+        }
+        for envoy in envoys.values():
+            group.start(envoy)
+        for envoy in envoys.values():
+            envoy.wait_ready()
+    except BaseException:
+        group.close()
+        raise
+    servers.ports = {name: envoy.ports.listen for name, envoy in envoys.items()}
+    shared = [app.pid]
+    servers.pids = {
+        "no_filter": [envoys["no_filter"].pid, *shared],
+        "memory": [envoys["memory"].pid, memory.pid, *shared],
+        "sync_redis": [envoys["sync_redis"].pid, sync.pid, redis.pid, *shared],
+    }
+    return servers
+
+
+# ---------------------------------------------------------------------------------
+# The load generator: open loop, keep-alive HTTP/1.1 on asyncio
+# ---------------------------------------------------------------------------------
+
+
+class HttpError(Exception):
+    """The answer was not a well-formed HTTP/1.1 response."""
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; one request at a time."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.reusable = True
+
+    @classmethod
+    async def open(cls, port: int) -> Connection:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        return cls(reader, writer)
+
+    async def exchange(self, request: bytes) -> int:
+        """Send ``request``, read the whole response, return its status."""
+        self.writer.write(request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status_line, _, header_block = head.partition(b"\r\n")
+        parts = status_line.split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+            raise HttpError(f"bad status line {status_line[:60]!r}")
+        status = int(parts[1])
+        length, chunked = 0, False
+        for line in header_block.lower().split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value:
+                chunked = True
+            elif name == b"connection" and b"close" in value:
+                self.reusable = False
+        if chunked:
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+        elif length:
+            await self.reader.readexactly(length)
+        return status
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+@dataclass
+class RunResult:
+    """One measured run of one variant."""
+
+    variant: str
+    round: int
+    sent: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    connections: int = 0
+    p50_ms: float = 0.0
+    p90_ms: float = 0.0
+    p99_ms: float = 0.0
+    max_ms: float = 0.0
+    lag_p99_ms: float = 0.0
+    server_cpu_us_per_request: float | None = None
+    """CPU time of the variant's servers (Envoy, sidecar, redis-server, app) per request sent, warm-up included."""
+
+
+class Pool:
+    """Idle keep-alive connections to one port; new ones up to ``limit`` when none is idle."""
+
+    def __init__(self, port: int, limit: int) -> None:
+        self.port = port
+        self.limit = limit
+        self.idle: list[Connection] = []
+        self.open = 0
+        self.opened = 0
+        self.freed = asyncio.Condition()
+
+    async def acquire(self) -> Connection:
+        async with self.freed:
+            while not self.idle and self.open >= self.limit:
+                await self.freed.wait()
+            if self.idle:
+                return self.idle.pop()
+            self.open += 1
+        try:
+            connection = await Connection.open(self.port)
+        except BaseException:
+            await self.release(None)
+            raise
+        self.opened += 1
+        return connection
+
+    async def release(self, connection: Connection | None) -> None:
+        async with self.freed:
+            if connection is not None and connection.reusable:
+                self.idle.append(connection)
+            else:
+                self.open -= 1
+                if connection is not None:
+                    connection.close()
+            self.freed.notify()
+
+    def close(self) -> None:
+        for connection in self.idle:
+            connection.close()
+        self.idle.clear()
+
+
+async def drive(
+    port: int, *, rate: float, warmup: float, duration: float, limit: int, timeout: float
+) -> dict[str, Any]:
+    """Send ``rate`` requests/s for ``warmup + duration`` seconds; figures of the measured part."""
+    perf = time.perf_counter
+    requests = [
+        f"GET {PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Forwarded-For: {address}\r\n\r\n".encode()
+        for address in addresses()
+    ]
+    pool = Pool(port, limit)
+    latencies: list[float] = []
+    lags: list[float] = []
+    statuses: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    interval = 1.0 / rate
+    total = round((warmup + duration) * rate)
+    first_measured = round(warmup * rate)
+
+    async def one(index: int, scheduled: float) -> None:
+        connection: Connection | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                connection = await pool.acquire()
+                sent = perf()
+                status = await connection.exchange(requests[index % len(requests)])
+        except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError, HttpError) as error:
+            if connection is not None:  # else acquire() failed and gave its slot back itself
+                connection.reusable = False
+                await pool.release(connection)
+            if index >= first_measured:
+                errors[type(error).__name__] += 1
+            return
+        done = perf()
+        await pool.release(connection)
+        if index >= first_measured:
+            latencies.append(done - scheduled)
+            lags.append(sent - scheduled)
+            statuses[str(status)] += 1
+
+    tasks: set[asyncio.Task[None]] = set()
+    start = perf() + 0.05
+    try:
+        for index in range(total):
+            scheduled = start + index * interval
+            delay = scheduled - perf()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(index, scheduled))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout + 1)
+    finally:
+        for task in tasks:
+            task.cancel()
+        pool.close()
+    latencies.sort()
+    lags.sort()
+    return {
+        "sent": total - first_measured,
+        "statuses": dict(statuses),
+        "errors": dict(errors),
+        "connections": pool.opened,
+        "p50_ms": percentile(latencies, 0.50) * 1000,
+        "p90_ms": percentile(latencies, 0.90) * 1000,
+        "p99_ms": percentile(latencies, 0.99) * 1000,
+        "max_ms": (latencies[-1] if latencies else 0.0) * 1000,
+        "lag_p99_ms": percentile(lags, 0.99) * 1000,
+    }
+
+
+def cpu_seconds_of(pids: Sequence[int]) -> float | None:
+    """User + system CPU seconds of the processes (None when one is gone)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def measure(servers: Servers, variant: str, round_number: int, arguments: argparse.Namespace) -> RunResult:
+    before = cpu_seconds_of(servers.pids[variant])
+    figures = uvloop.run(
+        drive(
+            servers.ports[variant],
+            rate=arguments.rate,
+            warmup=arguments.warmup,
+            duration=arguments.duration,
+            limit=arguments.connections,
+            timeout=arguments.timeout,
+        )
+    )
+    after = cpu_seconds_of(servers.pids[variant])
+    result = RunResult(variant=variant, round=round_number, **figures)
+    if before is not None and after is not None:
+        requests = round((arguments.warmup + arguments.duration) * arguments.rate)
+        result.server_cpu_us_per_request = (after - before) / requests * 1e6
+    return result
+
+
+# ---------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------
+
+
+def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
+    """Per variant: totals, medians over rounds, and the median per-round difference to the baseline."""
+    by_round = {(result.variant, result.round): result for result in results}
+    rounds = sorted({result.round for result in results})
+    summary = {}
+    for variant, label in VARIANTS.items():
+        runs = [by_round[variant, number] for number in rounds if (variant, number) in by_round]
+        if not runs:
+            continue
+        statuses: Counter[str] = Counter()
+        errors: Counter[str] = Counter()
+        for run in runs:
+            statuses.update(run.statuses)
+            errors.update(run.errors)
+        row: dict[str, Any] = {
+            "label": label,
+            "rounds": len(runs),
+            "sent": sum(run.sent for run in runs),
+            "statuses": dict(statuses),
+            "errors": dict(errors),
+            "connections": max(run.connections for run in runs),
+        }
+        cpu = [run.server_cpu_us_per_request for run in runs if run.server_cpu_us_per_request is not None]
+        row["server_cpu_us_per_request"] = statistics.median(cpu) if cpu else None
+        for key in ("p50_ms", "p90_ms", "p99_ms", "max_ms", "lag_p99_ms"):
+            row[key] = statistics.median(getattr(run, key) for run in runs)
+            pairs = [
+                getattr(by_round[variant, number], key) - getattr(by_round[BASELINE, number], key)
+                for number in rounds
+                if (variant, number) in by_round and (BASELINE, number) in by_round
+            ]
+            row["added_" + key] = statistics.median(pairs) if pairs and variant != BASELINE else None
+        summary[variant] = row
+    return summary
+
+
+def _ms(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.2f}" if signed else f"{value:.2f}"
+
+
+def markdown_table(summary: dict[str, dict[str, Any]], arguments: argparse.Namespace) -> str:
+    title = f"variant ({arguments.rate:g} req/s, median of {arguments.rounds} rounds x {arguments.duration:g} s)"
+    lines = [
+        f"| {title} | requests | 200 | 429 | other / errors | p50 ms | p90 ms | p99 ms | max ms "
+        "| added p50 ms | added p90 ms | added p99 ms | server CPU µs/req | gen lag p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in summary.values():
+        statuses = row["statuses"]
+        other = sum(count for status, count in statuses.items() if status not in ("200", "429"))
+        other += sum(row["errors"].values())
+        cpu = "-" if row["server_cpu_us_per_request"] is None else f"{row['server_cpu_us_per_request']:.0f}"
+        lines.append(
+            f"| {row['label']} | {row['sent']:,} | {statuses.get('200', 0):,} | {statuses.get('429', 0):,} | {other:,} "
+            f"| {_ms(row['p50_ms'])} | {_ms(row['p90_ms'])} | {_ms(row['p99_ms'])} | {_ms(row['max_ms'])} "
+            f"| {_ms(row['added_p50_ms'], True)} | {_ms(row['added_p90_ms'], True)} "
+            f"| {_ms(row['added_p99_ms'], True)} | {cpu} | {_ms(row['lag_p99_ms'])} |"
+        )
+    return "\n".join(lines)
+
+
+def envoy_version() -> str:
+    try:
+        text = subprocess.run(
+            [envoy_binary(), "--version"], check=False, capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    # "envoy  version: <commit>/1.40.0/Clean/RELEASE/BoringSSL"
+    _, found, rest = text.partition("version:")
+    fields = rest.split()[0].split("/") if found and rest.split() else []
+    return fields[1] if len(fields) > 1 else text.strip() or "unknown"
+
+
+def command_line(arguments: argparse.Namespace) -> str:
+    return reproduce_command(["python", "loadtest/envoy_latency.py"], arguments, skip={"json"})
+
+
+def pinning(arguments: argparse.Namespace) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(server cpus, client cpus); one given pins the other to the remaining usable cpus."""
+    server, client = parse_cpus(arguments.server_cpus), parse_cpus(arguments.client_cpus)
+    usable = sorted(os.sched_getaffinity(0))
+    if server and not client:
+        client = tuple(cpu for cpu in usable if cpu not in server) or None
+    elif client and not server:
+        server = tuple(cpu for cpu in usable if cpu not in client) or None
+    return server, client
+
+
+def run(arguments: argparse.Namespace) -> int:
+    server_cpus, client_cpus = pinning(arguments)
+    facts = machine_facts()
+    print(f"command: {command_line(arguments)}", flush=True)
+    print(
+        f"machine: {facts['cores']} cores ({facts['cpu_model']}), load average {os.getloadavg()[0]:.2f}; "
+        f"Python {facts['python']}, Envoy {envoy_version()}; "
+        f"pinning: servers {server_cpus or 'no'}, load generator {client_cpus or 'no'}",
+        flush=True,
+    )
+    print(
+        f"load: GET {PATH} at {arguments.rate:g} req/s open loop, X-Forwarded-For over {len(addresses())} addresses "
+        f"(under every limit), up to {arguments.connections} keep-alive connections; "
+        f"{arguments.warmup:g} s warm-up + {arguments.duration:g} s measured per run",
+        flush=True,
+    )
+    results: list[RunResult] = []
+    with tempfile.TemporaryDirectory(prefix="envoy-latency-") as directory:
+        original = os.sched_getaffinity(0)
+        servers = start_servers(Path(directory), server_cpus)
+        try:
+            os.sched_setaffinity(0, client_cpus or original)
+            order = list(VARIANTS)
+            for number in range(1, arguments.rounds + 1):
+                shift = (number - 1) % len(order)
+                for variant in order[shift:] + order[:shift]:
+                    result = measure(servers, variant, number, arguments)
+                    results.append(result)
+                    failures = sum(result.errors.values())
+                    print(
+                        f"round {number}/{arguments.rounds} {variant:<10} {result.sent} requests "
+                        f"{dict(sorted(result.statuses.items()))}"
+                        f"{f' errors {result.errors}' if failures else ''}: p50 {result.p50_ms:.2f} ms, "
+                        f"p99 {result.p99_ms:.2f} ms, max {result.max_ms:.2f} ms, "
+                        f"gen lag p99 {result.lag_p99_ms:.2f} ms",
+                        flush=True,
+                    )
+        finally:
+            servers.group.close()
+    summary = summarize(results)
+    print()
+    print(markdown_table(summary, arguments))
+    print()
+    print(
+        "added: median over rounds of (variant - (a)) in the same round; latency from each request's scheduled "
+        "send time; server CPU: Envoy + sidecar (+ redis-server) + app, per request; "
+        "gen lag: how late the load generator sent against the schedule"
+    )
+    print(f"Reproduce: `{command_line(arguments)}`")
+    if arguments.json:
+        path = Path(arguments.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        document = {
+            "command": command_line(arguments),
+            "machine": {**facts, "server_cpus": server_cpus, "client_cpus": client_cpus},
+            "summary": summary,
+            "runs": [asdict(result) for result in results],
+        }
+        path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {path}")
+    errors = sum(sum(row["errors"].values()) for row in summary.values())
+    return 0 if errors == 0 else 2
+
+
+def _positive_float(limit: float) -> Any:
+    def parse(text: str) -> float:
+        value = float(text)
+        if not 0 < value <= limit:
+            raise argparse.ArgumentTypeError(f"must be in (0, {limit:g}]")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="envoy_latency.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--rate", type=_positive_float(5000), default=200.0, help="requests/s (default 200)")
+    parser.add_argument(
+        "--duration", type=_positive_float(600), default=10.0, help="measured seconds per run (default 10)"
+    )
+    parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each run (default 1)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of all three variants (default 3)")
+    parser.add_argument(
+        "--connections", type=positive_int, default=64, help="most keep-alive connections open at once (default 64)"
+    )
+    parser.add_argument("--timeout", type=_positive_float(60), default=2.0, help="per request, seconds (default 2)")
+    parser.add_argument("--server-cpus", help="pin every server to these cpus, e.g. 0")
+    parser.add_argument("--client-cpus", help="pin the load generator to these cpus, e.g. 1")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON, e.g. loadtest/results/...")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = build_parser().parse_args(argv)
+    if arguments.warmup < 0:
+        raise SystemExit("envoy_latency: --warmup must be >= 0")
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    return run_cli("envoy_latency", functools.partial(run, arguments), signals)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
