@@ -14,8 +14,9 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 30.0
@@ -24,6 +25,14 @@ STOP_TIMEOUT = 15.0
 
 class StartError(RuntimeError):
     """A child did not come up; the message ends with the tail of its log."""
+
+
+class PortTakenError(StartError):
+    """A child could not bind: its port was free when picked, then taken (a race with
+    another process on the machine); starting again on another port fixes it."""
+
+
+PORT_TAKEN_MARKERS = ("address already in use", "cannot bind socket")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -103,7 +112,9 @@ class Child:
         deadline = time.monotonic() + timeout
         while True:
             if not self.alive():
-                raise StartError(f"{self.label} exited before {self.ready_sign}:\n{self.log_tail()}")
+                tail = self.log_tail()
+                error = PortTakenError if any(mark in tail.lower() for mark in PORT_TAKEN_MARKERS) else StartError
+                raise error(f"{self.label} exited before {self.ready_sign}:\n{tail}")
             if self.ready():
                 return
             if time.monotonic() > deadline:
@@ -136,16 +147,52 @@ class Child:
                 self.process.wait(timeout=5)
 
 
+ChildT = TypeVar("ChildT", bound=Child)
+
+
 class ProcessGroup:
     """Every child started through it; :meth:`close` stops them, newest first."""
 
     def __init__(self) -> None:
         self.children: list[Child] = []
 
-    def start(self, child: Child) -> Child:
+    def start(self, child: ChildT) -> ChildT:
         self.children.append(child)
         child.start()
         return child
+
+    def start_ready(self, build: Callable[[], ChildT], attempts: int = 3) -> ChildT:
+        """Start ``build()`` and wait until it serves; on a port race, build it again
+        (``build`` picks fresh ports) up to ``attempts`` times."""
+        for attempt in range(1, attempts + 1):
+            child = build()
+            self.start(child)
+            try:
+                child.wait_ready()
+            except PortTakenError:
+                child.kill()
+                self.children.remove(child)
+                if attempt == attempts:
+                    raise
+                continue
+            return child
+        raise AssertionError("unreachable")
+
+    def start_all_ready(self, builds: Sequence[Callable[[], ChildT]]) -> list[ChildT]:
+        """Start every ``build()`` at once (they come up in parallel), then wait for each;
+        one that lost a port race is built again through :meth:`start_ready`."""
+        started = [self.start(build()) for build in builds]
+        ready = []
+        for build, child in zip(builds, started, strict=True):
+            try:
+                child.wait_ready()
+            except PortTakenError:
+                child.kill()
+                self.children.remove(child)
+                ready.append(self.start_ready(build))
+            else:
+                ready.append(child)
+        return ready
 
     def close(self, timeout: float = STOP_TIMEOUT) -> dict[str, int | None]:
         """SIGTERM every child still running (newest first: proxies before what they call),

@@ -12,6 +12,7 @@ import contextlib
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from stack.components import REDIS_SERVER, RedisProcess, SidecarProcess, UpstreamProcess
@@ -77,10 +78,8 @@ def _start_redis(group: ProcessGroup, directory: Path) -> tuple[RedisProcess | N
     """redis-server, or None and the reason when it is missing or will not start."""
     if not Path(REDIS_SERVER).exists() and shutil.which("redis-server") is None:
         return None, "redis-server is not installed"
-    redis = RedisProcess(directory)
-    group.start(redis)
     try:
-        redis.wait_ready()
+        redis = group.start_ready(partial(RedisProcess, directory))
     except StartError as error:
         return None, f"redis-server did not start ({str(error).splitlines()[0]})"
     return redis, ""
@@ -103,27 +102,33 @@ def _backend_note(options: StackOptions, redis: RedisProcess | None, reason: str
     )
 
 
+def _envoy(options: StackOptions, directory: Path, index: int, app_port: int, ratelimit_port: int) -> EnvoyProcess:
+    """Envoy ``index`` (from 1) in front of its app, calling its sidecar; ports picked now."""
+    wanted = options.envoy_ports[index - 1] if index <= len(options.envoy_ports) else None
+    ports = EnvoyPorts(listen=preferred_port(wanted), admin=free_port(), app=app_port, ratelimit=ratelimit_port)
+    return EnvoyProcess(
+        f"envoy-{index}", options.envoy_template, ports, directory, failure_mode_deny=options.failure_mode_deny
+    )
+
+
 def start(group: ProcessGroup, directory: Path, options: StackOptions) -> Stack:
     """Start everything in dependency order and wait until each part serves."""
     redis, reason = _start_redis(group, directory) if options.use_redis else (None, "")
     mode = options.mode if redis is not None else "local"
     stack = Stack(group=group, redis=redis, mode=mode, backend_note=_backend_note(options, redis, reason))
-    apps, sidecars = [], []
-    for index in range(1, options.replicas + 1):
-        apps.append(group.start(UpstreamProcess(f"app-{index}", directory)))
-        sidecars.append(group.start(SidecarProcess(f"sidecar-{index}", _serve_args(options, redis), directory)))
-    for child in (*apps, *sidecars):
-        child.wait_ready()
-    for index, (app, sidecar) in enumerate(zip(apps, sidecars, strict=True)):
-        wanted = options.envoy_ports[index] if index < len(options.envoy_ports) else None
-        ports = EnvoyPorts(listen=preferred_port(wanted), admin=free_port(), app=app.port, ratelimit=sidecar.port)
-        envoy = EnvoyProcess(
-            f"envoy-{index + 1}", options.envoy_template, ports, directory, failure_mode_deny=options.failure_mode_deny
-        )
-        stack.replicas.append(Replica(app=app, sidecar=sidecar, envoy=envoy))
-        group.start(envoy)
-    for replica in stack.replicas:
-        replica.envoy.wait_ready()
+    indexes = range(1, options.replicas + 1)
+    apps = group.start_all_ready([partial(UpstreamProcess, f"app-{index}", directory) for index in indexes])
+    serve_args = _serve_args(options, redis)
+    sidecars = group.start_all_ready(
+        [partial(SidecarProcess, f"sidecar-{index}", serve_args, directory) for index in indexes]
+    )
+    envoys = group.start_all_ready(
+        [
+            partial(_envoy, options, directory, index, app.port, sidecar.port)
+            for index, app, sidecar in zip(indexes, apps, sidecars, strict=True)
+        ]
+    )
+    stack.replicas = [Replica(*parts) for parts in zip(apps, sidecars, envoys, strict=True)]
     if options.haproxy:
         stack.haproxy, stack.haproxy_note = _start_haproxy(group, directory, options, apps[0].port)
     return stack
@@ -138,14 +143,15 @@ def _start_haproxy(
     except FileNotFoundError as error:
         return None, str(error)
     fixed, sliding = options.haproxy_ports
-    ports = HAProxyPorts(fixed=preferred_port(fixed), sliding=preferred_port(sliding), admin=free_port(), app=app_port)
-    haproxy = HAProxyProcess("haproxy", ports, directory)
-    group.start(haproxy)
+
+    def build() -> HAProxyProcess:
+        ports = HAProxyPorts(preferred_port(fixed), preferred_port(sliding), admin=free_port(), app=app_port)
+        return HAProxyProcess("haproxy", ports, directory)
+
     try:
-        haproxy.wait_ready()
+        return group.start_ready(build), ""
     except StartError as error:
         return None, f"{binary} did not start ({str(error).splitlines()[0]})"
-    return haproxy, ""
 
 
 @contextlib.contextmanager
