@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 
 from sidecar import __version__
-from sidecar.client import build_request, describe, health_status, query
+from sidecar.client import ClientTLS, build_request, describe, health_status, query
 from sidecar.config import ConfigError, load_config
 from sidecar.haproxy import ExportError, add_export_arguments, run_export
 from sidecar.logs import configure_logging
@@ -36,6 +36,20 @@ def local_address(environ: Mapping[str, str] = os.environ) -> str:
     return f"127.0.0.1:{port}" if host in ("0.0.0.0", "[::]", "::", "") else configured
 
 
+def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--address`` and the TLS options shared by ``query`` and ``health``."""
+    parser.add_argument(
+        "--address", default=local_address(), help="sidecar address (default: RLS_GRPC_ADDRESS or 127.0.0.1:8081)"
+    )
+    parser.add_argument("--tls-ca", default="", help="PEM CA of a sidecar serving TLS (turns TLS on)")
+    parser.add_argument("--tls-cert", default="", help="PEM client certificate, for mutual TLS")
+    parser.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
+
+
+def _client_tls(arguments: argparse.Namespace) -> ClientTLS | None:
+    return ClientTLS(arguments.tls_ca, arguments.tls_cert, arguments.tls_key) if arguments.tls_ca else None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Envoy rate-limit sidecar")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -45,9 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a config file or directory")
     check.add_argument("path", help="YAML file or directory of YAML files")
     ask = commands.add_parser("query", help="ask a running sidecar about one request")
-    ask.add_argument(
-        "--address", default=local_address(), help="sidecar address (default: RLS_GRPC_ADDRESS or 127.0.0.1:8081)"
-    )
+    _add_client_arguments(ask)
     ask.add_argument("--domain", required=True, help="rate limit domain")
     ask.add_argument("--hits", type=int, default=0, help="hits_addend (0 means 1)")
     ask.add_argument(
@@ -57,9 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         help="one argument per descriptor",
     )
     probe = commands.add_parser("health", help="exit 0 when the sidecar reports SERVING")
-    probe.add_argument(
-        "--address", default=local_address(), help="sidecar address (default: RLS_GRPC_ADDRESS or 127.0.0.1:8081)"
-    )
+    _add_client_arguments(probe)
     probe.add_argument("--service", default="", help="service name to check (default: overall)")
     haproxy = commands.add_parser(
         "export-haproxy",
@@ -103,9 +113,11 @@ def _check_config(path: str) -> int:
 def _query(arguments: argparse.Namespace) -> int:
     try:
         request = build_request(arguments.domain, arguments.descriptors, arguments.hits)
-        response = query(arguments.address, request)
+        response = query(arguments.address, request, tls=_client_tls(arguments))
     except ValueError as error:
         return _fail(str(error))
+    except OSError as error:
+        return _fail(f"{error.filename}: {error.strerror}")
     except grpc.RpcError as error:
         return _fail(f"{arguments.address}: {error.code().name}: {error.details()}")
     print("\n".join(describe(response)))
@@ -114,7 +126,9 @@ def _query(arguments: argparse.Namespace) -> int:
 
 def _health(arguments: argparse.Namespace) -> int:
     try:
-        status = health_status(arguments.address, arguments.service)
+        status = health_status(arguments.address, arguments.service, tls=_client_tls(arguments))
+    except OSError as error:
+        return _fail(f"{error.filename}: {error.strerror}")
     except grpc.RpcError as error:
         return _fail(f"{arguments.address}: {error.code().name}: {error.details()}")
     print(status)

@@ -7,6 +7,8 @@ decisions without installing grpcurl.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -59,15 +61,35 @@ def describe(response: Any) -> list[str]:
     return lines
 
 
-def query(address: str, request: Any, timeout: float = 2.0) -> Any:
+@dataclass(frozen=True)
+class ClientTLS:
+    """How to reach a sidecar serving TLS: the CA that signed its certificate and, for
+    mutual TLS, this client's certificate and key (PEM file paths)."""
+
+    ca: str
+    cert: str = ""
+    key: str = ""
+
+
+def channel(address: str, tls: ClientTLS | None = None) -> grpc.Channel:
+    """A plaintext channel, or a TLS one when ``tls`` is given."""
+    if tls is None:
+        return grpc.insecure_channel(address)
+    chain = Path(tls.cert).read_bytes() if tls.cert else None
+    key = Path(tls.key).read_bytes() if tls.key else None
+    credentials = grpc.ssl_channel_credentials(Path(tls.ca).read_bytes(), key, chain)
+    return grpc.secure_channel(address, credentials)
+
+
+def query(address: str, request: Any, timeout: float = 2.0, tls: ClientTLS | None = None) -> Any:
     """Send one ``ShouldRateLimit`` call and return the response."""
-    with grpc.insecure_channel(address) as channel:
-        return rls_pb2_grpc.RateLimitServiceStub(channel).ShouldRateLimit(request, timeout=timeout)
+    with channel(address, tls) as open_channel:
+        return rls_pb2_grpc.RateLimitServiceStub(open_channel).ShouldRateLimit(request, timeout=timeout)
 
 
-def health_status(address: str, service: str = "", timeout: float = 2.0) -> str:
+def health_status(address: str, service: str = "", timeout: float = 2.0, tls: ClientTLS | None = None) -> str:
     """The gRPC health status name (SERVING, NOT_SERVING, ...) of ``service``."""
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with channel(address, tls) as open_channel:
+        stub = health_pb2_grpc.HealthStub(open_channel)
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))

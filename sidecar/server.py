@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import structlog
@@ -36,6 +38,17 @@ SERVER_OPTIONS = [
     # gRPC enables SO_REUSEPORT by default, which would let a second sidecar bind the
     # same port silently and split Envoy's traffic between two unrelated counters.
     ("grpc.so_reuseport", 0),
+    # Envoy multiplexes every call of a worker on one HTTP/2 connection; 1,000 streams
+    # is far above what it keeps in flight and bounds what one misbehaving client holds.
+    ("grpc.max_concurrent_streams", 1000),
+    # Keepalive enforcement: answer pings (Envoy's, or a client's) no more often than
+    # every 10 s, and close a connection that pings harder (two strikes).
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # And ping idle clients every minute, so a vanished peer's connection is closed.
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
 ]
 
 
@@ -87,6 +100,43 @@ def build_redis_limiter(settings: Settings) -> Limiter:
         max_overshoot=settings.sync_max_overshoot,
         max_counters=settings.max_counters,
     )
+
+
+def read_pem(path: str, what: str) -> bytes:
+    """A PEM file's bytes; :class:`StartupError` naming the flag and the file otherwise."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise StartupError(f"{what} {path}: {error.strerror or error}") from None
+    if b"-----BEGIN " not in data:
+        raise StartupError(f"{what} {path}: not a PEM file")
+    return data
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS (and mutual TLS with ``--tls-client-ca``) for the gRPC server, or None for plaintext."""
+    if not settings.tls_cert:
+        return None
+    key = read_pem(settings.tls_key, "--tls-key")
+    chain = read_pem(settings.tls_cert, "--tls-cert")
+    client_ca = read_pem(settings.tls_client_ca, "--tls-client-ca") if settings.tls_client_ca else None
+    try:
+        return grpc.ssl_server_credentials(
+            [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+        )
+    except (RuntimeError, ValueError) as error:
+        raise StartupError(f"--tls-cert/--tls-key: {error}") from None
+
+
+def is_loopback(address: str) -> bool:
+    """True for addresses only this host can reach (127.0.0.0/8, ::1, localhost)."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def ensure_bindable(address: str) -> None:
@@ -151,8 +201,18 @@ class Sidecar:
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         address = self.settings.grpc_address
+        credentials = server_credentials(self.settings)
+        if credentials is None and not is_loopback(address):
+            log.warning(
+                "grpc_exposed_without_tls",
+                address=address,
+                hint="anything that reaches this address can spend every limit; use --tls-cert/--tls-key",
+            )
         try:
-            self.port = self.server.add_insecure_port(address)
+            if credentials is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, credentials)
         except RuntimeError as error:
             raise StartupError(f"cannot listen on {address}: {error} (port in use?)") from None
         if self.port == 0:

@@ -197,6 +197,19 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "seconds in-flight calls get to finish on SIGTERM/SIGINT",
     ),
     Option(
+        "tls_cert",
+        str,
+        "",
+        "PEM certificate (chain) for the gRPC server; with --tls-key turns TLS on",
+    ),
+    Option("tls_key", str, "", "PEM private key of --tls-cert"),
+    Option(
+        "tls_client_ca",
+        str,
+        "",
+        "PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    ),
+    Option(
         "watch_config",
         _bool,
         True,
@@ -250,6 +263,9 @@ class Settings:
     redis_prefix: str = "rls"
     heartbeat_interval: float = 1.0
     shutdown_grace: float = 10.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     watch_config: bool = True
     metrics_address: str = "127.0.0.1:9090"
     near_limit_ratio: float = 0.8
@@ -286,6 +302,10 @@ def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.envir
         except ValueError as error:
             raise SettingsError(f"{source}={raw!r}: {error}") from None
     settings = Settings(**values)
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise SettingsError("--tls-cert and --tls-key (RLS_TLS_CERT, RLS_TLS_KEY) go together")
+    if settings.tls_client_ca and not settings.tls_cert:
+        raise SettingsError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
     if settings.backend == "redis" and not settings.redis_url:
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")
     if settings.redis_url and not settings.redis_url.startswith(REDIS_SCHEMES):

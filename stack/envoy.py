@@ -52,6 +52,37 @@ class EnvoyPorts:
         return cls(listen=free_port(), admin=free_port(), app=app, ratelimit=ratelimit)
 
 
+@dataclass(frozen=True)
+class UpstreamTLS:
+    """Mutual TLS from Envoy to the sidecar: the CA that signed the sidecar's certificate,
+    and Envoy's own client certificate and key (PEM file paths)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def transport_socket(self) -> dict[str, Any]:
+        """The ``transport_socket`` of the ``ratelimit`` cluster (README, Security)."""
+        return {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {
+                    "alpn_protocols": ["h2"],
+                    "tls_certificates": [
+                        {"certificate_chain": {"filename": str(self.cert)}, "private_key": {"filename": str(self.key)}}
+                    ],
+                    "validation_context": {
+                        "trusted_ca": {"filename": str(self.ca)},
+                        "match_typed_subject_alt_names": [
+                            {"san_type": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}}
+                        ],
+                    },
+                },
+            },
+        }
+
+
 def _named(items: list[dict[str, Any]], name: str, what: str, template: Path) -> dict[str, Any]:
     for item in items:
         if item.get("name") == name:
@@ -84,6 +115,7 @@ def render(
     failure_mode_deny: bool | None = None,
     timeout_seconds: float | None = None,
     ratelimit: bool = True,
+    upstream_tls: UpstreamTLS | None = None,
 ) -> dict[str, Any]:
     """``template`` with every address on 127.0.0.1 at ``ports`` (and the filter options given).
 
@@ -97,6 +129,8 @@ def render(
     for name, port in (("app", ports.app), ("ratelimit", ports.ratelimit)):
         cluster = _named(resources["clusters"], name, "cluster", template)
         _point(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"], port)
+        if name == "ratelimit" and upstream_tls is not None:
+            cluster["transport_socket"] = upstream_tls.transport_socket()
     limiter = ratelimit_filter(config, template)
     if failure_mode_deny is not None:
         limiter["failure_mode_deny"] = failure_mode_deny
@@ -129,13 +163,19 @@ class EnvoyProcess(Child):
         failure_mode_deny: bool | None = None,
         timeout_seconds: float | None = None,
         ratelimit: bool = True,
+        upstream_tls: UpstreamTLS | None = None,
         concurrency: int = 1,
     ) -> None:
         self.ports = ports
         self.url = f"http://127.0.0.1:{ports.listen}"
         self.config_path = directory / f"{name}.yaml"
         config = render(
-            template, ports, failure_mode_deny=failure_mode_deny, timeout_seconds=timeout_seconds, ratelimit=ratelimit
+            template,
+            ports,
+            failure_mode_deny=failure_mode_deny,
+            timeout_seconds=timeout_seconds,
+            ratelimit=ratelimit,
+            upstream_tls=upstream_tls,
         )
         directory.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -171,10 +171,18 @@ def log_events(stderr: str) -> list[dict[str, Any]]:
 class Sidecar:
     """One real ``serve`` process on a loopback port, with a channel to it."""
 
-    def __init__(self, workdir: Path, args: Sequence[str], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        args: Sequence[str],
+        env: dict[str, str],
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.workdir = workdir
         self.args = list(args)
         self.env = env
+        self.credentials = credentials
+        """TLS credentials for a sidecar serving TLS; None for plaintext."""
         self.port = 0
         self.address = ""
         self.process: subprocess.Popen[bytes] | None = None
@@ -210,7 +218,10 @@ class Sidecar:
 
     def _wait_serving(self) -> None:
         assert self.process is not None
-        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        if self.credentials is None:
+            self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.secure_channel(self.address, self.credentials, options=CHANNEL_OPTIONS)
         stub = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + STARTUP_DEADLINE
         last_error = "no answer yet"
@@ -301,13 +312,21 @@ def sidecar_factory(base: Path) -> Iterator[SidecarFactory]:
         env: dict[str, str] | None = None,
         port: int | None = None,
         pass_address: bool = True,
+        probe_tls: Path | None = None,
+        probe_client: tuple[Path, Path] | None = None,
     ) -> Sidecar:
         workdir = base / f"sidecar-{len(started)}"
         workdir.mkdir(parents=True, exist_ok=True)
         argv = [*args, "--log-format", "json"]
         if config is not None:
             argv += ["--config", str(config)]
-        sidecar = Sidecar(workdir, argv, env if env is not None else clean_env())
+        credentials = None
+        if probe_tls is not None:
+            cert, key = probe_client or (None, None)
+            credentials = grpc.ssl_channel_credentials(
+                probe_tls.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None
+            )
+        sidecar = Sidecar(workdir, argv, env if env is not None else clean_env(), credentials)
         started.append(sidecar)
         return sidecar.start(port=port, pass_address=pass_address)
 
