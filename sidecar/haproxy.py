@@ -19,8 +19,9 @@ Two flavours:
     the last period, which HAProxy estimates from the current period's count plus the
     previous one's weighted by the part of the period still to come. Not clock-aligned:
     no burst of twice the limit across a boundary, but the estimate assumes the previous
-    period's hits were spread evenly, so under a flood some window-long spans hold up to
-    ~20% more than the limit, and the counts are not the sidecar's.
+    period's hits were spread evenly, so after a quiet period a burst followed by a flood
+    can pass close to twice the limit in one window-long span (measured: 36 in one second
+    at 20/s, ``loadtest/compare.py``), and the counts are not the sidecar's.
 
 Both count *admitted* requests only (``sc-inc-gpc`` after every check, never
 ``http_req_rate``, which also counts the requests it denies: a client flooding
