@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import os
@@ -61,6 +60,7 @@ from typing import Any
 
 import uvloop
 from common import machine_facts, parse_cpus, percentile, positive_int, reproduce_command, run_cli
+from http_load import Connection, HttpError, Pool
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -149,56 +149,6 @@ def start_servers(directory: Path, server_cpus: tuple[int, ...] | None) -> Serve
 # ---------------------------------------------------------------------------------
 
 
-class HttpError(Exception):
-    """The answer was not a well-formed HTTP/1.1 response."""
-
-
-class Connection:
-    """One keep-alive HTTP/1.1 connection; one request at a time."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.reusable = True
-
-    @classmethod
-    async def open(cls, port: int) -> Connection:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        return cls(reader, writer)
-
-    async def exchange(self, request: bytes) -> int:
-        """Send ``request``, read the whole response, return its status."""
-        self.writer.write(request)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status_line, _, header_block = head.partition(b"\r\n")
-        parts = status_line.split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-            raise HttpError(f"bad status line {status_line[:60]!r}")
-        status = int(parts[1])
-        length, chunked = 0, False
-        for line in header_block.lower().split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"transfer-encoding" and b"chunked" in value:
-                chunked = True
-            elif name == b"connection" and b"close" in value:
-                self.reusable = False
-        if chunked:
-            while True:
-                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                await self.reader.readexactly(size + 2)
-                if size == 0:
-                    break
-        elif length:
-            await self.reader.readexactly(length)
-        return status
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
-
-
 @dataclass
 class RunResult:
     """One measured run of one variant."""
@@ -216,48 +166,6 @@ class RunResult:
     lag_p99_ms: float = 0.0
     server_cpu_us_per_request: float | None = None
     """CPU time of the variant's servers (Envoy, sidecar, redis-server, app) per request sent, warm-up included."""
-
-
-class Pool:
-    """Idle keep-alive connections to one port; new ones up to ``limit`` when none is idle."""
-
-    def __init__(self, port: int, limit: int) -> None:
-        self.port = port
-        self.limit = limit
-        self.idle: list[Connection] = []
-        self.open = 0
-        self.opened = 0
-        self.freed = asyncio.Condition()
-
-    async def acquire(self) -> Connection:
-        async with self.freed:
-            while not self.idle and self.open >= self.limit:
-                await self.freed.wait()
-            if self.idle:
-                return self.idle.pop()
-            self.open += 1
-        try:
-            connection = await Connection.open(self.port)
-        except BaseException:
-            await self.release(None)
-            raise
-        self.opened += 1
-        return connection
-
-    async def release(self, connection: Connection | None) -> None:
-        async with self.freed:
-            if connection is not None and connection.reusable:
-                self.idle.append(connection)
-            else:
-                self.open -= 1
-                if connection is not None:
-                    connection.close()
-            self.freed.notify()
-
-    def close(self) -> None:
-        for connection in self.idle:
-            connection.close()
-        self.idle.clear()
 
 
 async def drive(
