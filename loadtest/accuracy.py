@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for entry in (str(HERE), str(HERE.parent)):  # loadtest/ (common, the harness), the checkout (stack)
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
 
 from accuracy_harness import processes, report, runner  # noqa: E402
 from accuracy_harness.processes import REDIS_SERVER, RedisServer, process_group  # noqa: E402

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from common import free_port, health_serving, start_child
+
+from stack.processes import Child as StackChild
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_SERVER = "/usr/bin/redis-server"
@@ -51,63 +52,29 @@ def clean_env() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if not name.startswith("RLS_")}
 
 
-class Child:
-    """One child process with its output in a log file."""
+class Child(StackChild):
+    """A child of the harness: the stack's child, pinned to ``SERVER_CPUS``, configured by
+    flags only (no ``RLS_*`` variables), and sent SIGTERM at most once."""
 
     def __init__(self, label: str, argv: Sequence[str], log_path: Path) -> None:
-        self.label = label
-        self.argv = list(argv)
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__(label, argv, log_path, env=clean_env())
         self.terminated = False
 
     def start(self) -> None:
         with self.log_path.open("wb") as log:
             # Pinned to SERVER_CPUS if set, SIGTERM when the harness dies, in its own session.
-            self.process = start_child(self.argv, log, env=clean_env(), cpus=SERVER_CPUS)
+            self.process = start_child(self.argv, log, env=self.env, cpus=SERVER_CPUS)
 
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, lines: int = 15) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+    def signal(self, signum: int) -> None:
+        """SIGTERM once only: a second one could land after the child removed its handler."""
+        if signum == signal.SIGTERM:
+            if self.terminated:
+                return
+            self.terminated = True
+        super().signal(signum)
 
     def terminate(self) -> None:
-        """Send SIGTERM once: a second one could land after the child removed its handler."""
-        if self.process is not None and self.process.poll() is None and not self.terminated:
-            self.terminated = True
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
-        """SIGTERM (once), wait up to ``timeout``, then SIGKILL; returns the exit code."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.terminate()
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.process.returncode
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=5)
+        self.signal(signal.SIGTERM)
 
 
 class RedisServer(Child):
