@@ -50,17 +50,13 @@ for entry in (str(HERE), str(HERE.parent)):  # loadtest/ (common, the harness), 
 from accuracy_harness import processes, report, runner  # noqa: E402
 from accuracy_harness.processes import REDIS_SERVER, RedisServer, process_group  # noqa: E402
 from accuracy_harness.scenarios import Scenario, catalogue  # noqa: E402
-from common import machine_facts, parse_cpus, positive_int, reproduce_command, run_cli  # noqa: E402
+from common import bounded_float, machine_facts, parse_cpus, positive_int, reproduce_command, run_cli  # noqa: E402
 
 REPO = HERE.parent
 DEFAULT_JSON = REPO / "loadtest" / "results" / "accuracy.json"
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 60:
-        raise argparse.ArgumentTypeError("must be in (0, 60]")
-    return value
+POSITIVE_SECONDS = bounded_float(0, 60, include_low=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=positive_int, default=4, help="sidecar processes (default 4)")
     parser.add_argument("--limit", type=positive_int, help="per-second limit of balanced/skewed/burst")
     parser.add_argument("--windows", type=positive_int, help="1 s windows per per-second scenario")
-    parser.add_argument("--sync-interval", type=_positive_float, help="passed to sync-mode sidecars (default: theirs)")
+    parser.add_argument("--sync-interval", type=POSITIVE_SECONDS, help="passed to sync-mode sidecars (default: theirs)")
     parser.add_argument(
         "--sync-max-overshoot",
         type=float,
@@ -94,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="throughput runs per mode, alternating the order; the median is reported (default 1 quick, 3 full)",
     )
-    parser.add_argument("--timeout", type=_positive_float, default=2.0, help="deadline of each call, seconds")
-    parser.add_argument("--redis-timeout", type=_positive_float, help="passed to redis-mode sidecars (default: theirs)")
+    parser.add_argument("--timeout", type=POSITIVE_SECONDS, default=2.0, help="deadline of each call, seconds")
+    parser.add_argument(
+        "--redis-timeout", type=POSITIVE_SECONDS, help="passed to redis-mode sidecars (default: theirs)"
+    )
     parser.add_argument("--server-cpus", help="pin redis-server and the sidecars to these cpus, e.g. 0 or 0-1")
     parser.add_argument("--client-cpus", help="pin the load generators to these cpus, e.g. 1")
     parser.add_argument("--seed", type=int, default=1, help="seed of the traffic schedules")

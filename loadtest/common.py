@@ -42,6 +42,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def bounded_float(low: float, high: float, *, include_low: bool = True) -> Callable[[str], float]:
+    """argparse type: a number in ``[low, high]`` (``(low, high]`` with ``include_low=False``)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (low <= value if include_low else low < value) or value > high:
+            bracket = "[" if include_low else "("
+            raise argparse.ArgumentTypeError(f"must be in {bracket}{low:g}, {high:g}]")
+        return value
+
+    return parse
+
+
 def parse_cpus(text: str | None) -> tuple[int, ...] | None:
     """``"0"``, ``"0,1"`` or ``"0-1"`` into a tuple of cpu numbers; None for none/empty."""
     if not text or text == "none":

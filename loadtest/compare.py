@@ -76,7 +76,7 @@ for entry in (str(REPO), str(HERE)):  # stack/ lives in the checkout; compare_ha
     if entry not in sys.path:
         sys.path.insert(0, entry)
 
-from common import machine_facts, parse_cpus, percentile, positive_int, reproduce_command, run_cli  # noqa: E402
+from common import bounded_float, machine_facts, parse_cpus, percentile, positive_int, reproduce_command, run_cli  # noqa: E402
 from compare_harness import analysis, client, paths, plot, report  # noqa: E402
 from compare_harness.recording import MIN_DURATION, Recording, record  # noqa: E402
 
@@ -422,16 +422,6 @@ def select_paths(text: str) -> list[str]:
     return [name for name in known if name in chosen]
 
 
-def _bounded_float(low: float, high: float) -> Any:
-    def parse(text: str) -> float:
-        value = float(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}]")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compare.py",
@@ -440,12 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="4 s recording, 1 round, 1 s throughput phases (tests)")
     parser.add_argument(
-        "--duration", type=_bounded_float(MIN_DURATION, 120), help="seconds of recorded traffic (default 10; quick 4)"
+        "--duration", type=bounded_float(MIN_DURATION, 120), help="seconds of recorded traffic (default 10; quick 4)"
     )
     parser.add_argument("--rounds", type=positive_int, help="rounds over all paths (default 3; quick 1)")
     parser.add_argument(
         "--throughput-duration",
-        type=_bounded_float(0.2, 60),
+        type=bounded_float(0.2, 60),
         help="measured seconds of each closed-loop phase (default 3; quick 1)",
     )
     parser.add_argument("--paths", default="all", help=f"comma-separated, or all ({', '.join(paths.LABELS)})")
@@ -457,16 +447,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--connections", type=positive_int, default=8, help="keep-alive connections opened per entry before a replay"
     )
-    parser.add_argument("--timeout", type=_bounded_float(0.1, 60), default=2.0, help="per request, seconds")
+    parser.add_argument("--timeout", type=bounded_float(0.1, 60), default=2.0, help="per request, seconds")
     parser.add_argument(
         "--margin",
-        type=_bounded_float(0, 0.1),
+        type=bounded_float(0, 0.1),
         default=analysis.DEFAULT_MARGIN,
         help="seconds added on both sides of a request's sent..answered interval before placing it in a second",
     )
     parser.add_argument(
         "--redis-timeout",
-        type=_bounded_float(0.001, 1),
+        type=bounded_float(0.001, 1),
         help="passed to the sync-mode sidecars (default: theirs, 5 ms); keep it under Envoy's 25 ms timeout",
     )
     parser.add_argument("--server-cpus", help="pin every server to these cpus, e.g. 0")

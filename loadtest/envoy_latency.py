@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from common import machine_facts, parse_cpus, percentile, positive_int, reproduce_command, run_cli
+from common import bounded_float, machine_facts, parse_cpus, percentile, positive_int, reproduce_command, run_cli
 from http_load import Connection, HttpError, Pool
 
 REPO = Path(__file__).resolve().parent.parent
@@ -431,32 +431,29 @@ def run(arguments: argparse.Namespace) -> int:
     return 0 if errors == 0 else 2
 
 
-def _positive_float(limit: float) -> Any:
-    def parse(text: str) -> float:
-        value = float(text)
-        if not 0 < value <= limit:
-            raise argparse.ArgumentTypeError(f"must be in (0, {limit:g}]")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="envoy_latency.py",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--rate", type=_positive_float(5000), default=200.0, help="requests/s (default 200)")
     parser.add_argument(
-        "--duration", type=_positive_float(600), default=10.0, help="measured seconds per run (default 10)"
+        "--rate", type=bounded_float(0, 5000, include_low=False), default=200.0, help="requests/s (default 200)"
+    )
+    parser.add_argument(
+        "--duration",
+        type=bounded_float(0, 600, include_low=False),
+        default=10.0,
+        help="measured seconds per run (default 10)",
     )
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each run (default 1)")
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of all three variants (default 3)")
     parser.add_argument(
         "--connections", type=positive_int, default=64, help="most keep-alive connections open at once (default 64)"
     )
-    parser.add_argument("--timeout", type=_positive_float(60), default=2.0, help="per request, seconds (default 2)")
+    parser.add_argument(
+        "--timeout", type=bounded_float(0, 60, include_low=False), default=2.0, help="per request, seconds (default 2)"
+    )
     parser.add_argument("--server-cpus", help="pin every server to these cpus, e.g. 0")
     parser.add_argument("--client-cpus", help="pin the load generator to these cpus, e.g. 1")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON, e.g. loadtest/results/...")

@@ -28,6 +28,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 from sidecar.limiter.keys import replicas_key
 from sidecar.limiter.protocol import Check, decide
 from sidecar.limiter.scripts import DECIDE, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
+from sidecar.metrics import LimiterSnapshot
 from sidecar.settings import Settings
 
 FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
@@ -371,6 +372,21 @@ class RedisStore:
                 # Cluster pipelines, though it routes EVALSHA by its keys like any command.
                 marker = f"{key}:flushed:{owner}"
                 pipe.execute_command("EVALSHA", FLUSH_ONCE.sha, 2, key, marker, sequence, hits, expire_at)
+
+    def snapshot(
+        self, *, counters: int, evictions: int, replicas: int, pending_hits: int, **rest: Any
+    ) -> LimiterSnapshot:
+        """A Redis backend's metrics: its own numbers plus this store's state and round trips."""
+        return LimiterSnapshot(
+            counters=counters,
+            evictions=evictions,
+            redis_up=self.available,
+            replicas=replicas,
+            round_trips_request_path=self.round_trips_request_path,
+            round_trips_background=self.round_trips_background,
+            pending_hits=pending_hits,
+            **rest,
+        )
 
     async def heartbeat(self, replica_id: str, now: float, ttl: float) -> int:
         """Mark this replica alive, forget replicas silent for ``ttl``; returns live replicas (>= 1)."""

@@ -282,13 +282,10 @@ class StrictLimiter:
 
     def snapshot(self) -> LimiterSnapshot:
         local = self.policy.local_snapshot()
-        return LimiterSnapshot(
+        return self.store.snapshot(
             counters=local.counters,
             evictions=local.evictions,
-            redis_up=self.store.available,
             replicas=self.replicas.live,
-            round_trips_request_path=self.store.round_trips_request_path,
-            round_trips_background=self.store.round_trips_background,
             pending_hits=self.unreconciled_hits(),
         )
 

@@ -406,13 +406,10 @@ class SyncLimiter:
         return self._live
 
     def snapshot(self) -> LimiterSnapshot:
-        return LimiterSnapshot(
+        return self.store.snapshot(
             counters=self._live,
             evictions=self.evictions,
-            redis_up=self.store.available,
             replicas=self.replicas.live,
-            round_trips_request_path=self.store.round_trips_request_path,
-            round_trips_background=self.store.round_trips_background,
             pending_hits=sum(counter.unflushed for counter in self._all_counters()),
             flush_seconds=self.flush_seconds,
             flush_keys=self.flush_keys,
