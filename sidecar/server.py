@@ -21,8 +21,10 @@ from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, RateLimitConfig, load_config
 from sidecar.config.reload import ConfigReloader, rule_count
 from sidecar.config.watch import ConfigWatcher
+from sidecar.limiter.clock import SharedClock
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
+from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import RuleStats, ServiceStats, SidecarCollector
 from sidecar.service import SERVICE_NAME, RateLimitService, add_to_server
 from sidecar.settings import Settings
@@ -60,10 +62,10 @@ class StartupError(Exception):
     """The sidecar cannot start; the message is one line meant for the operator."""
 
 
-def build_limiter(settings: Settings) -> Limiter:
+def build_limiter(settings: Settings, clock: SharedClock | None = None) -> Limiter:
     """The backend named by the settings."""
     if settings.backend == "redis":
-        return build_redis_limiter(settings)
+        return build_redis_limiter(settings, clock)
     return MemoryLimiter(
         instances=settings.instances,
         max_counters=settings.max_counters,
@@ -71,7 +73,7 @@ def build_limiter(settings: Settings) -> Limiter:
     )
 
 
-def build_redis_limiter(settings: Settings) -> Limiter:
+def build_redis_limiter(settings: Settings, clock: SharedClock | None = None) -> Limiter:
     """The ``strict`` or ``sync`` backend.
 
     Imported here, only when chosen: redis-py takes 0.1-0.2 s to import, which the
@@ -80,10 +82,13 @@ def build_redis_limiter(settings: Settings) -> Limiter:
     from sidecar.limiter.redis_store import RedisStore  # noqa: PLC0415 - lazy, see docstring
     from sidecar.limiter.replicas import Replicas  # noqa: PLC0415 - lazy, see docstring
 
+    clock = clock or SharedClock(settings.clock_offset)
+    # The heartbeats sample Redis TIME only when given the SharedClock itself.
+    beat_clock: Clock = clock if settings.clock_source == "redis" else clock.local
     if settings.mode == "strict":
         from sidecar.limiter.strict import StrictLimiter  # noqa: PLC0415 - lazy, see docstring
 
-        return StrictLimiter.from_settings(settings)
+        return StrictLimiter.from_settings(settings, beat_clock)
     try:
         from sidecar.limiter.sync import SyncLimiter  # noqa: PLC0415 - lazy, see docstring
     except ImportError as error:
@@ -91,7 +96,7 @@ def build_redis_limiter(settings: Settings) -> Limiter:
     store = RedisStore.from_settings(settings)
     return SyncLimiter(
         store,
-        Replicas(store, settings.heartbeat_interval),
+        Replicas(store, settings.heartbeat_interval, clock=beat_clock),
         prefix=settings.redis_prefix,
         sync_interval=settings.sync_interval,
         request_budget=settings.redis_timeout,
@@ -99,6 +104,7 @@ def build_redis_limiter(settings: Settings) -> Limiter:
         admit_all=settings.shadow_mode,
         max_overshoot=settings.sync_max_overshoot,
         max_counters=settings.max_counters,
+        clock=clock,
     )
 
 
@@ -163,13 +169,15 @@ def ensure_bindable(address: str) -> None:
 class Sidecar:
     """A running gRPC server with its service, health, limiter and admin endpoint."""
 
-    def __init__(self, settings: Settings, config: RateLimitConfig, limiter: Limiter) -> None:
+    def __init__(
+        self, settings: Settings, config: RateLimitConfig, limiter: Limiter, clock: Clock = system_clock
+    ) -> None:
         self.settings = settings
         self.stats = ServiceStats(rules=RuleStats(near_ratio=settings.near_limit_ratio))
         self.stats.config_loaded(config.digest)
         debug = settings.log_level == "debug"
         self.service = RateLimitService(
-            config, limiter, stats=self.stats, log_every=settings.request_log_sample if debug else 0
+            config, limiter, clock=clock, stats=self.stats, log_every=settings.request_log_sample if debug else 0
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -288,7 +296,8 @@ def _install_signal_handlers(stop: asyncio.Event, reload: Callable[[], None]) ->
 async def run(settings: Settings, config: RateLimitConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain."""
     stop = asyncio.Event()
-    sidecar = Sidecar(settings, config, build_limiter(settings))
+    clock = SharedClock(settings.clock_offset)
+    sidecar = Sidecar(settings, config, build_limiter(settings, clock), clock)
     reloads: set[asyncio.Task[bool]] = set()
 
     def reload_on_sighup() -> None:

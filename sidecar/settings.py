@@ -185,6 +185,19 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     Option("redis_prefix", str, "rls", "prefix of every Redis key this sidecar writes"),
     Option(
+        "clock_source",
+        _choice("redis", "local"),
+        "redis",
+        "redis backend: cut windows on Redis's clock (TIME, sampled each heartbeat), so host clock skew "
+        "does not matter; local: this host's clock",
+    ),
+    Option(
+        "clock_offset",
+        float,
+        0.0,
+        "seconds added to this host's clock: a deliberate skew, for testing what skew does",
+    ),
+    Option(
         "heartbeat_interval",
         _positive_float,
         1.0,
@@ -261,6 +274,8 @@ class Settings:
     redis_timeout: float = 0.005
     redis_failure_mode: str = "local"
     redis_prefix: str = "rls"
+    clock_source: str = "redis"
+    clock_offset: float = 0.0
     heartbeat_interval: float = 1.0
     shutdown_grace: float = 10.0
     tls_cert: str = ""

@@ -28,6 +28,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 from sidecar.limiter.keys import replicas_key
 from sidecar.limiter.protocol import Check, decide
 from sidecar.limiter.scripts import DECIDE, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
+from sidecar.limiter.windows import Clock
 from sidecar.metrics import LimiterSnapshot
 from sidecar.settings import Settings
 
@@ -400,6 +401,16 @@ class RedisStore:
         pipe.expire(key, math.ceil(ttl) + 1)
         replies = await self._background(pipe.execute())
         return max(1, int(replies[2]))
+
+    async def server_time(self, local: Clock) -> tuple[float, float, float]:
+        """``(redis TIME, sent, received)``: Redis's clock, read between two ``local`` readings."""
+        self._ensure_available()
+        sent = local()
+        reply = await self._background(self.client.time())
+        if isinstance(reply, dict):  # Redis Cluster asks one node per key slot holder: take one
+            reply = next(iter(reply.values()))
+        seconds, microseconds = reply
+        return seconds + microseconds / 1e6, sent, local()
 
     async def leave(self, replica_id: str) -> None:
         """Remove this replica from the live set (clean shutdown)."""

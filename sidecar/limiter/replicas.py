@@ -17,6 +17,7 @@ import time
 
 import structlog
 
+from sidecar.limiter.clock import SharedClock
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.windows import Clock
 
@@ -57,8 +58,11 @@ class Replicas:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="replica-heartbeat")
 
     async def beat(self) -> int:
-        """One heartbeat; returns :attr:`live`, unchanged if Redis is unavailable."""
+        """One heartbeat (and, with a :class:`SharedClock`, one clock sample); returns
+        :attr:`live`, unchanged if Redis is unavailable."""
         try:
+            if isinstance(self.clock, SharedClock):  # first, so this beat's timestamp is corrected
+                self.clock.observe(*await self.store.server_time(self.clock.local))
             live = await self.store.heartbeat(self.replica_id, self.clock(), self.ttl)
         except RedisUnavailable:
             return self.live

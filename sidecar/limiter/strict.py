@@ -43,6 +43,7 @@ from sidecar.limiter.keys import counter_window
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
+from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import LimiterSnapshot
 from sidecar.settings import Settings
 
@@ -108,10 +109,11 @@ class StrictLimiter:
         store.add_listener(policy.on_redis_state)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> StrictLimiter:
-        """Store, heartbeats and failure policy as the settings say."""
+    def from_settings(cls, settings: Settings, clock: Clock = system_clock) -> StrictLimiter:
+        """Store, heartbeats and failure policy as the settings say; ``clock`` times the
+        heartbeats (a :class:`~sidecar.limiter.clock.SharedClock` also samples Redis TIME)."""
         store = RedisStore.from_settings(settings)
-        replicas = Replicas(store, settings.heartbeat_interval)
+        replicas = Replicas(store, settings.heartbeat_interval, clock=clock)
         policy = FailurePolicy(
             settings.redis_failure_mode,
             lambda: replicas.live,

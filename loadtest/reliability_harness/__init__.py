@@ -1,0 +1,47 @@
+"""Pieces of ``loadtest/reliability.py``: one module per area, each returning report rows.
+
+Every scenario module exposes ``run(context: Context) -> list[Row]``: it starts what it
+needs (through the ``stack`` package: real sidecars, redis-server), bounded in time and
+count, stops everything it started, and reports one row per scenario. A scenario that
+cannot run on this machine says so in a row with ``ok=None``; a failure is a row with
+``ok=False`` and the reason in ``notes``, never an exception escaping ``run`` (the report
+must show every area).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every scenario gets: where to put files, how long it may take."""
+
+    directory: Path
+    """A fresh directory for logs, configs and data of this run."""
+    quick: bool
+    """CI-sized: seconds per scenario instead of minutes."""
+    seed: int = 1
+    server_cpus: tuple[int, ...] | None = None
+    client_cpus: tuple[int, ...] | None = None
+
+
+@dataclass
+class Row:
+    """One line of the report."""
+
+    area: str
+    """``bad input``, ``load``, ``faults``, ``clock``, ``security``."""
+    scenario: str
+    load: str = ""
+    """What load it held, e.g. ``2,100 req/s, p99 9.8 ms`` (empty when not a load test)."""
+    inputs: int = 0
+    """Bad inputs tried (fuzz cases, malformed messages, broken configs)."""
+    hits_lost: int | None = None
+    """Admitted hits Redis does not hold after recovery (must be 0; the SIGKILL row shows its bound)."""
+    ok: bool | None = True
+    """True: held; False: failed (see notes); None: not run here (see notes)."""
+    notes: str = ""
+    figures: dict[str, float] = field(default_factory=dict)
+    """Numbers behind the row, for the JSON results and the tests."""

@@ -1,0 +1,102 @@
+"""Clock skew between replicas: what it does to a limit, and the Redis-clock correction.
+
+Two real sidecars in sync mode share one redis-server; the second one's clock is pushed
+ahead by ``--clock-offset`` (100 ms, then 1 s). A client sends twice the limit of a
+per-second rule (20/s), alternating between the replicas, for a few seconds, and the
+harness counts what was admitted in each true second (this host's clock, which is also
+Redis's: both run here). With ``--clock-source local`` the skewed replica cuts its windows
+early, so some true seconds admit more than the limit (and its heartbeats, stamped in
+the future, make the other replica drop it from the live count, which widens the blind
+cap); with the default ``--clock-source redis`` both cut windows on Redis's clock.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+
+from reliability_harness.support import (
+    CHANNEL_OPTIONS,
+    METHOD,
+    Context,
+    RedisProcess,
+    Row,
+    SidecarProcess,
+    failed_row,
+    process_group,
+)
+from sidecar.client import build_request
+
+LIMIT = 20
+"""``remote_address`` in examples/config: 20 per second."""
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "config"
+SKEWS = (0.1, 1.0)
+
+
+def drive(addresses: list[str], seconds: float, rate: float) -> list[tuple[float, bool]]:
+    """Send ``rate`` calls/s for ``seconds``, alternating replicas; ``(sent at, admitted)`` each."""
+    channels = [grpc.insecure_channel(address, options=CHANNEL_OPTIONS) for address in addresses]
+    stubs = [channel.unary_unary(METHOD) for channel in channels]
+    payload = build_request("demo", ["remote_address=198.51.100.200"]).SerializeToString()
+    outcomes = []
+    start = int(time.time()) + 1.0  # a true second boundary
+    try:
+        for index in range(int(seconds * rate)):
+            moment = start + index / rate
+            time.sleep(max(0.0, moment - time.time()))
+            sent = time.time()
+            reply = stubs[index % len(stubs)](payload, timeout=2.0)
+            outcomes.append((sent, reply[:2] == b"\x08\x01"))
+    finally:
+        for channel in channels:
+            channel.close()
+    return outcomes
+
+
+def overshoot(outcomes: list[tuple[float, bool]]) -> tuple[int, int, int]:
+    """``(admitted, hits beyond the limit summed over true seconds, worst second)``."""
+    per_second: dict[int, int] = {}
+    for sent, admitted in outcomes:
+        if admitted:
+            per_second[int(sent)] = per_second.get(int(sent), 0) + 1
+    beyond = sum(max(0, count - LIMIT) for count in per_second.values())
+    return sum(per_second.values()), beyond, max(per_second.values(), default=0)
+
+
+def one_run(context: Context, skew: float, source: str) -> Row:
+    directory = context.directory / f"skew-{skew:g}-{source}"
+    directory.mkdir(parents=True, exist_ok=True)
+    seconds = 4.0 if context.quick else 20.0
+    with process_group() as group:
+        redis = group.start_ready(lambda: RedisProcess(directory))
+        flags = ["--config", str(EXAMPLES), "--backend", "redis", "--redis-url", redis.url, "--clock-source", source]
+        flags += ["--metrics-address", "", "--heartbeat-interval", "0.2"]
+        plain = group.start_ready(lambda: SidecarProcess("sidecar-1", flags, directory))
+        skewed = group.start_ready(
+            lambda: SidecarProcess("sidecar-2", [*flags, "--clock-offset", str(skew)], directory)
+        )
+        time.sleep(0.5)  # a few heartbeats: both count each other (or, skewed, fail to)
+        outcomes = drive([plain.address, skewed.address], seconds, 2 * LIMIT)
+    admitted, beyond, worst = overshoot(outcomes)
+    ideal = LIMIT * int(seconds)
+    return Row(
+        area="clock",
+        scenario=f"replica clock +{skew * 1000:g} ms, windows on the {source} clock",
+        load=f"{2 * LIMIT} req/s for {seconds:g} s, limit {LIMIT}/s",
+        ok=beyond == 0 if source == "redis" else True,
+        notes=f"admitted {admitted} (ideal {ideal}), {beyond} beyond the limit over true seconds, worst second {worst}",
+        figures={"skew_seconds": skew, "admitted": admitted, "beyond": beyond, "worst_second": worst},
+    )
+
+
+def run(context: Context) -> list[Row]:
+    rows = []
+    for skew in SKEWS:
+        for source in ("local", "redis"):
+            try:
+                rows.append(one_run(context, skew, source))
+            except Exception as error:  # a failed scenario is a row, never a missing area
+                rows.append(failed_row("clock", f"replica clock +{skew * 1000:g} ms ({source})", error))
+    return rows
