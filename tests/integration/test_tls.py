@@ -13,15 +13,17 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from sidecar_harness import OK, SidecarFactory, clean_env, free_port, log_events, request, run_cli
-from tls_certs import Certificates, make_certificates
 
 from stack.components import UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, UpstreamTLS
 from stack.processes import process_group
+from stack.tls import OPENSSL, Certificates, make_certificates
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    if OPENSSL is None:
+        pytest.skip("openssl is not installed: cannot make certificates for the TLS tests")
     return make_certificates(tmp_path_factory.mktemp("certs"))
 
 

@@ -1,6 +1,6 @@
-"""Certificates for the TLS tests, made with the openssl command line: a CA, a server
-certificate for 127.0.0.1 signed by it, a client certificate signed by it, and a rogue
-client certificate signed by nobody the server trusts."""
+"""Throwaway certificates for TLS tests and the reliability report, made with the openssl
+command line: a CA, a server certificate for 127.0.0.1 signed by it, a client certificate
+signed by it, and a rogue client certificate signed by nobody the server trusts."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 OPENSSL = shutil.which("openssl")
 
@@ -52,7 +50,7 @@ def _authority(directory: Path, name: str) -> tuple[Path, Path]:
 
 def make_certificates(directory: Path) -> Certificates:
     if OPENSSL is None:
-        pytest.skip("openssl is not installed: cannot make certificates for the TLS tests")
+        raise FileNotFoundError("openssl is not installed: cannot make certificates")
     directory.mkdir(parents=True, exist_ok=True)
     ca = _authority(directory, "test-ca")
     rogue_ca = _authority(directory, "rogue-ca")
