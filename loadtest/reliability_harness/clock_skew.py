@@ -72,7 +72,7 @@ def one_run(context: Context, skew: float, source: str) -> Row:
     with process_group() as group:
         redis = group.start_ready(lambda: RedisProcess(directory))
         flags = ["--config", str(EXAMPLES), "--backend", "redis", "--redis-url", redis.url, "--clock-source", source]
-        flags += ["--metrics-address", "", "--heartbeat-interval", "0.2"]
+        flags += ["--heartbeat-interval", "0.2"]
         plain = group.start_ready(lambda: SidecarProcess("sidecar-1", flags, directory))
         skewed = group.start_ready(
             lambda: SidecarProcess("sidecar-2", [*flags, "--clock-offset", str(skew)], directory)
