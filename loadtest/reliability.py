@@ -1,0 +1,157 @@
+"""The reliability report: bad input, floods, load, faults, clock skew and security, in one table.
+
+Every scenario runs against real processes (sidecars, redis-server) on 127.0.0.1, bounded
+in time and count, and stops what it started; each prints one row: the load it held
+(requests/s and p99), the bad inputs it tried, the admitted hits Redis lost (0, except
+the measured bound of a replica killed with SIGKILL), and whether the invariant held.
+
+    python loadtest/reliability.py --quick        # CI-sized, a few minutes
+    python loadtest/reliability.py                # longer soak and floods, ~15 minutes
+    python loadtest/reliability.py --areas faults,clock
+
+Exit status 0 when every row held, 1 otherwise (a row that cannot run on this machine
+says so and does not fail the report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+for entry in (str(HERE), str(HERE.parent)):  # loadtest/ (common, the harness), the checkout (stack)
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+
+from common import machine_facts, parse_cpus, reproduce_command, run_cli  # noqa: E402
+from reliability_harness import Context, Row  # noqa: E402
+
+AREAS = {
+    "bad-input": "reliability_harness.bad_input",
+    "flood": "reliability_harness.flood",
+    "soak": "reliability_harness.soak",
+    "faults": "reliability_harness.faults",
+    "clock": "reliability_harness.clock_skew",
+    "security": "reliability_harness.security",
+}
+"""Report order: what each ``--areas`` name runs (a module with ``run(Context) -> list[Row]``)."""
+
+
+def load_area(name: str) -> Callable[[Context], list[Row]]:
+    module = importlib.import_module(AREAS[name])
+    run: Callable[[Context], list[Row]] = module.run
+    return run
+
+
+def run_area(name: str, context: Context) -> tuple[list[Row], float]:
+    """The rows of one area and how long it took; an area that raises becomes a failed row."""
+    started = time.monotonic()
+    try:
+        rows = load_area(name)(context)
+    except Exception as error:  # the report must show every area, even a broken one
+        rows = [Row(name, "the whole area", ok=False, notes=f"{type(error).__name__}: {error}")]
+    return rows, time.monotonic() - started
+
+
+def verdict(row: Row) -> str:
+    return {True: "held", False: "FAILED", None: "not run"}[row.ok]
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The report: one Markdown row per scenario."""
+    lines = [
+        "| area | scenario | load held | bad inputs | hits lost | result | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lost = "" if row.hits_lost is None else f"{row.hits_lost:,}"
+        inputs = f"{row.inputs:,}" if row.inputs else ""
+        notes = row.notes.replace("|", "/").replace("\n", " ")
+        lines.append(f"| {row.area} | {row.scenario} | {row.load} | {inputs} | {lost} | {verdict(row)} | {notes} |")
+    return "\n".join(lines)
+
+
+def summary(rows: Sequence[Row]) -> str:
+    tried = sum(row.inputs for row in rows)
+    lost = sum(row.hits_lost or 0 for row in rows if "SIGKILL" not in row.scenario)
+    failed = [row for row in rows if row.ok is False]
+    return (
+        f"{len(rows)} scenarios: {len(rows) - len(failed)} held or not run, {len(failed)} failed; "
+        f"{tried:,} bad inputs tried; {lost} admitted hits lost outside the SIGKILL bound"
+    )
+
+
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="reliability.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="CI-sized: seconds per scenario")
+    parser.add_argument("--areas", default=",".join(AREAS), help=f"comma-separated, of: {', '.join(AREAS)}")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--server-cpus", help="pin servers to these cpus, e.g. 0")
+    parser.add_argument("--client-cpus", help="pin load generators to these cpus, e.g. 1")
+    parser.add_argument("--json", help="also write the rows and figures to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the run directory (logs of every process)")
+    arguments = parser.parse_args(argv)
+    unknown = set(arguments.areas.split(",")) - set(AREAS)
+    if unknown:
+        parser.error(f"unknown area(s): {', '.join(sorted(unknown))}")
+    return arguments
+
+
+def report(arguments: argparse.Namespace) -> int:
+    names = arguments.areas.split(",")
+    directory = Path(tempfile.mkdtemp(prefix="reliability-"))
+    context = Context(
+        directory,
+        quick=arguments.quick,
+        seed=arguments.seed,
+        server_cpus=parse_cpus(arguments.server_cpus),
+        client_cpus=parse_cpus(arguments.client_cpus),
+    )
+    rows: list[Row] = []
+    timings: dict[str, float] = {}
+    for name in names:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        area_rows, timings[name] = run_area(name, context)
+        rows += area_rows
+    print(table(rows))
+    print()
+    print(summary(rows))
+    print("seconds per area: " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in timings.items()))
+    command = reproduce_command(["python", "loadtest/reliability.py"], arguments, skip={"json", "keep"})
+    print(f"reproduce: {command}")
+    if arguments.json:
+        document: dict[str, Any] = {
+            "command": command,
+            "machine": machine_facts(),
+            "seconds": timings,
+            "rows": [asdict(row) for row in rows],
+        }
+        Path(arguments.json).write_text(json.dumps(document, indent=2, default=str) + "\n")
+    if arguments.keep:
+        print(f"logs: {directory}", file=sys.stderr)
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
+    return 1 if any(row.ok is False for row in rows) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    return run_cli("reliability.py", lambda: report(arguments), (signal.SIGTERM, signal.SIGHUP))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
