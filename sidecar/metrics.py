@@ -33,6 +33,10 @@ RULE_STATS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_
 TOTAL_HITS, OVER_LIMIT, NEAR_LIMIT, WITHIN_LIMIT, SHADOW_MODE = range(len(RULE_STATS))
 MAX_RULE_SERIES = 10_000
 """Cap on per-rule series: request values are unbounded, a scrape must not be."""
+MAX_STAT_KEY_LENGTH = 1024
+"""Longer stat keys (request values of ``detailed_metric`` rules and request overrides:
+up to 32 entries of 4096 characters) share the overflow row, so the series are
+bounded in size as well as in number."""
 OVERFLOW_SUFFIX = "_detailed_overflow"
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 FLUSH_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -81,10 +85,11 @@ class RuleStats:
     def row(self, stat_key: str, domain: str) -> list[int]:
         """The counts of ``stat_key``, created on first use; past :data:`MAX_RULE_SERIES`
         keys (request values of ``detailed_metric`` rules and request overrides are
-        unbounded) new keys share one ``<domain>_detailed_overflow`` row."""
+        unbounded) new keys, and keys longer than :data:`MAX_STAT_KEY_LENGTH`, share one
+        ``<domain>_detailed_overflow`` row."""
         row = self.rows.get(stat_key)
         if row is None:
-            if len(self.rows) >= MAX_RULE_SERIES:
+            if len(self.rows) >= MAX_RULE_SERIES or len(stat_key) > MAX_STAT_KEY_LENGTH:
                 stat_key = domain + OVERFLOW_SUFFIX
                 row = self.rows.get(stat_key)
                 if row is not None:

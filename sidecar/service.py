@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 
 from sidecar.config.match import Match, match_descriptor
 from sidecar.config.model import RateLimitConfig, RateLimitRule
+from sidecar.limiter.keys import counter_key
 from sidecar.limiter.protocol import Check, Decision, Limiter, Role
 from sidecar.limiter.windows import Clock, Unit, seconds_until_reset, system_clock
 from sidecar.metrics import ServiceStats
@@ -72,7 +73,7 @@ def override_rule(domain: str, descriptor: Any) -> Match:
         counter_id=counter_id,
         source="request override",
     )
-    return Match(rule, (counter_id, *entries))
+    return Match(rule, counter_key(counter_id, entries))
 
 
 def role_of(rule: RateLimitRule) -> Role:

@@ -57,9 +57,15 @@ def load_config(path: str | Path) -> RateLimitConfig:
         name = str(file)
         try:
             raw = file.read_bytes()
-            text = raw.decode("utf-8")
-        except (OSError, UnicodeDecodeError) as error:
+        except OSError as error:
             issues.append(ConfigIssue(name, 0, "", f"cannot read: {error}"))
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line = raw.count(b"\n", 0, error.start) + 1
+            problem = f"cannot read: not UTF-8 (byte 0x{raw[error.start]:02x}: {error.reason})"
+            issues.append(ConfigIssue(name, line, "", problem))
             continue
         digest.update(name.encode() + b"\0" + raw + b"\0")
         domain, found = parse_text(text, name)

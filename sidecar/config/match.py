@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from sidecar.config.model import DescriptorNode, DomainConfig, Level, RateLimitRule
+from sidecar.limiter.keys import MAX_INLINE_CHARS, hashed_counter_key
 from sidecar.limiter.protocol import CounterKey
 
 
@@ -32,7 +33,8 @@ class Match(NamedTuple):
     rule: RateLimitRule
     key: CounterKey
     """``(rule.counter_id, *values)``: the request values of key-only and unshared
-    wildcard levels, so each distinct value gets its own counter."""
+    wildcard levels, so each distinct value gets its own counter (long values hashed,
+    see :func:`sidecar.limiter.keys.counter_key`)."""
 
 
 def find_node(level: Level, entry: Entry) -> DescriptorNode | None:
@@ -50,15 +52,23 @@ def match_descriptor(domain: DomainConfig, entries: Sequence[Entry]) -> Match | 
     """The rule and counter for one descriptor, or None when no rule applies."""
     level = domain.root
     values: list[str] = []
+    chars = 0
     last = len(entries) - 1
     for index, entry in enumerate(entries):
         node = find_node(level, entry)
         if node is None:
             return None
         if node.counts_each_value:
-            values.append(entry.value)
+            value = entry.value
+            values.append(value)
+            chars += len(value)
         if index == last:
             rule = node.rule
-            return None if rule is None else Match(rule, (rule.counter_id, *values))
+            if rule is None:
+                return None
+            # sidecar.limiter.keys.counter_key, inlined: this runs for every descriptor.
+            if chars <= MAX_INLINE_CHARS:
+                return Match(rule, (rule.counter_id, *values))
+            return Match(rule, hashed_counter_key(rule.counter_id, values))
         level = node.children
     return None

@@ -15,7 +15,9 @@ MAX_FILE_BYTES = 8 * 1024 * 1024
 """A descriptor config far larger than this is a mistake, not a config."""
 
 MAX_NODES = 200_000
-"""Bound on YAML nodes built, so alias bombs cannot expand without limit."""
+"""Bound on YAML nodes, counted with every alias and merge key expanded, so alias
+bombs cannot expand without limit: neither in PyYAML's merge-key flattening nor in
+the config parser, which walks an aliased subtree once per reference."""
 
 
 class YamlError(Exception):
@@ -40,9 +42,18 @@ class MarkedMapping(dict[Any, Any]):
 
 
 class _MarkedLoader(yaml.SafeLoader):
-    """SafeLoader building :class:`MarkedMapping` and counting constructed nodes."""
+    """SafeLoader building :class:`MarkedMapping` and counting composed and constructed nodes."""
 
     nodes_built = 0
+    nodes_composed = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        # Counted while composing too: an 8 MiB flow list ``[1,1,1,...]`` is four million
+        # nodes, gigabytes of node objects and a minute of CPU before construction starts.
+        self.nodes_composed += 1
+        if self.nodes_composed > MAX_NODES:
+            raise YamlError(f"more than {MAX_NODES} YAML nodes", self.get_mark().line + 1)
+        return super().compose_node(parent, index)
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         self.nodes_built += 1
@@ -79,6 +90,38 @@ _MarkedLoader.add_constructor(
 )
 
 
+def expanded_size(root: yaml.Node) -> int:
+    """Nodes of the document with every alias expanded; :class:`YamlError` past :data:`MAX_NODES`.
+
+    Memoized per node, so it costs one pass over the composed nodes however many
+    times they are aliased. It runs before construction because PyYAML flattens
+    merge keys (``<<: [*a, *a]``) by copying, before any node is counted: nested
+    merges double at every level. A node that contains itself is refused too.
+    """
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        if id(node) in open_nodes:
+            raise YamlError("recursive alias: a node contains itself", node.start_mark.line + 1)
+        open_nodes.add(id(node))
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(key) + size(value) for key, value in node.value)
+        open_nodes.discard(id(node))
+        if total > MAX_NODES:
+            raise YamlError(f"more than {MAX_NODES} YAML nodes once aliases are expanded", node.start_mark.line + 1)
+        sizes[id(node)] = total
+        return total
+
+    return size(root)
+
+
 def load_yaml(text: str) -> Any:
     """Parse one YAML document; raises :class:`YamlError` with a line number."""
     if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
@@ -92,7 +135,10 @@ def load_yaml(text: str) -> Any:
         raise YamlError(f"invalid YAML: unacceptable character #x{error.character:04x}: {error.reason}", line) from None
     try:
         document = loader.get_single_node()
-        return None if document is None else loader.construct_document(document)
+        if document is None:
+            return None
+        expanded_size(document)
+        return loader.construct_document(document)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         line = mark.line + 1 if mark else 0
@@ -100,6 +146,6 @@ def load_yaml(text: str) -> Any:
     except yaml.YAMLError as error:
         raise YamlError(f"invalid YAML: {error}") from None
     except RecursionError:
-        raise YamlError("YAML nested too deeply") from None
+        raise YamlError("YAML nested too deeply", loader.get_mark().line + 1) from None
     finally:
         loader.dispose()
