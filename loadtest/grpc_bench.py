@@ -22,7 +22,8 @@ Three subcommands, each bounded in time and request count and stopping by itself
     Ctrl-C, SIGTERM or error.
 ``inproc``
     CPU cost per call of ``RateLimitService.decide`` and of the other steps of the
-    request path, in this process, without gRPC; ``--profile N`` adds a cProfile table.
+    request path, in this process, without gRPC; ``--profile N`` adds a cProfile table,
+    ``--response-headers`` prices the sidecar's ``--response-headers``.
 
 Examples::
 
@@ -1145,7 +1146,7 @@ class AbortingContext:
         raise RuntimeError(f"abort {code}: {details}")
 
 
-def unmetered_service(config: Any) -> Any:
+def unmetered_service(config: Any, response_headers: bool = False) -> Any:
     """The service with metric recording switched off: prices what recording costs."""
     from sidecar.limiter.memory import MemoryLimiter
     from sidecar.service import RateLimitService
@@ -1154,12 +1155,14 @@ def unmetered_service(config: Any) -> Any:
         def _record(self, *_: Any) -> None:
             """No per-rule counts."""
 
-    service = Unmetered(config, MemoryLimiter())
+    service = Unmetered(config, MemoryLimiter(), response_headers=response_headers)
     service.stats.latency.observe = lambda _: None  # no latency histogram either
     return service
 
 
-async def measure_inproc(config: Any, requests: Sequence[Any], repeat: int) -> dict[str, float]:
+async def measure_inproc(
+    config: Any, requests: Sequence[Any], repeat: int, response_headers: bool = False
+) -> dict[str, float]:
     """Median over ``repeat`` passes of each step's cost, each pass on a fresh limiter."""
     from sidecar.limiter.memory import MemoryLimiter
     from sidecar.service import RateLimitService
@@ -1170,21 +1173,25 @@ async def measure_inproc(config: Any, requests: Sequence[Any], repeat: int) -> d
     samples: dict[str, list[float]] = {}
     responses: list[Any] = []
     for _ in range(repeat + 1):  # the first pass warms up and is dropped
-        service = RateLimitService(config, MemoryLimiter())
+        service = RateLimitService(config, MemoryLimiter(), response_headers=response_headers)
         responses = [await service.decide(request) for request in requests]
         figures = {
             "parse request (FromString)": per_call(rls_pb2.RateLimitRequest.FromString, payloads),
             "validate (request_problem)": per_call(request_problem, requests),
             "decide (match + limiter + response)": await per_await(
-                RateLimitService(config, MemoryLimiter()).decide, requests
+                RateLimitService(config, MemoryLimiter(), response_headers=response_headers).decide, requests
             ),
             "serialize response": per_call(rls_pb2.RateLimitResponse.SerializeToString, responses),
             "ShouldRateLimit handler (validate + decide)": await per_await(
-                functools.partial(RateLimitService(config, MemoryLimiter()).ShouldRateLimit, context=context),
+                functools.partial(
+                    RateLimitService(config, MemoryLimiter(), response_headers=response_headers).ShouldRateLimit,
+                    context=context,
+                ),
                 requests,
             ),
             "handler without recording metrics": await per_await(
-                functools.partial(unmetered_service(config).ShouldRateLimit, context=context), requests
+                functools.partial(unmetered_service(config, response_headers).ShouldRateLimit, context=context),
+                requests,
             ),
         }
         for name, value in figures.items():
@@ -1227,7 +1234,7 @@ def cmd_inproc(arguments: argparse.Namespace) -> int:
     config = load_config(config_path(arguments.config))
     pool = request_pool(arguments.pattern, arguments.pool_size, arguments.seed, "inproc")
     requests = [pool[i % len(pool)] for i in range(arguments.calls)]
-    figures = uvloop.run(measure_inproc(config, requests, arguments.repeat))
+    figures = uvloop.run(measure_inproc(config, requests, arguments.repeat, arguments.response_headers))
     print(
         f"{arguments.calls} calls x {arguments.repeat} passes (median), pattern {arguments.pattern}, "
         f"{len(pool)} distinct requests:"
@@ -1359,6 +1366,9 @@ def build_parser() -> argparse.ArgumentParser:
     inproc.add_argument("--seed", type=int, default=1, help="seed of the request mix")
     inproc.add_argument("--config", default=str(DEFAULT_CONFIG.relative_to(REPO)), help="sidecar config")
     inproc.add_argument("--profile", type=int, metavar="N", help="also print the N costliest functions (cProfile)")
+    inproc.add_argument(
+        "--response-headers", action="store_true", help="the service with --response-headers (RateLimit-* headers)"
+    )
     inproc.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     inproc.set_defaults(handler=cmd_inproc)
     return parser

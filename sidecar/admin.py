@@ -36,6 +36,7 @@ def rule_json(rule: RateLimitRule) -> dict[str, Any]:
         "quota_mode": rule.quota_mode,
         "replaces": sorted(rule.replaces),
         "detailed_metric": rule.detailed_metric,
+        "warn_at": rule.warn_at,
         "source": rule.source,
     }
 

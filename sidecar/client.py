@@ -58,6 +58,7 @@ def describe(response: Any) -> list[str]:
         else:
             line += " no rule matched"
         lines.append(line)
+    lines.extend(f"  header {header.key}: {header.value}" for header in response.response_headers_to_add)
     return lines
 
 

@@ -831,12 +831,13 @@ class Planner:
         self.problems.append(Problem(where_of(target.rule), reason))
 
     def _note_differences(self, placed: Sequence[Placed]) -> None:
-        """Notes for rules exported with a documented difference: shadow mode, repeated descriptors."""
+        """Notes for rules exported with a documented difference: shadow mode, soft limits, repeated descriptors."""
         seen: dict[tuple[int, int, tuple[Source, ...]], int] = {}
         for item in placed:
             slot = (item.target.route, item.rule_id, item.target.key)
             seen[slot] = seen.get(slot, 0) + 1
         noted: set[int] = set()
+        soft_noted: set[int] = set()
         for item in placed:
             rule = item.target.rule
             if rule.shadow_mode and item.rule_id not in noted:
@@ -846,6 +847,16 @@ class Planner:
                         where_of(rule),
                         "shadow_mode: counted like the sidecar but never denied; a request over it "
                         f"gets /r{item.rule_id} in the txn.rl_shadow variable (log it with %[var(txn.rl_shadow)])",
+                        exported=True,
+                    )
+                )
+            if rule.warn_at is not None and item.rule_id not in soft_noted:
+                soft_noted.add(item.rule_id)
+                self.problems.append(
+                    Problem(
+                        where_of(rule),
+                        f"warn_at {rule.warn_at:g}: the limit is exported, the soft limit is not "
+                        "(HAProxy sends no warning header)",
                         exported=True,
                     )
                 )

@@ -29,8 +29,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-RULE_STATS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode")
-TOTAL_HITS, OVER_LIMIT, NEAR_LIMIT, WITHIN_LIMIT, SHADOW_MODE = range(len(RULE_STATS))
+RULE_STATS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode", "warned")
+TOTAL_HITS, OVER_LIMIT, NEAR_LIMIT, WITHIN_LIMIT, SHADOW_MODE, WARNED = range(len(RULE_STATS))
 MAX_RULE_SERIES = 10_000
 """Cap on per-rule series: request values are unbounded, a scrape must not be."""
 MAX_STAT_KEY_LENGTH = 1024
@@ -75,7 +75,9 @@ class RuleStats:
     Per check: ``total_hits`` always; ``over_limit`` when over (plus ``shadow_mode``
     when the rule is in shadow mode, which answers OK anyway); otherwise
     ``within_limit``, and ``near_limit`` too once the count reaches
-    ``near_ratio`` of the limit. Each adds the check's hits.
+    ``near_ratio`` of the limit. Each adds the check's hits. ``warned`` (ours, not
+    envoyproxy/ratelimit's) counts hits of admitted requests past a rule's ``warn_at``;
+    the service adds them with :meth:`warned` when it sends the warning.
     """
 
     near_ratio: float = 0.8
@@ -109,6 +111,11 @@ class RuleStats:
             row[WITHIN_LIMIT] += hits
             if count >= self.near_ratio * limit:
                 row[NEAR_LIMIT] += hits
+
+    @staticmethod
+    def warned(row: list[int], hits: int) -> None:
+        """Count hits admitted past the rule's soft limit (``warn_at``)."""
+        row[WARNED] += hits
 
     def families(self) -> Iterator[Metric]:
         for index, stat in enumerate(RULE_STATS):

@@ -21,6 +21,7 @@ from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, RateLimitConfig, load_config
 from sidecar.config.reload import ConfigReloader, rule_count
 from sidecar.config.watch import ConfigWatcher
+from sidecar.headers import HeaderNames
 from sidecar.limiter.clock import SharedClock
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
@@ -177,7 +178,18 @@ class Sidecar:
         self.stats.config_loaded(config.digest)
         debug = settings.log_level == "debug"
         self.service = RateLimitService(
-            config, limiter, clock=clock, stats=self.stats, log_every=settings.request_log_sample if debug else 0
+            config,
+            limiter,
+            clock=clock,
+            stats=self.stats,
+            log_every=settings.request_log_sample if debug else 0,
+            response_headers=settings.response_headers,
+            header_names=HeaderNames(
+                limit=settings.limit_header,
+                remaining=settings.remaining_header,
+                reset=settings.reset_header,
+                warning=settings.warn_header,
+            ),
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -316,6 +328,7 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
         mode=settings.mode if settings.backend == "redis" else None,
         instances=settings.instances,
         shadow_mode=settings.shadow_mode,
+        response_headers=settings.response_headers,
         domains=sorted(config.domains),
         rules=rule_count(config),
         config_digest=config.digest[:12],

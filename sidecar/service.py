@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 
 from sidecar.config.match import Match, match_descriptor
 from sidecar.config.model import RateLimitConfig, RateLimitRule
+from sidecar.headers import HeaderNames, ResponseHeaders
 from sidecar.limiter.keys import counter_key
 from sidecar.limiter.protocol import Check, Decision, Limiter, Role
 from sidecar.limiter.windows import Clock, Unit, seconds_until_reset, system_clock
@@ -101,6 +102,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         clock: Clock = system_clock,
         stats: ServiceStats | None = None,
         log_every: int = 0,
+        *,
+        response_headers: bool = False,
+        header_names: HeaderNames | None = None,
     ) -> None:
         self.config = config
         """Swapped as a whole on reload; the handler reads it once per request."""
@@ -112,6 +116,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self.in_flight = 0
         """Valid calls being decided right now; the drain waits for them."""
         self._messages = MessageCache()
+        self.response_headers = response_headers
+        """``--response-headers``: the one flag the request path checks (with the domain's soft limits)."""
+        self.headers = ResponseHeaders(header_names or HeaderNames(), response_headers)
 
     async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
@@ -168,7 +175,10 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._record(checks, applied, decision)
         if self.log_every and self.stats.requests % self.log_every == 0:
             log_decision(request, checks, decision)
-        return self._respond(applied, decision, now, decision.admitted)
+        response = self._respond(applied, decision, now, decision.admitted)
+        if self.response_headers or domain.warns:
+            self.headers.add(response, checks, applied, decision, now, warns=domain.warns, stats=self.stats.rules)
+        return response
 
     def _record(self, checks: Sequence[Check], applied: Sequence[Applied | None], decision: Decision) -> None:
         """Per-rule metrics: plain integer additions, read only when Prometheus scrapes."""

@@ -67,6 +67,17 @@ def _bool(text: str) -> bool:
     raise ValueError("must be true or false")
 
 
+HEADER_NAME_CHARACTERS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+"""RFC 9110 ``tchar``: what an HTTP field name is made of."""
+
+
+def _header_name(text: str) -> str:
+    name = text.strip()
+    if not name or not set(name) <= HEADER_NAME_CHARACTERS:
+        raise ValueError("must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~)")
+    return name
+
+
 def _address(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -241,6 +252,33 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "a hit counts as near_limit in the metrics once its counter reaches this fraction of the limit",
     ),
     Option(
+        "response_headers",
+        _bool,
+        False,
+        "add RateLimit-Limit/-Remaining/-Reset (and Retry-After when refused) for the tightest limit "
+        "to each response through Envoy (response_headers_to_add)",
+        is_flag=True,
+    ),
+    Option("limit_header", _header_name, "RateLimit-Limit", "--response-headers: name of the limit header"),
+    Option(
+        "remaining_header",
+        _header_name,
+        "RateLimit-Remaining",
+        "--response-headers: name of the remaining-hits header",
+    ),
+    Option(
+        "reset_header",
+        _header_name,
+        "RateLimit-Reset",
+        "--response-headers: name of the seconds-until-reset header",
+    ),
+    Option(
+        "warn_header",
+        _header_name,
+        "X-RateLimit-Warning",
+        "header sent on admitted requests past a rule's warn_at (soft limit), with or without --response-headers",
+    ),
+    Option(
         "request_log_sample",
         _positive_int,
         100,
@@ -284,6 +322,11 @@ class Settings:
     watch_config: bool = True
     metrics_address: str = "127.0.0.1:9090"
     near_limit_ratio: float = 0.8
+    response_headers: bool = False
+    limit_header: str = "RateLimit-Limit"
+    remaining_header: str = "RateLimit-Remaining"
+    reset_header: str = "RateLimit-Reset"
+    warn_header: str = "X-RateLimit-Warning"
     request_log_sample: int = 100
     log_level: str = "info"
     log_format: str = "auto"
@@ -321,6 +364,12 @@ def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.envir
         raise SettingsError("--tls-cert and --tls-key (RLS_TLS_CERT, RLS_TLS_KEY) go together")
     if settings.tls_client_ca and not settings.tls_cert:
         raise SettingsError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
+    headers = [settings.limit_header, settings.remaining_header, settings.reset_header, settings.warn_header]
+    if len({name.lower() for name in [*headers, "retry-after"]}) != len(headers) + 1:
+        raise SettingsError(
+            "--limit-header, --remaining-header, --reset-header and --warn-header must differ "
+            f"from each other and from Retry-After (header names ignore case), got {', '.join(headers)}"
+        )
     if settings.backend == "redis" and not settings.redis_url:
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")
     if settings.redis_url and not settings.redis_url.startswith(REDIS_SCHEMES):

@@ -34,6 +34,9 @@ class RateLimitRule:
     """Stable identity of the rule's counters: same across replicas and reloads."""
     source: str
     """``file:line`` of the rule, for logs and ``/config``."""
+    warn_at: float | None = None
+    """Soft limit: admitted requests whose count reaches this fraction of the limit get a
+    warning header and count as ``warned`` (an extension; None when not set)."""
 
     @property
     def unit_seconds(self) -> int:
@@ -91,6 +94,9 @@ class DomainConfig:
     rules: tuple[RateLimitRule, ...]
     line: int = 0
     """Line of the ``domain`` field in ``source``, for errors about the domain itself."""
+    warns: bool = False
+    """Whether any rule of the domain has ``warn_at``: the request path looks for soft
+    limits only then."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ DESCRIPTOR_FIELDS = frozenset(
         "metadata",
     }
 )
-RATE_LIMIT_FIELDS = frozenset({"requests_per_unit", "unit", "unlimited", "name", "replaces"})
+RATE_LIMIT_FIELDS = frozenset({"requests_per_unit", "unit", "unlimited", "name", "replaces", "warn_at"})
 FLAG_FIELDS = ("shadow_mode", "detailed_metric", "share_threshold", "quota_mode")
 MAX_REQUESTS_PER_UNIT = 2**32 - 1
 """The proto carries ``requests_per_unit`` as uint32."""
@@ -74,7 +74,8 @@ class DomainParser:
         self._check_replaces(document.line)
         if self.issues:
             return None
-        return DomainConfig(self.domain, root, self.file, tuple(self.rules), document.line_of("domain"))
+        warns = any(rule.warn_at is not None for rule in self.rules)
+        return DomainConfig(self.domain, root, self.file, tuple(self.rules), document.line_of("domain"), warns)
 
     def _parse_level(
         self,
@@ -178,6 +179,7 @@ class DomainParser:
         requests = self._requests_per_unit(block, where, unlimited)
         name = self._name(block, where)
         replaces = self._replaces(block, where, name)
+        warn_at = self._warn_at(block, where, unlimited)
         rule = RateLimitRule(
             domain=self.domain,
             requests_per_unit=requests,
@@ -191,6 +193,7 @@ class DomainParser:
             stat_key=stat_key(self.domain, node_path),
             counter_id=counter_id(self.domain, unit, node_path),
             source=f"{self.file}:{block.line}",
+            warn_at=warn_at,
         )
         self.rules.append(rule)
         return rule
@@ -234,6 +237,23 @@ class DomainParser:
             self._issue(line, field, f"must be between 0 and {MAX_REQUESTS_PER_UNIT}, got {value}")
             return 0
         return value
+
+    def _warn_at(self, block: MarkedMapping, where: str, unlimited: bool) -> float | None:
+        """``warn_at`` (our extension): a soft limit, as a fraction of the limit strictly between 0 and 1."""
+        if "warn_at" not in block:
+            return None
+        value = block["warn_at"]
+        field, line = f"{where}.warn_at", block.line_of("warn_at")
+        if unlimited:
+            self._issue(line, field, "must not be set when unlimited (there is no limit to warn before)")
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+            # YAML 1.1 reads 85% and 5e-7 (no dot) as text: say so rather than show a quoted number.
+            hint = " (text, not a number: write a decimal such as 0.85)" if isinstance(value, str) else ""
+            message = f"must be a fraction of the limit between 0 and 1 (exclusive), got {value!r}{hint}"
+            self._issue(line, field, message)
+            return None
+        return float(value)
 
     def _name(self, block: MarkedMapping, where: str) -> str | None:
         if "name" not in block:

@@ -1,0 +1,178 @@
+"""Headers the sidecar asks Envoy to add to the client's response (``response_headers_to_add``).
+
+Two features, both computed from a request's :class:`~sidecar.limiter.protocol.Decision`,
+so they work the same with every backend:
+
+- ``--response-headers``: ``RateLimit-Limit``, ``RateLimit-Remaining`` and
+  ``RateLimit-Reset`` for one descriptor, as envoyproxy/ratelimit's
+  ``LIMIT_RESPONSE_HEADERS_ENABLED`` does, plus ``Retry-After`` when the request is
+  refused. The descriptor reported is an over-limit one if there is any (the one whose
+  window resets last: a refused client must wait for all of them), else the one with
+  the fewest hits remaining (ties: the later reset). Unmatched, unlimited and
+  shadow-mode descriptors are never reported: a shadow rule must not change what a
+  client sees.
+- soft limits (``warn_at`` in a ``rate_limit``): an admitted request whose count
+  reaches ``warn_at`` of the limit gets a warning header, one per such rule, and the
+  rule's ``warned`` metric counts its hits (shadow rules count, but send no header).
+
+Both run only when switched on (the service checks one flag and the domain's
+``warns``), so they cost nothing otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from sidecar.limiter.windows import seconds_until_reset
+
+if TYPE_CHECKING:
+    from sidecar.config.model import RateLimitRule
+    from sidecar.limiter.protocol import Check, Decision
+    from sidecar.metrics import RuleStats
+    from sidecar.service import Applied
+
+RETRY_AFTER = "Retry-After"
+PARTS_PER_MILLION = 1_000_000
+"""``warn_at`` is compared in integers at this resolution, so 0.85 of 100 is exactly 85."""
+MAX_LABEL_CHARS = 200
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderNames:
+    """The header names used (``--limit-header``, ``--remaining-header``, ``--reset-header``, ``--warn-header``)."""
+
+    limit: str = "RateLimit-Limit"
+    remaining: str = "RateLimit-Remaining"
+    reset: str = "RateLimit-Reset"
+    warning: str = "X-RateLimit-Warning"
+
+
+class Reported(NamedTuple):
+    """The descriptor the ``RateLimit-*`` headers describe."""
+
+    limit: int
+    """The rule's ``requests_per_unit`` (the configured limit, as in ``current_limit``)."""
+    remaining: int
+    """``limit_remaining`` of the descriptor's status."""
+    reset: int
+    """``duration_until_reset`` of the descriptor's status, in seconds."""
+    over: bool
+
+
+def reported(applied: Sequence[Applied | None], decision: Decision, now: float) -> Reported | None:
+    """The descriptor to report, or None when no limited, enforced descriptor took part.
+
+    Runs on every request with ``--response-headers``, so it compares indices and
+    integers and works out a window's reset only when it must (over-limit candidates
+    and ties): that is most of its cost.
+    """
+    over, counts, limits = decision.over, decision.counts, decision.limits
+    chosen: RateLimitRule | None = None
+    chosen_over = False
+    remaining = reset = 0
+    for item in applied:
+        if item is None or item.check is None or item.rule.shadow_mode:
+            continue
+        index, rule = item.check, item.rule
+        if over[index]:
+            candidate_reset = seconds_until_reset(now, rule.unit_seconds)
+            if not chosen_over or candidate_reset > reset:
+                chosen, chosen_over, remaining, reset = rule, True, 0, candidate_reset
+        elif not chosen_over:
+            left = max(0, limits[index] - counts[index])
+            if chosen is None or left < remaining:
+                chosen, remaining, reset = rule, left, -1
+            elif left == remaining:
+                if reset < 0:
+                    reset = seconds_until_reset(now, chosen.unit_seconds)
+                candidate_reset = seconds_until_reset(now, rule.unit_seconds)
+                if candidate_reset > reset:
+                    chosen, reset = rule, candidate_reset
+    if chosen is None:
+        return None
+    if reset < 0:
+        reset = seconds_until_reset(now, chosen.unit_seconds)
+    return Reported(chosen.requests_per_unit, remaining, reset, chosen_over)
+
+
+def header_text(text: str) -> str:
+    """``text`` made safe for a header value: printable ASCII only, bounded in length.
+
+    Rule names and config values come from YAML and may hold anything; Envoy rejects a
+    response header with control characters.
+    """
+    if not (text.isascii() and text.isprintable()):
+        text = "".join(char if " " <= char <= "~" else "?" for char in text)
+    return text[:MAX_LABEL_CHARS]
+
+
+def warnings(
+    checks: Sequence[Check], applied: Sequence[Applied | None], decision: Decision, stats: RuleStats
+) -> list[str]:
+    """Warning texts of an admitted request, one per rule past its ``warn_at``; counts them.
+
+    A rule is past it when the count after this request's hits is at least ``warn_at``
+    of the limit this backend enforced (the replica's share with ``--instances``) and
+    still within it. Shadow rules are counted but send no text.
+    """
+    texts: list[str] = []
+    for item in applied:
+        if item is None or item.check is None:
+            continue
+        rule = item.rule
+        warn_at = rule.warn_at
+        index = item.check
+        if warn_at is None or decision.over[index]:
+            continue
+        count, limit = decision.counts[index], decision.limits[index]
+        if limit <= 0 or count * PARTS_PER_MILLION < round(warn_at * PARTS_PER_MILLION) * limit:
+            continue
+        if item.stats is not None:
+            stats.warned(item.stats, checks[index].hits)
+        if rule.shadow_mode:
+            continue
+        label = header_text(rule.name or rule.stat_key)
+        unit = rule.unit.name.lower() if rule.unit else "window"
+        text = f"{label}: {count * 100 // limit}% of {rule.requests_per_unit}/{unit} used"
+        if text not in texts:
+            texts.append(text)
+    return texts
+
+
+class ResponseHeaders:
+    """Adds the headers to a response; one per service, configured from the settings."""
+
+    def __init__(self, names: HeaderNames, rate_limit_headers: bool) -> None:
+        self.names = names
+        self.rate_limit_headers = rate_limit_headers
+        """``--response-headers``: warnings are sent whether or not this is on."""
+
+    def add(
+        self,
+        response: Any,
+        checks: Sequence[Check],
+        applied: Sequence[Applied | None],
+        decision: Decision,
+        now: float,
+        *,
+        warns: bool,
+        stats: RuleStats,
+    ) -> None:
+        """Append to ``response.response_headers_to_add``; ``warns``: the domain has soft limits."""
+        add = response.response_headers_to_add.add
+        names = self.names
+        if warns and decision.admitted:
+            for text in warnings(checks, applied, decision, stats):
+                add(key=names.warning, value=text)
+        if not self.rate_limit_headers:
+            return
+        chosen = reported(applied, decision, now)
+        if chosen is None:
+            return
+        add(key=names.limit, value=str(chosen.limit))
+        add(key=names.remaining, value=str(chosen.remaining))
+        add(key=names.reset, value=str(chosen.reset))
+        if chosen.over and not decision.admitted:
+            add(key=RETRY_AFTER, value=str(chosen.reset))
