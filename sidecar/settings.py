@@ -44,6 +44,14 @@ def _non_empty(text: str) -> str:
     return text
 
 
+def _key_prefix(text: str) -> str:
+    """A Redis key prefix: no braces, which would become the hash tag of every key and
+    put all counters in one Redis Cluster slot, and no whitespace."""
+    if not text or any(char in text for char in "{}") or any(char.isspace() for char in text):
+        raise ValueError("must be non-empty, without braces or whitespace")
+    return text
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -194,7 +202,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "local",
         "while Redis is unreachable: local (enforce limit / live replicas here), open (admit), closed (reject)",
     ),
-    Option("redis_prefix", str, "rls", "prefix of every Redis key this sidecar writes"),
+    Option("redis_prefix", _key_prefix, "rls", "prefix of every Redis key this sidecar writes"),
     Option(
         "clock_source",
         _choice("redis", "local"),

@@ -154,3 +154,11 @@ def test_health_and_query_default_to_where_serve_listens(configured: str | None,
 
     environ = {} if configured is None else {"RLS_GRPC_ADDRESS": configured}
     assert local_address(environ) == expected
+
+
+@pytest.mark.parametrize("prefix", ["a{b}", "{x", "y}", "has space", ""])
+def test_redis_prefix_refuses_braces_and_spaces(prefix: str) -> None:
+    from sidecar.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="--redis-prefix"):
+        resolve(argparse.Namespace(config="c", redis_prefix=prefix), environ={})
