@@ -78,6 +78,9 @@ class WindowCounter:
     """Hits this replica admitted in the window (the ``local`` failure mode's measure)."""
     touched: bool = True
     """Used since the last flush: its total is worth reading back."""
+    busy: int = 0
+    """Requests deciding with this counter right now: it must not be evicted or expired
+    under them, or the hits they admit would land on a counter nobody flushes."""
 
     @property
     def unflushed(self) -> int:
@@ -196,16 +199,20 @@ class SyncLimiter:
         ``closed`` really refuses and ``local`` really enforces the safe share.
         """
         counters = [self._counter(check, now) for check in checks]
-        if not self.store.available:
-            return self._decide_without_redis(checks, counters)
-        decision = self._decide_locally(checks, counters)
-        if decision is not None:
-            self.local_decisions += 1
-            return decision
         try:
-            return await self._escalate(checks, counters)
-        except (RedisUnavailable, TimeoutError):
-            return self._decide_without_redis(checks, counters)
+            if not self.store.available:
+                return self._decide_without_redis(checks, counters)
+            decision = self._decide_locally(checks, counters)
+            if decision is not None:
+                self.local_decisions += 1
+                return decision
+            try:
+                return await self._escalate(checks, counters)
+            except (RedisUnavailable, TimeoutError):
+                return self._decide_without_redis(checks, counters)
+        finally:
+            for counter in counters:
+                counter.busy -= 1
 
     def _decide_locally(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision | None:
         """A decision from local knowledge, or None when Redis must be asked."""
@@ -381,9 +388,10 @@ class SyncLimiter:
             counter.growth = self._previous_growth.get(digest, 0.0)
             window[slot] = counter
             self._live += 1
-            if self._live > self.max_counters:
-                self._evict()
+        counter.busy += 1  # before any eviction: this request is about to use it
         counter.touched = True
+        if self._live > self.max_counters:
+            self._evict()
         return counter
 
     def _expire(self, now: float) -> None:
@@ -391,7 +399,7 @@ class SyncLimiter:
         for end in [end for end in self._windows if end <= now]:
             window = self._windows[end]
             for slot, counter in list(window.items()):
-                if counter.unflushed == 0:
+                if counter.unflushed == 0 and not counter.busy:
                     self._previous_growth[counter.digest] = counter.growth
                     del window[slot]
                     self._live -= 1
@@ -418,14 +426,15 @@ class SyncLimiter:
     def _evict(self) -> None:
         """Over the cap: forget counters Redis already holds, window ending first.
 
-        Only counters without unflushed hits are forgotten, so no admitted hit is lost;
+        Only counters without unflushed hits and not in use by a request are forgotten,
+        so no admitted hit is lost;
         a forgotten counter is re-read from Redis by the next decision that needs it
         (it starts at ``known = 0`` and the reserve/escalation path corrects it).
         """
         before = self.evictions
         for end in sorted(self._windows):
             window = self._windows[end]
-            for slot in [slot for slot, counter in window.items() if counter.unflushed == 0]:
+            for slot in [slot for slot, counter in window.items() if counter.unflushed == 0 and not counter.busy]:
                 del window[slot]
                 self._live -= 1
                 self.evictions += 1

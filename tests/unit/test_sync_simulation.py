@@ -368,3 +368,20 @@ def test_a_flood_of_unique_keys_stays_under_the_cap_and_loses_no_hit() -> None:
     asyncio.run(scenario())
     assert limiter.evictions > 0
     assert only_counter(store) == 500
+
+
+def test_a_request_of_many_new_keys_past_the_cap_loses_none_of_its_hits() -> None:
+    """Eviction runs while a request creates its counters: it must not take the counters
+    that request is about to spend on (or they would never be flushed)."""
+    store = SimulatedStore()
+    (limiter,) = cluster(1, store, max_counters=50)
+
+    async def scenario() -> None:
+        for batch in range(2):
+            checks = [Check(("rule", f"batch-{batch}-{index}"), 1, 10, 1) for index in range(64)]
+            assert (await limiter.check(checks, NOW)).admitted
+        await limiter.sync_once()
+
+    asyncio.run(scenario())
+    assert only_counter(store) == 128
+    assert all(counter.busy == 0 for window in limiter._windows.values() for counter in window.values())
