@@ -89,6 +89,8 @@ class MemoryLimiter:
         self._on_evict = on_evict
         self.evictions = 0
         self._eviction_log = EvictionLog(max_counters)
+        self._popped: dict[WindowId, int] = {}
+        """Evictions per window since its dict was last rebuilt (see :meth:`_compacted`)."""
 
     @property
     def live_counters(self) -> int:
@@ -167,7 +169,21 @@ class MemoryLimiter:
         ended = [window for window in self._windows if window[1] + window[0] <= now]
         for window in ended:
             self._live -= len(self._windows.pop(window))
+            self._popped.pop(window, None)
         self._next_expiry = min((start + unit for unit, start in self._windows), default=math.inf)
+
+    def _compacted(self, window: WindowId) -> dict[CounterKey, int]:
+        """The counters of ``window``, rebuilt once evictions left many holes at its front.
+
+        A dict keeps deleted slots until it is rebuilt, and ``next(iter(d))`` walks over
+        them: popping the oldest entry again and again would scan every earlier hole,
+        making each eviction slower than the last (117 us per new key at a 200,000 cap).
+        """
+        counters = self._windows[window]
+        if self._popped.get(window, 0) > len(counters) // 16 + 64:
+            counters = self._windows[window] = dict(counters)
+            self._popped[window] = 0
+        return counters
 
     def _evict(self) -> None:
         """Make room by dropping counters of the window that ends first, oldest insert first.
@@ -181,15 +197,17 @@ class MemoryLimiter:
         evicted = 0
         while excess > 0:
             oldest = min(self._windows, key=lambda window: window[1] + window[0])
-            counters = self._windows[oldest]
+            counters = self._compacted(oldest)
             while excess > 0 and counters:
                 counters.pop(next(iter(counters)))
                 excess -= 1
                 self._live -= 1
                 self.evictions += 1
                 evicted += 1
+                self._popped[oldest] = self._popped.get(oldest, 0) + 1
             if not counters:
                 del self._windows[oldest]
+                self._popped.pop(oldest, None)
         if self._on_evict is not None:
             self._on_evict(self.evictions)
         self._eviction_log.note(evicted, self.evictions)
