@@ -1,0 +1,816 @@
+"""Faults under load: Redis killed, paused, stalled, slow or unreachable, and a replica killed.
+
+Two real sidecar processes share one real redis-server through a small TCP proxy
+(``tcp_proxy.py``, its own process) and get continuous open-loop gRPC load from the
+harness: three "hot" counters far below their limit and three "near" counters whose
+limits are sized so one is over before the fault, one crosses its limit during it and
+one after it (escalations and certain rejections all happen around the fault). Every
+configuration (sync mode with ``--redis-failure-mode`` ``local``, ``open``, ``closed``,
+and strict mode with ``local``) gets every fault mid-load, one phase each, with fresh
+counters per phase:
+
+``redis_kill``
+    redis-server SIGKILLed, restarted on the same port. It runs with ``appendonly yes``
+    and ``appendfsync always`` (its files on tmpfs when there is one), so what it
+    acknowledged survives: without persistence a killed Redis loses every counter,
+    and "Redis equals admitted" could not hold whatever the sidecars do.
+``redis_pause``
+    redis-server SIGSTOPped for 0.8 s, then SIGCONTed: connections stay open, nothing
+    answers, and what was sent meanwhile runs late but within the sidecars' 1 s
+    background timeout (the late-answer corrections are exercised).
+``redis_stall``
+    The same for 2 s or more: past the background timeout, so the sidecars give up
+    and drop connections whose scripts Redis still runs when it wakes up.
+``redis_slow``
+    The proxy delays every chunk by 25 ms each way: far past ``--redis-timeout`` (5 ms).
+``network_refused``
+    The proxy stops listening and resets every connection (connection refused), then
+    listens again.
+
+Per phase the row checks that every call was answered (no gRPC error) and how long
+calls took from the fault's start to a second after its end: the client's p99 under
+50 ms (max reported; not judged while other processes use more than half the
+machine), and the sidecars' own decision time (``ratelimit_sidecar_decision_seconds``,
+which other processes disturb far less) at p99 within the 10 ms bucket: the request
+path must not wait on Redis beyond ``--redis-timeout``. Then, once the sidecars say
+nothing is pending (``ratelimit_sidecar_pending_hits`` 0 with Redis up) and again
+after both were stopped with SIGTERM (final flush), Redis must hold exactly the hits
+the harness saw admitted, per counter (keys computed as the sidecar does):
+``hits_lost`` is what Redis lacks (always 0), ``hits_extra`` what it holds beyond.
+Faults that cut connections while scripts are on the wire (kill, stall, refused) may
+leave ``hits_extra`` above 0: README ("When Redis misbehaves") documents that a
+script whose connection broke may still have run; the row reports it.
+
+Last, a replica is SIGKILLed mid-load (sync mode): its unflushed hits are the only
+loss. The loss is measured (hits the dead replica answered OK minus what Redis got
+from it) and bounded by what it admitted in the last two ``--sync-interval`` (50 ms)
+before dying (one interval of pending hits plus one flush on the wire); the survivor
+must keep answering and keep the near counters within their limit plus sync mode's
+bound plus that loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvloop
+
+from reliability_harness.support import (
+    CODE_ERROR,
+    OK,
+    Calls,
+    Child,
+    Context,
+    CounterNames,
+    CpuWatch,
+    ProcessGroup,
+    ProxyProcess,
+    RedisProcess,
+    Row,
+    SidecarProcess,
+    avoid_window_end,
+    bucket_quantile,
+    client_cpus,
+    compare_counts,
+    decision_buckets,
+    drive,
+    encode_request,
+    failed_row,
+    latency_figures,
+    main,
+    ms,
+    percentile,
+    pin,
+    process_group,
+    redis_available,
+    redis_counts,
+    scrape,
+    skipped_row,
+    start_sidecar,
+)
+
+AREA = "faults"
+DOMAIN = "faults"
+UNIT_SECONDS = 86_400
+HOT_LIMIT = 1_000_000
+RATE = 400.0
+"""Calls per second offered to the two replicas together (open loop)."""
+LANES = 48
+CALL_TIMEOUT = 2.0
+"""A call unanswered after this is an error (its outcome unknown): none is expected."""
+P99_BUDGET = 0.050
+"""p99 of calls during a fault: ``--redis-timeout`` (5 ms) plus this noisy 2-core box's scheduling."""
+SLOW_CALL = 0.025
+"""Envoy's ``timeout`` in ``envoy/sidecar.yaml``: calls slower than this would fail open."""
+SERVER_P99_BUDGET = 0.010
+"""p99 of the sidecars' own decision time (``ratelimit_sidecar_decision_seconds``, histogram bucket)
+during a fault: the 5 ms budget fits in the 10 ms bucket; unlike the client's figure it barely
+depends on other processes' CPU use."""
+RECOVERY = 1.0
+"""Seconds after a fault ends whose calls still count as "during the fault"."""
+DRAIN_TIMEOUT = 20.0
+DISTURBED_CPU = 0.5
+"""Other processes using more cores than this during a fault make its latency verdict moot."""
+KILL_AFTER = 1.5
+"""Seconds of load before a replica is killed (at least)."""
+SYNC_INTERVAL = 0.05
+SYNC_MAX_OVERSHOOT = 0.05
+REPLICAS = 2
+SLOW_DELAY = 0.025
+HOT = 3
+NEAR = ("near_a", "near_b", "near_c")
+WEIGHTS = {"hot": 0.60, "near": 0.25, "both": 0.15}
+"""Kinds of call: one hot counter (1-3 hits), one near counter (1 hit), or both (1 hit, all or nothing)."""
+CONFIGURATIONS = (("sync", "local"), ("sync", "open"), ("sync", "closed"), ("strict", "local"))
+BACKGROUND_TIMEOUT = 1.0
+"""The sidecar's timeout of background Redis calls and its socket timeout (``max(1 s, 2 x --redis-timeout)``)."""
+FAULTS = {
+    "redis_kill": "redis-server SIGKILLed, restarted on its port (AOF, fsync always)",
+    "redis_pause": f"redis-server SIGSTOPped, SIGCONTed within the {BACKGROUND_TIMEOUT:g} s background timeout",
+    "redis_stall": f"redis-server SIGSTOPped past the {BACKGROUND_TIMEOUT:g} s background timeout, then SIGCONTed",
+    "redis_slow": f"{SLOW_DELAY * 1000:.0f} ms added each way by a proxy",
+    "network_refused": "connections to Redis refused and reset",
+}
+BREAKS_CONNECTIONS = frozenset({"redis_kill", "redis_stall", "network_refused"})
+"""Faults that cut connections with scripts on the wire. README ("When Redis misbehaves"): such a
+script may still have run while the sidecar answered from its failure mode and owes the hits, so
+they can be counted once more than admitted (errs toward rejecting). Hits lost must still be 0."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    pre: float
+    fault: float
+    """How long most faults last."""
+    post: float
+    kill_post: float
+    """After a replica is killed: long enough for the survivor to see it gone (3 missed beats)."""
+    pause: float = 0.8
+    """``redis_pause``: shorter than the background timeout, so every late answer arrives."""
+
+    @classmethod
+    def of(cls, quick: bool) -> Timing:
+        return cls(0.8, 1.5, 1.0, 4.5) if quick else cls(2.0, 5.0, 3.0, 8.0)
+
+    def duration(self, fault: str) -> float:
+        if fault == "redis_pause":
+            return self.pause
+        if fault == "redis_stall":
+            return max(self.fault, 2.0 * BACKGROUND_TIMEOUT)
+        return self.fault
+
+    def total(self, fault: str) -> float:
+        return self.pre + self.duration(fault) + self.post
+
+
+def near_rate() -> float:
+    """Hits per second offered to each near counter."""
+    return RATE * (WEIGHTS["near"] + WEIGHTS["both"]) / len(NEAR)
+
+
+def near_limits(timing: Timing) -> dict[str, int]:
+    # Sized on the common fault duration; shorter or longer faults move the crossings a little.
+    """Limits reached before the fault, in its middle, and after it (at the offered rate)."""
+    moments = (timing.pre / 2, timing.pre + timing.fault / 2, timing.pre + timing.fault + timing.post / 2)
+    return {name: max(4, round(near_rate() * moment)) for name, moment in zip(NEAR, moments, strict=True)}
+
+
+def config_text(limits: dict[str, int]) -> str:
+    lines = [
+        f"domain: {DOMAIN}",
+        "descriptors:",
+        "  - key: hot",
+        f"    rate_limit: {{unit: day, requests_per_unit: {HOT_LIMIT}}}",
+    ]
+    for name, limit in limits.items():
+        lines += [f"  - key: {name}", f"    rate_limit: {{unit: day, requests_per_unit: {limit}}}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------
+# Traffic of one phase
+# ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Payload:
+    data: bytes
+    spends: tuple[tuple[str, int], ...]
+    """``(counter digest, hits)`` the call spends when it is admitted."""
+
+
+class Traffic:
+    """The calls of one phase: fresh counter values, weighted kinds, a target per call."""
+
+    def __init__(self, names: CounterNames, tag: str, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.hot = [[("hot", f"{tag}-h{index}")] for index in range(HOT)]
+        self.near = {name: [(name, tag)] for name in NEAR}
+        self.digest_of = {tuple(entries): names.digest(entries) for entries in [*self.hot, *self.near.values()]}
+        self.payloads: list[Payload] = []
+        self.by_kind: dict[str, list[int]] = {kind: [] for kind in WEIGHTS}
+        for entries in self.hot:
+            for hits in (1, 2, 3):
+                self._add("hot", [entries], hits)
+        for entries in self.near.values():
+            self._add("near", [entries], 1)
+            for hot in self.hot:
+                self._add("both", [hot, entries], 1)
+        self.targets = list(range(REPLICAS))
+        """Replicas the next calls may go to (the SIGKILL scenario drops the dead one)."""
+
+    def _add(self, kind: str, descriptors: list[list[tuple[str, str]]], hits: int) -> None:
+        spends = tuple((self.digest_of[tuple(entries)], hits) for entries in descriptors)
+        self.by_kind[kind].append(len(self.payloads))
+        self.payloads.append(Payload(encode_request(DOMAIN, descriptors, hits), spends))
+
+    @property
+    def digests(self) -> set[str]:
+        return set(self.digest_of.values())
+
+    def digest(self, name: str) -> str:
+        return self.digest_of[tuple(self.near[name])]
+
+    def choose(self) -> tuple[int, int]:
+        kind = self.rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
+        return self.rng.choice(self.targets), self.rng.choice(self.by_kind[kind])
+
+    def admitted(self, calls: Calls, target: int | None = None, until: float | None = None) -> dict[str, int]:
+        """Hits per counter of the calls answered OK (by ``target``; answered by ``until``)."""
+        totals = dict.fromkeys(self.digests, 0)
+        for index in range(len(calls)):
+            if calls.code[index] != OK or (target is not None and calls.target[index] != target):
+                continue
+            if until is not None and calls.sent[index] + calls.latency[index] > until:
+                continue
+            for digest, hits in self.payloads[calls.payload[index]].spends:
+                totals[digest] += hits
+        return totals
+
+    def offered(self, calls: Calls, digest: str) -> int:
+        return sum(
+            hits
+            for index in range(len(calls))
+            for spent, hits in self.payloads[calls.payload[index]].spends
+            if spent == digest
+        )
+
+
+# ---------------------------------------------------------------------------------
+# The fault injectors
+# ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Faults:
+    """What the faults act on: the (durable) redis-server and the proxy in front of it."""
+
+    redis: RedisProcess
+    proxy: ProxyProcess
+
+    def begin(self, name: str) -> None:
+        """Start the fault; quick (no waiting), so it runs on the event loop's thread."""
+        if name == "redis_kill":
+            self.redis.kill()
+        elif name in {"redis_pause", "redis_stall"}:
+            self.redis.signal(signal.SIGSTOP)
+        elif name == "redis_slow":
+            self.proxy.command(f"delay {SLOW_DELAY}")
+        elif name == "network_refused":
+            self.proxy.command("refuse")
+        else:
+            raise ValueError(name)
+
+    def end(self, name: str) -> None:
+        """End the fault. A restarted redis-server is started here, on the calling thread: a
+        child started from a worker thread would get SIGTERM when that thread ends (its
+        ``PR_SET_PDEATHSIG`` parent is the thread); :meth:`settle` waits for it elsewhere."""
+        if name == "redis_kill":
+            self.redis.start()
+        elif name in {"redis_pause", "redis_stall"}:
+            self.redis.signal(signal.SIGCONT)
+        elif name == "redis_slow":
+            self.proxy.command("delay 0")
+        elif name == "network_refused":
+            self.proxy.command("accept")
+
+    def settle(self, name: str) -> None:
+        """Block until the fault's end is in effect (a restarted Redis answers)."""
+        if name == "redis_kill":
+            self.redis.wait_ready()
+
+
+def durable_redis(data: Path, logs: Path, cpus: tuple[int, ...] | None) -> RedisProcess:
+    """redis-server whose acknowledged writes survive SIGKILL (AOF, fsync on every write)."""
+    redis = RedisProcess(data)
+    redis.argv += ["--appendonly", "yes", "--appendfsync", "always"]
+    redis.log_path = logs / "redis.log"
+    pin(redis, cpus)
+    return redis
+
+
+# ---------------------------------------------------------------------------------
+# One phase: load, a fault in the middle, the sidecars' view meanwhile
+# ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    name: str
+    traffic: Traffic
+    calls: Calls = field(default_factory=Calls)
+    marks: dict[str, float] = field(default_factory=dict)
+    down: dict[int, float] = field(default_factory=dict)
+    """Seconds each replica reported ``redis_up`` 0 during the phase (sampled)."""
+    drain_seconds: float | None = None
+    at_drain: tuple[int, int, int] = (0, 0, 0)
+    final: tuple[int, int, int] | None = None
+    held: int = 0
+    admitted_total: int = 0
+    cpu: CpuWatch | None = None
+    histograms: dict[str, dict[float, float]] = field(default_factory=dict)
+    """The sidecars' decision-time histograms (summed) at the fault's start and after its recovery."""
+
+    def decisions(self) -> dict[float, float]:
+        """Server-side decision times of the calls decided from the fault's start to its recovery's end."""
+        before, after = self.histograms.get("fault", {}), self.histograms.get("after", {})
+        return {bound: after[bound] - before.get(bound, 0.0) for bound in after}
+
+
+async def watch(sidecars: Sequence[SidecarProcess], phase: Phase, stop: asyncio.Event, pids: Sequence[int]) -> None:
+    """Every 0.25 s: each sidecar's ``redis_up``, and the machine's CPU."""
+    phase.cpu = CpuWatch(pids)
+    last = time.perf_counter()
+    while not stop.is_set():
+        phase.cpu.sample()
+        now = time.perf_counter()
+        for index, sidecar in enumerate(sidecars):
+            with contextlib.suppress(OSError):
+                figures = await asyncio.to_thread(scrape, sidecar.metrics_url, 1.0)
+                if figures.get("ratelimit_sidecar_redis_up", 1.0) == 0:
+                    phase.down[index] = phase.down.get(index, 0.0) + (now - last)
+        last = now
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.25)
+    phase.cpu.sample()
+
+
+Event = tuple[float, str, Callable[[], None], Callable[[], None] | None]
+"""``(at, mark, action, wait)``: ``at`` s into the phase run ``action`` (quick, on the loop's
+thread), then ``wait`` (blocking, in a worker thread) if given; both moments are marked."""
+
+
+async def run_phase(
+    phase: Phase,
+    sidecars: Sequence[SidecarProcess],
+    seconds: float,
+    events: Sequence[Event],
+    pids: Sequence[int],
+) -> None:
+    """Load for ``seconds`` while the ``events`` happen."""
+    stop = asyncio.Event()
+    start = time.perf_counter()
+
+    async def histogram() -> dict[float, float]:
+        views = await asyncio.gather(*(asyncio.to_thread(scrape, sidecar.metrics_url, 2.0) for sidecar in sidecars))
+        summed: dict[float, float] = {}
+        for view in views:
+            for bound, count in decision_buckets(view).items():
+                summed[bound] = summed.get(bound, 0.0) + count
+        return summed
+
+    async def control() -> None:
+        for number, (at, mark, action, wait) in enumerate(events):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            if number == 0:
+                phase.histograms["fault"] = await histogram()
+            phase.marks[mark] = time.perf_counter()
+            action()
+            if wait is not None:
+                await asyncio.to_thread(wait)
+            phase.marks[mark + "_done"] = time.perf_counter()
+        await asyncio.sleep(max(0.0, min(RECOVERY, start + seconds - time.perf_counter() - 0.1)))
+        with contextlib.suppress(OSError):
+            phase.histograms["after"] = await histogram()
+
+    watcher = asyncio.create_task(watch(sidecars, phase, stop, pids))
+    try:
+        await asyncio.gather(
+            drive(
+                [sidecar.address for sidecar in sidecars],
+                [payload.data for payload in phase.traffic.payloads],
+                phase.traffic.choose,
+                phase.calls,
+                seconds=seconds,
+                lanes=LANES,
+                rate=RATE,
+                timeout=CALL_TIMEOUT,
+            ),
+            control(),
+        )
+    finally:
+        stop.set()
+        await watcher
+
+
+def drained(sidecars: Sequence[SidecarProcess], timeout: float = DRAIN_TIMEOUT) -> float | None:
+    """Seconds until every sidecar has Redis up and no pending hit, three polls in a row (None: never)."""
+    started = time.monotonic()
+    quiet = 0
+    while time.monotonic() - started < timeout:
+        try:
+            views = [scrape(sidecar.metrics_url, 2.0) for sidecar in sidecars]
+        except OSError:
+            views = []
+        settled = bool(views) and all(
+            view.get("ratelimit_sidecar_redis_up") == 1 and view.get("ratelimit_sidecar_pending_hits") == 0
+            for view in views
+        )
+        quiet = quiet + 1 if settled else 0
+        if quiet >= 3:
+            return time.monotonic() - started
+        time.sleep(0.1)
+    return None
+
+
+def account(phase: Phase, port: int, prefix: str) -> tuple[int, int, int]:
+    """``(lost, extra, counters wrong)`` of the phase's counters: admitted (OK answers) vs Redis."""
+    digests = phase.traffic.digests
+    held = {digest: hits for digest, hits in redis_counts(port, prefix).items() if digest in digests}
+    admitted = phase.traffic.admitted(phase.calls)
+    phase.held = sum(held.values())
+    phase.admitted_total = sum(admitted.values())
+    return compare_counts(admitted, held)
+
+
+# ---------------------------------------------------------------------------------
+# A configuration: two sidecars, every fault in turn
+# ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    context: Context
+    group: ProcessGroup
+    faults: Faults
+    config: Path
+    names: CounterNames
+    timing: Timing
+    logs: Path
+
+
+def sidecar_args(setup: Setup, mode: str, failure: str, prefix: str) -> list[str]:
+    return [
+        "--config", str(setup.config),
+        "--watch-config", "false",
+        "--backend", "redis",
+        "--redis-url", f"redis://127.0.0.1:{setup.faults.proxy.port}",
+        "--mode", mode,
+        "--redis-failure-mode", failure,
+        "--redis-prefix", prefix,
+        "--sync-interval", str(SYNC_INTERVAL),
+        "--sync-max-overshoot", str(SYNC_MAX_OVERSHOOT),
+    ]  # fmt: skip
+
+
+def start_pair(setup: Setup, label: str, args: list[str]) -> list[SidecarProcess]:
+    where = setup.logs / label
+    sidecars = [start_sidecar(setup.group, setup.context, f"sidecar-{index}", args, where) for index in range(REPLICAS)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # each must count the other before the load starts
+        if all(scrape(sidecar.metrics_url).get("ratelimit_sidecar_replicas") == REPLICAS for sidecar in sidecars):
+            break
+        time.sleep(0.1)
+    return sidecars
+
+
+def stop_pair(setup: Setup, sidecars: Sequence[SidecarProcess]) -> dict[str, int | None]:
+    """SIGTERM each once (it drains and flushes), wait; returns exit codes. (A second SIGTERM
+    could land after the sidecar removed its handler, at the very end of its drain.)"""
+    for sidecar in sidecars:
+        sidecar.signal(signal.SIGTERM)
+    codes: dict[str, int | None] = {}
+    for sidecar in sidecars:
+        assert sidecar.process is not None
+        try:
+            codes[sidecar.label] = sidecar.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            codes[sidecar.label] = None
+    for sidecar in sidecars:
+        with contextlib.suppress(ValueError):
+            setup.group.children.remove(sidecar)
+    return codes
+
+
+def run_configuration(setup: Setup, mode: str, failure: str, seed: int) -> list[Row]:
+    prefix = f"f{secrets.token_hex(3)}"
+    label = f"{mode}-{failure}"
+    sidecars = start_pair(setup, label, sidecar_args(setup, mode, failure, prefix))
+    pids = [sidecar.pid for sidecar in sidecars] + [setup.faults.redis.pid, setup.faults.proxy.pid]
+    phases: list[Phase] = []
+    broken: dict[str, Row] = {}
+    timing = setup.timing
+    for number, fault in enumerate(FAULTS):
+        avoid_window_end(UNIT_SECONDS, timing.total(fault) + DRAIN_TIMEOUT + 30)
+        phase = Phase(fault, Traffic(setup.names, f"{prefix}{number}", seed * 100 + number))
+        events: list[Event] = [
+            (timing.pre, "fault", lambda fault=fault: setup.faults.begin(fault), None),
+            (
+                timing.pre + timing.duration(fault),
+                "recovery",
+                lambda fault=fault: setup.faults.end(fault),
+                lambda fault=fault: setup.faults.settle(fault),
+            ),
+        ]
+        try:
+            try:
+                with client_cpus(setup.context.client_cpus):
+                    uvloop.run(run_phase(phase, sidecars, timing.total(fault), events, pids))
+            finally:
+                if "recovery_done" not in phase.marks:
+                    setup.faults.end(fault)  # never leave Redis stopped or the proxy refusing
+                    setup.faults.settle(fault)
+            phase.drain_seconds = drained(sidecars)
+            time.sleep(0.3)  # strict mode: give-backs are not counted as pending
+            phase.at_drain = account(phase, setup.faults.redis.port, prefix)
+        except Exception as error:
+            broken[fault] = failed_row(AREA, row_name(mode, failure, fault), error, sidecars)
+        phases.append(phase)
+    codes = stop_pair(setup, sidecars)
+    rows = []
+    for phase in phases:
+        if phase.name in broken:
+            rows.append(broken[phase.name])
+            continue
+        phase.final = account(phase, setup.faults.redis.port, prefix)
+        rows.append(fault_row(mode, failure, phase, codes))
+    return rows
+
+
+def row_name(mode: str, failure: str, fault: str) -> str:
+    return f"{mode} mode, --redis-failure-mode {failure}: {fault}"
+
+
+def bound_ms(bound: float) -> float:
+    """A histogram bound in ms; -1 for "beyond the last bound" (250 ms)."""
+    return bound * 1000 if math.isfinite(bound) else -1.0
+
+
+def fault_row(mode: str, failure: str, phase: Phase, codes: dict[str, int | None]) -> Row:
+    calls = phase.calls
+    start, end = phase.marks["fault"], phase.marks.get("recovery_done", phase.marks["fault"]) + RECOVERY
+    during = [index for index in range(len(calls)) if start <= calls.sent[index] <= end]
+    before = [index for index in range(len(calls)) if calls.sent[index] < start]
+    latencies = sorted(calls.latency[index] for index in during)
+    errors = calls.error_counts()
+    decisions = phase.decisions()
+    decided = decisions.get(math.inf, 0.0)
+    lost, extra, wrong = phase.final or (0, 0, 0)
+    drain_lost, drain_extra, _ = phase.at_drain
+    figures = {
+        "fault_seconds": round(phase.marks.get("recovery", start) - start, 2),
+        "calls": len(calls),
+        "calls_during_fault": len(during),
+        "errors": sum(errors.values()),
+        **latency_figures(latencies),
+        "over_25ms": sum(latency > SLOW_CALL for latency in latencies),
+        "baseline_p99_ms": ms(percentile(sorted(calls.latency[index] for index in before), 0.99)),
+        "other_cpu_during_fault": round(phase.cpu.other_cores(start, end) if phase.cpu else 0.0, 2),
+        "server_decisions": decided,
+        "server_p99_bucket_ms": bound_ms(bucket_quantile(decisions, 0.99)),
+        "server_max_bucket_ms": bound_ms(bucket_quantile(decisions, 1.0)),
+        "server_over_10ms": decided - decisions.get(0.01, 0.0),
+        "server_over_25ms": decided - decisions.get(0.025, 0.0),
+        "admitted_share_during_fault": round(sum(calls.code[index] == OK for index in during) / max(1, len(during)), 3),
+        "redis_down_seconds": round(max(phase.down.values(), default=0.0), 2),
+        "drain_seconds": round(phase.drain_seconds, 2) if phase.drain_seconds is not None else -1.0,
+        "hits_admitted": phase.admitted_total,
+        "redis_hits": phase.held,
+        "hits_lost_at_drain": drain_lost,
+        "hits_extra_at_drain": drain_extra,
+        "hits_extra": extra,
+    }
+    ambiguous = phase.name in BREAKS_CONNECTIONS
+    problems = [f"calls failed: {errors}"] if errors else []
+    problems += latency_problems(figures)
+    if phase.drain_seconds is None:
+        problems.append(f"pending hits did not drain within {DRAIN_TIMEOUT:.0f} s")
+    if drain_lost or (drain_extra and not ambiguous):
+        problems.append(f"once drained Redis lacked {drain_lost} admitted hits and held {drain_extra} extra")
+    if lost or (extra and not ambiguous):
+        problems.append(f"after SIGTERM Redis lacks {lost} admitted hits and holds {extra} extra ({wrong} counters)")
+    if any(code != 0 for code in codes.values()):
+        problems.append(f"exit codes {codes}")
+    notes = (
+        f"{FAULTS[phase.name]}, for {figures['fault_seconds']:.1f} s: {len(during)} calls during it and the "
+        f"second after, p99 {figures['p99_ms']:.1f} ms, max {figures['max_ms']:.1f} ms, {figures['over_25ms']} "
+        f"over 25 ms (the sidecars' own decision times: p99 <= {figures['server_p99_bucket_ms']:g} ms, "
+        f"{figures['server_over_10ms']:.0f} of {decided:.0f} over 10 ms, max <= "
+        f"{figures['server_max_bucket_ms']:g} ms); {figures['admitted_share_during_fault']:.0%} admitted; "
+        f"Redis marked down {figures['redis_down_seconds']:.1f} s; drained in {figures['drain_seconds']:.1f} s; "
+        f"Redis {phase.held:,} hits, admitted {phase.admitted_total:,}"
+    )
+    if extra and ambiguous:
+        notes += (
+            f"; {extra} hits counted twice: scripts on a connection the fault cut ran anyway while their "
+            "requests were answered by the failure mode (documented ambiguity, errs toward rejecting)"
+        )
+    if figures["p99_ms"] > P99_BUDGET * 1000 and figures["other_cpu_during_fault"] > DISTURBED_CPU:
+        notes += f"; other processes used {figures['other_cpu_during_fault']:.2f} cores meanwhile"
+    if problems:
+        notes = "; ".join(problems) + " | " + notes
+    return Row(
+        AREA,
+        row_name(mode, failure, phase.name),
+        load=f"{RATE:.0f} req/s on {REPLICAS} replicas, p99 {figures['p99_ms']:.1f} ms during the fault",
+        hits_lost=lost,
+        ok=not problems,
+        notes=notes,
+        figures=figures,
+    )
+
+
+def latency_problems(figures: dict[str, float]) -> list[str]:
+    """The client's p99 (unless other processes hogged the CPU) and the sidecars' own p99."""
+    problems = []
+    if figures["p99_ms"] > P99_BUDGET * 1000 and figures["other_cpu_during_fault"] <= DISTURBED_CPU:
+        problems.append(f"p99 during the fault {figures['p99_ms']:.1f} ms > {P99_BUDGET * 1000:.0f} ms")
+    server_p99 = figures["server_p99_bucket_ms"]
+    if server_p99 < 0 or server_p99 > SERVER_P99_BUDGET * 1000:
+        problems.append(f"the sidecars' own p99 decision time was over {SERVER_P99_BUDGET * 1000:.0f} ms")
+    return problems
+
+
+# ---------------------------------------------------------------------------------
+# A replica SIGKILLed mid-load
+# ---------------------------------------------------------------------------------
+
+
+def run_replica_kill(setup: Setup, seed: int) -> Row:
+    prefix = f"k{secrets.token_hex(3)}"
+    sidecars = start_pair(setup, "replica-kill", sidecar_args(setup, "sync", "local", prefix))
+    survivor, victim = sidecars
+    pids = [survivor.pid, victim.pid, setup.faults.redis.pid, setup.faults.proxy.pid]
+    timing = setup.timing
+    kill_at = max(timing.pre, KILL_AFTER)
+    avoid_window_end(UNIT_SECONDS, kill_at + timing.kill_post + DRAIN_TIMEOUT + 30)
+    phase = Phase("replica_kill", Traffic(setup.names, prefix, seed))
+
+    def kill() -> None:
+        phase.traffic.targets = [0]  # no new call to the dead replica; calls on the wire fail
+        victim.kill()
+
+    with client_cpus(setup.context.client_cpus):
+        uvloop.run(run_phase(phase, sidecars, kill_at + timing.kill_post, [(kill_at, "kill", kill, None)], pids))
+    phase.drain_seconds = drained([survivor])
+    codes = stop_pair(setup, [survivor])
+    return replica_kill_row(setup, phase, prefix, codes)
+
+
+def replica_kill_row(setup: Setup, phase: Phase, prefix: str, codes: dict[str, int | None]) -> Row:
+    traffic, calls = phase.traffic, phase.calls
+    killed = phase.marks["kill"]
+    held = {
+        digest: hits
+        for digest, hits in redis_counts(setup.faults.redis.port, prefix).items()
+        if digest in traffic.digests
+    }
+    by_survivor = traffic.admitted(calls, target=0)
+    by_victim = traffic.admitted(calls, target=1)
+    admitted = {digest: by_survivor[digest] + by_victim[digest] for digest in traffic.digests}
+    lost = sum(admitted.values()) - sum(held.values())
+    per_counter_lost = {digest: max(0, admitted[digest] - held.get(digest, 0)) for digest in traffic.digests}
+    extra = sum(max(0, held.get(digest, 0) - admitted[digest]) for digest in traffic.digests)
+    # The bound: what the victim answered OK within two sync intervals before it died.
+    recent = traffic.admitted(calls, target=1, until=killed)
+    earlier = traffic.admitted(calls, target=1, until=killed - 2 * SYNC_INTERVAL)
+    bound = sum(recent.values()) - sum(earlier.values())
+    last_second = sum(recent.values()) - sum(traffic.admitted(calls, target=1, until=killed - 1.0).values())
+    one_interval = last_second * SYNC_INTERVAL
+    cut = [index for index in range(len(calls)) if calls.code[index] == CODE_ERROR and calls.target[index] == 1]
+    cut_hits = sum(hits for index in cut for _, hits in traffic.payloads[calls.payload[index]].spends)
+    survivor_after = [index for index in range(len(calls)) if calls.target[index] == 0 and calls.sent[index] >= killed]
+    survivor_errors = calls.error_counts(index for index in range(len(calls)) if calls.target[index] == 0)
+    latencies = sorted(calls.latency[index] for index in survivor_after)
+    p99 = percentile(latencies, 0.99)
+    other = phase.cpu.other_cores(killed, killed + setup.timing.kill_post) if phase.cpu else 0.0
+    limits = near_limits(setup.timing)
+    problems = []
+    if lost < 0 or lost > bound:
+        problems.append(f"lost {lost} hits, bound {bound} (two sync intervals of the victim's admissions)")
+    if extra > cut_hits:
+        problems.append(f"Redis holds {extra} hits nobody saw admitted (calls cut by the kill: {cut_hits} hits)")
+    if survivor_errors:
+        problems.append(f"the survivor's calls failed: {survivor_errors}")
+    if p99 > P99_BUDGET and other <= DISTURBED_CPU:
+        problems.append(f"the survivor's p99 after the kill {p99 * 1000:.1f} ms > {P99_BUDGET * 1000:.0f} ms")
+    if phase.drain_seconds is None:
+        problems.append("the survivor's pending hits did not drain")
+    if any(code != 0 for code in codes.values()):
+        problems.append(f"exit codes {codes}")
+    verdicts = []
+    for name, limit in limits.items():
+        digest = traffic.digest(name)
+        overshoot_bound = (REPLICAS - 1) * math.floor(SYNC_MAX_OVERSHOOT * limit / (REPLICAS - 1))
+        total = admitted[digest]
+        verdicts.append(f"{name} {total}/{limit}")
+        if total > limit + overshoot_bound + per_counter_lost[digest]:
+            problems.append(f"{name}: {total} admitted > limit {limit} + bound {overshoot_bound} + lost")
+        if traffic.offered(calls, digest) >= limit + 10 and total < limit:
+            problems.append(f"{name}: only {total} admitted of a limit of {limit} (offered more)")
+    figures = {
+        "hits_lost": lost,
+        "loss_bound": bound,
+        "one_sync_interval_hits": round(one_interval, 1),
+        "victim_hits_admitted": sum(by_victim.values()),
+        "survivor_hits_admitted": sum(by_survivor.values()),
+        "redis_hits": sum(held.values()),
+        "hits_extra": extra,
+        "calls_cut_by_kill": len(cut),
+        "survivor_calls_after_kill": len(survivor_after),
+        **latency_figures(latencies, "survivor_"),
+        "other_cpu_after_kill": round(other, 2),
+    }
+    notes = (
+        f"replica 2 of 2 SIGKILLed after {killed - phase.calls.sent[0]:.1f} s at {RATE:.0f} req/s: it had answered "
+        f"{sum(by_victim.values()):,} hits OK, Redis got all but {lost} (bound {bound}: its admissions in the "
+        f"last {2 * SYNC_INTERVAL * 1000:.0f} ms; one {SYNC_INTERVAL * 1000:.0f} ms interval at its rate is "
+        f"{one_interval:.1f}); {len(cut)} calls on the wire failed; the survivor answered every call after it "
+        f"(p99 {p99 * 1000:.1f} ms); near counters admitted/limit: {', '.join(verdicts)}"
+    )
+    if problems:
+        notes = "; ".join(problems) + " | " + notes
+    return Row(
+        AREA,
+        "sync mode: a replica SIGKILLed mid-load",
+        load=f"{RATE:.0f} req/s on {REPLICAS} replicas, then 1",
+        hits_lost=lost,
+        ok=not problems,
+        notes=notes,
+        figures=figures,
+    )
+
+
+# ---------------------------------------------------------------------------------
+# The module's entry
+# ---------------------------------------------------------------------------------
+
+
+def data_directory() -> Path:
+    """Redis's AOF on tmpfs when there is one: ``appendfsync always`` on a disk would slow every
+    write past the 5 ms request budget and turn the baseline into a fault of its own."""
+    shm = Path("/dev/shm")
+    parent = shm if shm.is_dir() and shutil.disk_usage(shm).free > 256 * 1024 * 1024 else None
+    return Path(tempfile.mkdtemp(prefix="rls-faults-", dir=parent))
+
+
+def run(context: Context) -> list[Row]:
+    if not redis_available():
+        return [skipped_row(AREA, "Redis and replica faults under load", "redis-server is not installed")]
+    timing = Timing.of(context.quick)
+    logs = context.directory / "faults"
+    config = logs / "config"
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "faults.yaml").write_text(config_text(near_limits(timing)))
+    data = data_directory()
+    rows: list[Row] = []
+    children: list[Child] = []
+    try:
+        with process_group() as group:
+            try:
+                redis = group.start_ready(lambda: durable_redis(data, logs, context.server_cpus))
+                proxy = group.start_ready(lambda: pin(ProxyProcess(logs, redis.port), context.server_cpus))
+                children += [redis, proxy]
+                setup = Setup(context, group, Faults(redis, proxy), config, CounterNames(config, DOMAIN), timing, logs)
+            except Exception as error:
+                return [failed_row(AREA, "Redis and replica faults under load", error, children)]
+            for number, (mode, failure) in enumerate(CONFIGURATIONS):
+                try:
+                    rows += run_configuration(setup, mode, failure, context.seed * 1000 + number)
+                except Exception as error:
+                    rows.append(failed_row(AREA, f"{mode} mode, --redis-failure-mode {failure}", error, group.children))
+                    stop_pair(setup, [child for child in group.children if isinstance(child, SidecarProcess)])
+            try:
+                rows.append(run_replica_kill(setup, context.seed * 1000 + 99))
+            except Exception as error:
+                rows.append(failed_row(AREA, "sync mode: a replica SIGKILLed mid-load", error, group.children))
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(run))
