@@ -385,3 +385,38 @@ def test_a_request_of_many_new_keys_past_the_cap_loses_none_of_its_hits() -> Non
     asyncio.run(scenario())
     assert only_counter(store) == 128
     assert all(counter.busy == 0 for window in limiter._windows.values() for counter in window.values())
+
+
+@pytest.mark.parametrize("skew", [-1.0, -0.1, 0.1, 1.0])
+@pytest.mark.parametrize("shared_clock", [False, True])
+def test_clock_skew_between_two_replicas(skew: float, shared_clock: bool) -> None:
+    """Two replicas at twice a 20/s limit for 4 s, the second one's clock off by ``skew``.
+
+    Each replica cuts windows on the time it is given: its own skewed clock, or the
+    shared (Redis) clock that ``--clock-source redis`` corrects it to. Counted per true
+    second: skew lets some true second admit beyond the limit; a shared clock never does.
+    """
+    store = SimulatedStore()
+    first, second = cluster(2, store, max_overshoot=0.0)
+    limit, rate, start = 20, 40, 1_000_000.0
+    per_true_second: dict[int, int] = {}
+
+    async def scenario() -> None:
+        for index in range(4 * rate):
+            true_now = start + index / rate
+            replica = (first, second)[index % 2]
+            seen_now = true_now + (skew if replica is second and not shared_clock else 0.0)
+            if (await replica.check([Check(KEY, 1, limit, 1)], seen_now)).admitted:
+                per_true_second[int(true_now)] = per_true_second.get(int(true_now), 0) + 1
+            if index % 4 == 3:  # flushes every 100 ms of traffic
+                await first.sync_once()
+                await second.sync_once()
+
+    asyncio.run(scenario())
+    beyond = sum(max(0, count - limit) for count in per_true_second.values())
+    if shared_clock:
+        assert beyond == 0 and all(count == limit for count in per_true_second.values()), per_true_second
+    elif abs(skew) >= 1.0:
+        assert max(per_true_second.values()) > limit, "a whole second of skew doubles some true second"
+    else:
+        assert beyond > 0, f"100 ms of skew shows at the boundaries: {per_true_second}"
