@@ -4,10 +4,10 @@
    ``examples/config``, driven closed loop (32 calls in flight) with ``grpc_bench``'s
    Envoy-like ``mixed`` request pool (about 13 % over a limit) for a few seconds.
 2. **Soak**: 70 % of that rate, open loop (paced lanes: a slow answer does not slow the
-   offered load), for 15 s (quick) or 3 minutes, sampling every second: calls sent,
+   offered load), for 45 s (quick) or 3 minutes, sampling every second: calls sent,
    errors, p99, the sidecar's RSS. The row holds when the load was held (achieved rate
    at least 90 % of the target, no error), p99 stayed stable (median p99 of the last
-   third within 2x that of the first third, or under 5 ms) and RSS stayed flat after
+   third within 2x that of the first third, or under Envoy's 25 ms timeout) and RSS stayed flat after
    warm-up (growth under 20 MiB or under 10 %). The per-second series goes to
    ``soak-seconds.json`` in the run's directory.
 3. **gRPC limits** (``sidecar/server.py`` ``SERVER_OPTIONS``), on the same process after
@@ -69,8 +69,11 @@ SOAK_SHARE = 0.70
 HELD_SHARE = 0.90
 """The load counts as held when at least this share of the target rate was sent and answered."""
 P99_GROWTH = 2.0
-P99_FLOOR = 0.005
-"""A last-third p99 under 5 ms counts as stable whatever the first third's was."""
+P99_FLOOR = 0.025
+"""A last-third p99 under Envoy's filter timeout (25 ms, envoy/*.yaml) counts as stable
+whatever the first third's was: with the load generator on the same 2 cores, per-second
+p99 swings between 6 and 35 ms with no trend, while a queue that builds up (the failure
+this check is for) grows without bound."""
 DISTURBED_CPU = 0.25
 """A second in which other processes used more cores than this is "disturbed": the machine
 has 2 cores, so its p99 says more about them than about the sidecar."""
@@ -91,7 +94,7 @@ class Timing:
 
     @classmethod
     def of(cls, quick: bool) -> Timing:
-        return cls(1.0, 3.0, 15.0) if quick else cls(2.0, 5.0, 180.0)
+        return cls(1.0, 3.0, 45.0) if quick else cls(2.0, 5.0, 180.0)
 
 
 @dataclass
