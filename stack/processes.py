@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,11 +53,29 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
+SETPRIV = shutil.which("setpriv")
+"""util-linux's setpriv sets the parent-death signal and execs the command, so no Python
+code runs between fork and exec (see :func:`with_parent_death_signal`)."""
+
+
 def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM when the parent dies."""
+    """Runs in the child before exec: SIGTERM when the parent dies (fallback only)."""
     with contextlib.suppress(Exception):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def with_parent_death_signal(argv: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """``argv`` that gets SIGTERM when this process dies, and the preexec function it needs.
+
+    A Python ``preexec_fn`` runs in the forked child of a process whose other threads
+    (gRPC's, in the tests and tools) may hold locks: it crashed once in CI, leaving a
+    redis-server restart dead before exec. ``setpriv --pdeathsig`` does the same in C
+    after exec; the Python fallback is kept for systems without util-linux.
+    """
+    if SETPRIV is not None:
+        return [SETPRIV, "--pdeathsig", "TERM", "--", *argv], None
+    return list(argv), _die_with_parent
 
 
 class Child:
@@ -71,16 +90,17 @@ class Child:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv, preexec = with_parent_death_signal(self.argv)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                self.argv,
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads of ours touch fork state
+                preexec_fn=preexec,  # noqa: PLW1509 - only without setpriv (see with_parent_death_signal)
             )
 
     @property
