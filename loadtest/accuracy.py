@@ -48,9 +48,11 @@ for entry in (str(HERE), str(HERE.parent)):  # loadtest/ (common, the harness), 
         sys.path.insert(0, entry)
 
 from accuracy_harness import processes, report, runner  # noqa: E402
-from accuracy_harness.processes import REDIS_SERVER, RedisServer, process_group  # noqa: E402
+from accuracy_harness.processes import REDIS_SERVER, RedisServer  # noqa: E402
 from accuracy_harness.scenarios import Scenario, catalogue  # noqa: E402
 from common import bounded_float, machine_facts, parse_cpus, positive_int, reproduce_command, run_cli  # noqa: E402
+
+from stack.processes import process_group  # noqa: E402
 
 REPO = HERE.parent
 DEFAULT_JSON = REPO / "loadtest" / "results" / "accuracy.json"
@@ -191,7 +193,7 @@ class Campaign:
             redis = None
             if any(mode != "local" for mode in self.modes):
                 redis = RedisServer(self.workdir / "redis")
-                group.add(redis)
+                group.start(redis)
                 redis.wait_ready()
                 print(f"redis-server pid {redis.pid} at {redis.url}", flush=True)
             for scenario in scenarios:

@@ -214,18 +214,30 @@ class ProcessGroup:
                 ready.append(child)
         return ready
 
-    def close(self, timeout: float = STOP_TIMEOUT) -> dict[str, int | None]:
-        """SIGTERM every child still running (newest first: proxies before what they call),
-        wait for all, SIGKILL what is left; returns the exit code per label."""
-        children = list(reversed(self.children))
+    def stop(
+        self,
+        children: Sequence[Child],
+        while_waiting: Callable[[], None] | None = None,
+        timeout: float = STOP_TIMEOUT,
+    ) -> dict[str, int | None]:
+        """SIGTERM all of ``children`` at once, wait for them (calling ``while_waiting``
+        meanwhile), SIGKILL what is left after ``timeout``; returns the exit code per label."""
         for child in children:
             child.signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while any(child.alive() for child in children) and time.monotonic() < deadline:
+            if while_waiting is not None:
+                while_waiting()
             time.sleep(0.05)
         codes = {child.label: child.stop(timeout=0) for child in children}
-        self.children.clear()
+        for child in children:
+            with contextlib.suppress(ValueError):
+                self.children.remove(child)
         return codes
+
+    def close(self, timeout: float = STOP_TIMEOUT) -> dict[str, int | None]:
+        """Stop every child still running, newest first (proxies before what they call)."""
+        return self.stop(list(reversed(self.children)), timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Child processes of the harness: one redis-server and R sidecars, all on loopback.
 
 Every child runs in its own session (Ctrl-C reaches the harness only) and gets
-SIGTERM if the harness dies (``PR_SET_PDEATHSIG``); :class:`ProcessGroup` stops
+SIGTERM if the harness dies (``PR_SET_PDEATHSIG``); :class:`stack.processes.ProcessGroup` stops
 whatever it started, also on exceptions, so nothing outlives a run.
 """
 
@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,53 +178,6 @@ def wait_all_serving(sidecars: Sequence[Sidecar], timeout: float = STARTUP_TIMEO
             raise ChildStartError(f"{sidecar.label} not SERVING after {timeout:.0f} s", sidecar.log_tail())
         if waiting:
             time.sleep(0.05)
-
-
-class ProcessGroup:
-    """Every child the harness started; :meth:`close` stops all that still run."""
-
-    def __init__(self) -> None:
-        self.children: list[Child] = []
-
-    def add(self, child: Child) -> Child:
-        self.children.append(child)
-        child.start()
-        return child
-
-    def stop(
-        self,
-        children: Sequence[Child],
-        while_waiting: Callable[[], None] | None = None,
-        timeout: float = STOP_TIMEOUT,
-    ) -> dict[str, int | None]:
-        """SIGTERM all of ``children`` at once, wait for them (calling ``while_waiting``
-        every 0.1 s), SIGKILL what is left after ``timeout``; returns exit codes."""
-        for child in children:
-            child.terminate()
-        deadline = time.monotonic() + timeout
-        while any(child.alive() for child in children) and time.monotonic() < deadline:
-            if while_waiting is not None:
-                while_waiting()
-            time.sleep(0.1)
-        codes = {child.label: child.stop() for child in children}
-        for child in children:
-            with contextlib.suppress(ValueError):
-                self.children.remove(child)
-        return codes
-
-    def close(self) -> None:
-        for child in reversed(self.children):
-            child.kill()
-        self.children.clear()
-
-
-@contextlib.contextmanager
-def process_group() -> Iterator[ProcessGroup]:
-    group = ProcessGroup()
-    try:
-        yield group
-    finally:
-        group.close()
 
 
 def on_sigterm_raise_interrupt() -> Callable[[], None]:

@@ -24,13 +24,13 @@ from accuracy_harness.driver import RUN_GRACE, WARMUP_CALLS, ReplicaRecord, Work
 from accuracy_harness.processes import (
     REPO,
     ChildStartError,
-    ProcessGroup,
     RedisServer,
     Sidecar,
     wait_all_serving,
 )
 from accuracy_harness.redis_watch import CounterWatch, command_calls, digest_map
 from accuracy_harness.scenarios import Scenario
+from stack.processes import ProcessGroup
 
 MODES = ("local", "sync", "strict")
 START_MARGIN = 0.3
@@ -184,7 +184,7 @@ class Run:
         args = serve_args(self.mode, self.config_dir, self.options, self.redis)
         self.sidecars = [Sidecar(index, args, self.run_dir) for index in range(self.options.replicas)]
         for sidecar in self.sidecars:
-            self.group.add(sidecar)
+            self.group.start(sidecar)
         try:
             wait_all_serving(self.sidecars)
         except ChildStartError as failure:
