@@ -143,3 +143,21 @@ def h() -> SimpleNamespace:
 def clock() -> FakeClock:
     """A fresh fake clock at a fixed Unix time in the middle of a minute."""
     return FakeClock(1_700_000_010.0)
+
+
+@pytest.fixture
+def redis_snapshot() -> Any:
+    """What a Redis backend reports at scrape time: every Redis metric present."""
+    from sidecar.metrics import Buckets, LimiterSnapshot
+
+    return LimiterSnapshot(
+        counters=0,
+        evictions=0,
+        redis_up=True,
+        replicas=3,
+        round_trips_request_path=7,
+        round_trips_background=11,
+        pending_hits=4,
+        flush_seconds=Buckets((0.01,)),
+        flush_keys=Buckets((10,)),
+    )

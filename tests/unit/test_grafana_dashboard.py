@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.metrics import Buckets, LimiterSnapshot, RuleStats, ServiceStats, SidecarCollector, render
+from sidecar.metrics import LimiterSnapshot, RuleStats, ServiceStats, SidecarCollector, render
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "ratelimit-sidecar.json"
 METRIC_NAME = re.compile(r"\b((?:ratelimit|process)_[a-z_]+)")
@@ -18,22 +18,11 @@ PROMQL_LABELS = {"le", "job", "instance"}
 """Added by Prometheus (job, instance) or by histograms (le)."""
 
 
-def exported() -> dict[str, set[str]]:
+def exported(snapshot: LimiterSnapshot) -> dict[str, set[str]]:
     """Every series name a Redis-backed sidecar exports, with its label names."""
     stats = ServiceStats(rules=RuleStats())
     stats.rules.record(stats.rules.row("d.k", "d"), 1, False, shadow=False, count=1, limit=2)
     stats.error("internal")
-    snapshot = LimiterSnapshot(
-        counters=1,
-        evictions=0,
-        redis_up=True,
-        replicas=2,
-        round_trips_request_path=1,
-        round_trips_background=1,
-        pending_hits=0,
-        flush_seconds=Buckets((0.01,)),
-        flush_keys=Buckets((10,)),
-    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SidecarCollector(stats, lambda: snapshot))
     names: dict[str, set[str]] = {"process_resident_memory_bytes": set()}
@@ -50,8 +39,8 @@ def expressions() -> list[str]:
     return found
 
 
-def test_every_queried_metric_is_exported_with_the_grouped_labels() -> None:
-    names = exported()
+def test_every_queried_metric_is_exported_with_the_grouped_labels(redis_snapshot: LimiterSnapshot) -> None:
+    names = exported(redis_snapshot)
     queries = expressions()
     assert len(queries) >= 15
     for query in queries:

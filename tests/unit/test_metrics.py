@@ -132,18 +132,8 @@ def test_buckets_are_cumulative_with_sum_and_count() -> None:
     assert not [key for key in seen if key[0].startswith("ratelimit_sidecar_redis")], "no Redis, no Redis metrics"
 
 
-def test_redis_backends_add_their_state() -> None:
-    snapshot = LimiterSnapshot(
-        counters=0,
-        evictions=0,
-        redis_up=True,
-        replicas=3,
-        round_trips_request_path=7,
-        round_trips_background=11,
-        pending_hits=4,
-        flush_seconds=Buckets((0.01,)),
-        flush_keys=Buckets((10,)),
-    )
+def test_redis_backends_add_their_state(redis_snapshot: LimiterSnapshot) -> None:
+    snapshot = redis_snapshot
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SidecarCollector(ServiceStats(), lambda: snapshot))
     seen = samples(registry)
