@@ -21,11 +21,11 @@ Both run only when switched on (the service checks one flag and the domain's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sidecar.limiter.windows import seconds_until_reset
+from sidecar.limiter.algorithms import reset_seconds
 
 if TYPE_CHECKING:
     from sidecar.config.model import RateLimitRule
@@ -50,51 +50,73 @@ class HeaderNames:
 
 
 class Reported(NamedTuple):
-    """The descriptor the ``RateLimit-*`` headers describe."""
+    """The limit a status or the ``RateLimit-*`` headers describe."""
 
-    limit: int
-    """The rule's ``requests_per_unit`` (the configured limit, as in ``current_limit``)."""
+    rule: RateLimitRule
+    check: int
+    """Its check's index in the request."""
     remaining: int
     """``limit_remaining`` of the descriptor's status."""
     reset: int
     """``duration_until_reset`` of the descriptor's status, in seconds."""
     over: bool
 
+    @property
+    def limit(self) -> int:
+        """The configured limit (a token bucket's size), as the headers show it."""
+        return self.rule.limit
 
-def reported(applied: Sequence[Applied | None], decision: Decision, now: float) -> Reported | None:
-    """The descriptor to report, or None when no limited, enforced descriptor took part.
 
-    Runs on every request with ``--response-headers``, so it compares indices and
-    integers and works out a window's reset only when it must (over-limit candidates
-    and ties): that is most of its cost.
+def closest_to_exhaustion(
+    candidates: Iterable[tuple[RateLimitRule, int]], checks: Sequence[Check], decision: Decision, now: float
+) -> Reported | None:
+    """Among ``(rule, check index)`` candidates, the limit a client most needs to hear of.
+
+    An over-limit one if there is any (the one that resets last: a refused client must
+    wait for all of them), else the one with the fewest hits remaining (ties: the later
+    reset). It picks the status of a descriptor with several limits, and the descriptor
+    the ``RateLimit-*`` headers describe. Runs on every such request, so it compares
+    integers and works out a reset only when it must (over-limit candidates and ties).
     """
     over, counts, limits = decision.over, decision.counts, decision.limits
+
+    def reset_of(index: int) -> int:
+        return reset_seconds(checks[index], counts[index], over[index], now)
+
     chosen: RateLimitRule | None = None
+    chosen_index = 0
     chosen_over = False
     remaining = reset = 0
-    for item in applied:
-        if item is None or item.check is None or item.rule.shadow_mode:
-            continue
-        index, rule = item.check, item.rule
+    for rule, index in candidates:
         if over[index]:
-            candidate_reset = seconds_until_reset(now, rule.unit_seconds)
+            candidate_reset = reset_of(index)
             if not chosen_over or candidate_reset > reset:
-                chosen, chosen_over, remaining, reset = rule, True, 0, candidate_reset
+                chosen, chosen_index, chosen_over, remaining, reset = rule, index, True, 0, candidate_reset
         elif not chosen_over:
             left = max(0, limits[index] - counts[index])
             if chosen is None or left < remaining:
-                chosen, remaining, reset = rule, left, -1
+                chosen, chosen_index, remaining, reset = rule, index, left, -1
             elif left == remaining:
                 if reset < 0:
-                    reset = seconds_until_reset(now, chosen.unit_seconds)
-                candidate_reset = seconds_until_reset(now, rule.unit_seconds)
+                    reset = reset_of(chosen_index)
+                candidate_reset = reset_of(index)
                 if candidate_reset > reset:
-                    chosen, reset = rule, candidate_reset
+                    chosen, chosen_index, reset = rule, index, candidate_reset
     if chosen is None:
         return None
     if reset < 0:
-        reset = seconds_until_reset(now, chosen.unit_seconds)
-    return Reported(chosen.requests_per_unit, remaining, reset, chosen_over)
+        reset = reset_of(chosen_index)
+    return Reported(chosen, chosen_index, remaining, reset, chosen_over)
+
+
+def reported(
+    applied: Sequence[Applied | None], checks: Sequence[Check], decision: Decision, now: float
+) -> Reported | None:
+    """The limit the headers describe, or None when no limited, enforced descriptor took part."""
+    candidates = (
+        limit for item in applied if item is not None and not item.rule.shadow_mode for limit in item.limits()
+    )
+    return closest_to_exhaustion(candidates, checks, decision, now)
 
 
 def header_text(text: str) -> str:
@@ -119,26 +141,38 @@ def warnings(
     """
     texts: list[str] = []
     for item in applied:
-        if item is None or item.check is None:
+        if item is None:
             continue
-        rule = item.rule
-        warn_at = rule.warn_at
-        index = item.check
-        if warn_at is None or decision.over[index]:
-            continue
-        count, limit = decision.counts[index], decision.limits[index]
-        if limit <= 0 or count * PARTS_PER_MILLION < round(warn_at * PARTS_PER_MILLION) * limit:
-            continue
-        if item.stats is not None:
-            stats.warned(item.stats, checks[index].hits)
-        if rule.shadow_mode:
-            continue
-        label = header_text(rule.name or rule.stat_key)
-        unit = rule.unit.name.lower() if rule.unit else "window"
-        text = f"{label}: {count * 100 // limit}% of {rule.requests_per_unit}/{unit} used"
-        if text not in texts:
-            texts.append(text)
+        for rule, index in item.limits():
+            text = warning(rule, index, checks, decision)
+            if text is None:
+                continue
+            if item.stats is not None:
+                stats.warned(item.stats, checks[index].hits)
+            if not rule.shadow_mode and text not in texts:
+                texts.append(text)
     return texts
+
+
+def warning(rule: RateLimitRule, index: int, checks: Sequence[Check], decision: Decision) -> str | None:
+    """The warning text of one limit past its ``warn_at``, or None."""
+    warn_at = rule.warn_at
+    if warn_at is None or decision.over[index]:
+        return None
+    count, limit = decision.counts[index], decision.limits[index]
+    if limit <= 0 or count * PARTS_PER_MILLION < round(warn_at * PARTS_PER_MILLION) * limit:
+        return None
+    label = header_text(rule.name or rule.stat_key)
+    return f"{label}: {count * 100 // limit}% of {rate_text(rule)} used"
+
+
+def rate_text(rule: RateLimitRule) -> str:
+    """``100/minute``, ``100/5 minutes`` with a multiplier, ``burst 20 at 10/second`` for a bucket."""
+    unit = rule.unit.name.lower() if rule.unit else "window"
+    per = f"{rule.unit_multiplier} {unit}s" if rule.unit_multiplier > 1 else unit
+    if rule.burst and rule.algorithm.label == "token_bucket":
+        return f"burst {rule.burst} at {rule.requests_per_unit}/{per}"
+    return f"{rule.requests_per_unit}/{per}"
 
 
 class ResponseHeaders:
@@ -168,7 +202,7 @@ class ResponseHeaders:
                 add(key=names.warning, value=text)
         if not self.rate_limit_headers:
             return
-        chosen = reported(applied, decision, now)
+        chosen = reported(applied, checks, decision, now)
         if chosen is None:
             return
         add(key=names.limit, value=str(chosen.limit))

@@ -19,10 +19,11 @@ from google.protobuf.message import DecodeError
 
 from sidecar.config.match import Match, match_descriptor
 from sidecar.config.model import RateLimitConfig, RateLimitRule
-from sidecar.headers import HeaderNames, ResponseHeaders
+from sidecar.headers import HeaderNames, ResponseHeaders, closest_to_exhaustion
+from sidecar.limiter.algorithms import reset_seconds
 from sidecar.limiter.keys import counter_key
 from sidecar.limiter.protocol import Check, Decision, Limiter, Role
-from sidecar.limiter.windows import Clock, Unit, seconds_until_reset, system_clock
+from sidecar.limiter.windows import Clock, Unit, system_clock
 from sidecar.metrics import ServiceStats
 from sidecar.validate import request_problem
 
@@ -43,6 +44,14 @@ class Applied(NamedTuple):
     """Index into the request's checks; None for unlimited rules, which count nothing."""
     stats: list[int] | None = None
     """The rule's metric counts (per request values with ``detailed_metric``)."""
+    more: tuple[RateLimitRule, ...] = ()
+    """Further limits of the descriptor (``rate_limits``), checked at the next indices."""
+
+    def limits(self) -> list[tuple[RateLimitRule, int]]:
+        """``(rule, check index)`` of every limit of the descriptor (none when unlimited)."""
+        if self.check is None:
+            return []
+        return [(self.rule, self.check), *((rule, self.check + 1 + n) for n, rule in enumerate(self.more))]
 
 
 def detailed_stat_key(domain: str, descriptor: Any) -> str:
@@ -86,10 +95,18 @@ def role_of(rule: RateLimitRule) -> Role:
 
 def drop_replaced(matches: list[Match | None]) -> list[Match | None]:
     """Remove limits named in another matched limit's ``replaces`` (same request only)."""
-    replaced = {name for match in matches if match for name in match.rule.replaces}
+    replaced = {name for match in matches if match for limit in match.limits() for name in limit.rule.replaces}
     if not replaced:
         return matches
-    return [None if match and match.rule.name in replaced else match for match in matches]
+    return [unreplaced(match, replaced) if match else None for match in matches]
+
+
+def unreplaced(match: Match, replaced: set[str]) -> Match | None:
+    """``match`` without its limits named in ``replaces``; None when none is left."""
+    kept = [limit for limit in match.limits() if limit.rule.name not in replaced]
+    if len(kept) == len(match.limits()):
+        return match
+    return kept[0]._replace(more=tuple(kept[1:])) if kept else None
 
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
@@ -170,22 +187,24 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         now = self.clock()
         checks, applied = self._checks(request, matches)
         if not checks:
-            return self._respond(applied, None, now, True)
+            return self._respond([], applied, None, now, True)
         decision = await self.limiter.check(checks, now)
-        self._record(checks, applied, decision)
+        self._record(checks, applied, decision, now)
         if self.log_every and self.stats.requests % self.log_every == 0:
             log_decision(request, checks, decision)
-        response = self._respond(applied, decision, now, decision.admitted)
+        response = self._respond(checks, applied, decision, now, decision.admitted)
         if self.response_headers or domain.warns:
             self.headers.add(response, checks, applied, decision, now, warns=domain.warns, stats=self.stats.rules)
         return response
 
-    def _record(self, checks: Sequence[Check], applied: Sequence[Applied | None], decision: Decision) -> None:
+    def _record(
+        self, checks: Sequence[Check], applied: Sequence[Applied | None], decision: Decision, now: float
+    ) -> None:
         """Per-rule metrics: plain integer additions, read only when Prometheus scrapes."""
         record = self.stats.rules.record
         for item in applied:
             if item is not None and item.stats is not None and item.check is not None:
-                index = item.check
+                index = item.check if not item.more else reported_index(item, checks, decision, now)
                 record(
                     item.stats,
                     checks[index].hits,
@@ -210,11 +229,20 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 continue
             hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
             stat_key = detailed_stat_key(rule.domain, descriptor) if rule.detailed_metric else rule.stat_key
-            applied.append(Applied(rule, len(checks), rule_stats.row(stat_key, rule.domain)))
-            checks.append(Check(match.key, rule.unit_seconds, rule.requests_per_unit, hits, role_of(rule)))
+            more = tuple(extra.rule for extra in match.more)
+            applied.append(Applied(rule, len(checks), rule_stats.row(stat_key, rule.domain), more))
+            for limit in match.limits() if more else (match,):
+                checks.append(check_of(limit, hits))
         return checks, applied
 
-    def _respond(self, applied: Sequence[Applied | None], decision: Decision | None, now: float, admitted: bool) -> Any:
+    def _respond(
+        self,
+        checks: Sequence[Check],
+        applied: Sequence[Applied | None],
+        decision: Decision | None,
+        now: float,
+        admitted: bool,
+    ) -> Any:
         response = rls_pb2.RateLimitResponse(overall_code=OK if admitted else OVER_LIMIT)
         add = response.statuses.add
         for item in applied:
@@ -223,14 +251,41 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             elif item.check is None or decision is None:
                 add(code=OK, limit_remaining=UNLIMITED_REMAINING)
             else:
-                rule = item.rule
+                rule, index = item.rule, item.check
+                if item.more:
+                    index = reported_index(item, checks, decision, now)
+                    rule = item.rule if index == item.check else item.more[index - item.check - 1]
+                over = decision.over[index]
                 add(
-                    code=OVER_LIMIT if decision.over[item.check] and not rule.shadow_mode else OK,
+                    code=OVER_LIMIT if over and not rule.shadow_mode else OK,
                     current_limit=self._messages.limit(rule),
-                    limit_remaining=decision.remaining(item.check),
-                    duration_until_reset=self._messages.duration(seconds_until_reset(now, rule.unit_seconds)),
+                    limit_remaining=decision.remaining(index),
+                    duration_until_reset=self._messages.duration(
+                        reset_seconds(checks[index], decision.counts[index], over, now)
+                    ),
                 )
         return response
+
+
+def check_of(match: Match, hits: int) -> Check:
+    """The check one limit of a matched descriptor asks the backend for."""
+    rule = match.rule
+    return Check(
+        match.key,
+        rule.unit_seconds,
+        rule.limit,
+        hits,
+        role_of(rule),
+        rule.algorithm,
+        rule.interval_us,
+        rule.ban_seconds,
+    )
+
+
+def reported_index(item: Applied, checks: Sequence[Check], decision: Decision, now: float) -> int:
+    """Which of a descriptor's several limits its status reports: the one closest to exhaustion."""
+    chosen = closest_to_exhaustion(item.limits(), checks, decision, now)
+    return chosen.check if chosen is not None else item.check or 0
 
 
 def log_decision(request: Any, checks: Sequence[Check], decision: Decision) -> None:
@@ -268,7 +323,7 @@ class MessageCache:
             if len(self._limits) >= self.MAX_ENTRIES:
                 self._limits.clear()
             message = self._limits[key] = rls_pb2.RateLimitResponse.RateLimit(
-                name=rule.name or "", requests_per_unit=rule.requests_per_unit, unit=rule.unit
+                name=rule.name or "", requests_per_unit=rule.requests_per_unit, unit=rule.reported_unit
             )
         return message
 

@@ -35,6 +35,12 @@ class Match(NamedTuple):
     """``(rule.counter_id, *values)``: the request values of key-only and unshared
     wildcard levels, so each distinct value gets its own counter (long values hashed,
     see :func:`sidecar.limiter.keys.counter_key`)."""
+    more: tuple[Match, ...] = ()
+    """The node's further limits (``rate_limits``), each with its own counter."""
+
+    def limits(self) -> tuple[Match, ...]:
+        """This limit and the further ones, in config order."""
+        return (self, *self.more) if self.more else (self,)
 
 
 def find_node(level: Level, entry: Entry) -> DescriptorNode | None:
@@ -66,9 +72,19 @@ def match_descriptor(domain: DomainConfig, entries: Sequence[Entry]) -> Match | 
             rule = node.rule
             if rule is None:
                 return None
-            # sidecar.limiter.keys.counter_key, inlined: this runs for every descriptor.
+            if node.more:
+                more = tuple(Match(extra, limit_key(extra, values, chars)) for extra in node.more)
+                return Match(rule, limit_key(rule, values, chars), more)
+            # limit_key, inlined: this runs for every descriptor.
             if chars <= MAX_INLINE_CHARS:
                 return Match(rule, (rule.counter_id, *values))
             return Match(rule, hashed_counter_key(rule.counter_id, values))
         level = node.children
     return None
+
+
+def limit_key(rule: RateLimitRule, values: list[str], chars: int) -> CounterKey:
+    """:func:`sidecar.limiter.keys.counter_key` for values whose length is known."""
+    if chars <= MAX_INLINE_CHARS:
+        return (rule.counter_id, *values)
+    return hashed_counter_key(rule.counter_id, values)

@@ -10,9 +10,11 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from sidecar.limiter.windows import Unit
+from sidecar.limiter.algorithms import Algorithm
+from sidecar.limiter.windows import UNIT_SECONDS, Unit
 
 ValueMatcher = Callable[[str], bool]
+UNIT_BY_SECONDS = {seconds: unit for unit, seconds in UNIT_SECONDS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +39,37 @@ class RateLimitRule:
     warn_at: float | None = None
     """Soft limit: admitted requests whose count reaches this fraction of the limit get a
     warning header and count as ``warned`` (an extension; None when not set)."""
+    algorithm: Algorithm = Algorithm.FIXED_WINDOW
+    unit_multiplier: int = 1
+    """Windows of this many units, aligned to the epoch (an extension)."""
+    burst: int = 0
+    """Token bucket only: the bucket size (``limit`` of its checks)."""
+    interval_us: int = 0
+    """Token bucket only: microseconds per token, from the rate and the window."""
+    ban_seconds: int = 0
+    """``ban_duration``: how long a counter refuses everything once it went over."""
+    where: str = ""
+    """Path of the block inside its file (``descriptors[0].rate_limit``), for errors."""
 
     @property
     def unit_seconds(self) -> int:
-        """Window length; unlimited rules have no window."""
-        return self.unit.seconds if self.unit else 0
+        """Window length (unit times multiplier); unlimited rules have no window."""
+        return self.unit.seconds * self.unit_multiplier if self.unit else 0
+
+    @property
+    def limit(self) -> int:
+        """What a check of this rule is compared with: the bucket size or the window's limit."""
+        return self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.requests_per_unit
+
+    @property
+    def reported_unit(self) -> Unit | None:
+        """The ``unit`` of ``current_limit``: the proto has no multiplier, so a window of
+        N units that is exactly one larger unit (60 seconds, 24 hours, 7 days) is reported
+        as that unit; any other multiple is reported in its configured unit (the window
+        itself shows in ``duration_until_reset``)."""
+        if self.unit is None or self.unit_multiplier == 1:
+            return self.unit
+        return UNIT_BY_SECONDS.get(self.unit_seconds, self.unit)
 
 
 @dataclass(slots=True)
@@ -54,6 +82,8 @@ class DescriptorNode:
     children: Level
     wildcard: ValueMatcher | None = None
     share_threshold: bool = False
+    more: tuple[RateLimitRule, ...] = ()
+    """Further limits of the node (``rate_limits``), enforced together with :attr:`rule`."""
 
     @property
     def counts_each_value(self) -> bool:
@@ -151,10 +181,16 @@ def wildcard_matcher(pattern: str) -> ValueMatcher:
     return matches
 
 
-def counter_id(domain: str, unit: Unit | None, path: list[tuple[str, str | None]]) -> str:
-    """A stable, collision-free rule identity: JSON of domain, window and config path."""
-    seconds = unit.seconds if unit else 0
-    return json.dumps([domain, seconds, path], ensure_ascii=False, separators=(",", ":"))
+def counter_id(
+    domain: str, seconds: int, path: list[tuple[str, str | None]], algorithm: Algorithm = Algorithm.FIXED_WINDOW
+) -> str:
+    """A stable, collision-free rule identity: JSON of domain, window (seconds), config
+    path and, for the other algorithms, the algorithm (fixed windows keep the identity
+    they had before algorithms existed, so an upgrade keeps their counters)."""
+    parts: list[object] = [domain, seconds, path]
+    if algorithm is not Algorithm.FIXED_WINDOW:
+        parts.append(algorithm.label)
+    return json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
 
 
 def stat_key(domain: str, path: list[tuple[str, str | None]]) -> str:

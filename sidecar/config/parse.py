@@ -7,6 +7,7 @@ such as ``ratelimit`` or ``requestsperunit`` would otherwise silently drop a lim
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sidecar.config.errors import ConfigIssue
@@ -20,6 +21,7 @@ from sidecar.config.model import (
     wildcard_matcher,
 )
 from sidecar.config.yaml_source import MarkedMapping
+from sidecar.limiter.algorithms import ALGORITHM_NAMES, Algorithm, emission_interval_us
 from sidecar.limiter.windows import UNIT_NAMES, Unit
 
 ROOT_FIELDS = frozenset({"domain", "descriptors", "metadata"})
@@ -28,6 +30,7 @@ DESCRIPTOR_FIELDS = frozenset(
         "key",
         "value",
         "rate_limit",
+        "rate_limits",
         "descriptors",
         "shadow_mode",
         "detailed_metric",
@@ -36,10 +39,29 @@ DESCRIPTOR_FIELDS = frozenset(
         "metadata",
     }
 )
-RATE_LIMIT_FIELDS = frozenset({"requests_per_unit", "unit", "unlimited", "name", "replaces", "warn_at"})
+RATE_LIMIT_FIELDS = frozenset(
+    {
+        "requests_per_unit",
+        "unit",
+        "unlimited",
+        "name",
+        "replaces",
+        "warn_at",
+        "algorithm",
+        "unit_multiplier",
+        "burst",
+        "ban_duration",
+    }
+)
 FLAG_FIELDS = ("shadow_mode", "detailed_metric", "share_threshold", "quota_mode")
 MAX_REQUESTS_PER_UNIT = 2**32 - 1
 """The proto carries ``requests_per_unit`` as uint32."""
+MAX_WINDOW_SECONDS = 100 * 365 * 86_400
+"""``unit`` times ``unit_multiplier`` beyond a century is certainly a mistake."""
+MAX_BAN_SECONDS = 365 * 86_400
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3_600, "d": 86_400}
+DURATION = re.compile(r"(?:(\d+)([smhd]))+")
+DURATION_PART = re.compile(r"(\d+)([smhd])")
 MAX_DEPTH = 16
 """Deeper trees are certainly mistakes; Envoy descriptors rarely exceed 3-4 entries."""
 
@@ -132,12 +154,60 @@ class DomainParser:
             self._issue(item.line, path, f"duplicate descriptor {shown!r} (first on line {seen[step]})")
         seen[step] = item.line
         node_path = [*config_path, step]
-        rule = self._parse_rate_limit(item, path, node_path, flags)
+        rules = self._node_limits(item, path, node_path, flags)
         children = Level()
         self._parse_level(item, "descriptors", path, node_path, children)
         if key is None:
             return None
-        return DescriptorNode(key, value, rule, children, wildcard, flags["share_threshold"])
+        rule = rules[0] if rules else None
+        return DescriptorNode(key, value, rule, children, wildcard, flags["share_threshold"], tuple(rules[1:]))
+
+    def _node_limits(
+        self, item: MarkedMapping, path: str, node_path: list[PathStep], flags: dict[str, bool]
+    ) -> list[RateLimitRule]:
+        """``rate_limit`` and every entry of ``rate_limits`` (an extension), in that order.
+
+        Several limits on one node are enforced together; two with the same window and
+        algorithm would only ever let the lower one decide, so they are refused.
+        """
+        blocks: list[tuple[Any, str, int]] = []
+        if "rate_limit" in item:
+            blocks.append((item["rate_limit"], f"{path}.rate_limit", item.line_of("rate_limit")))
+        if "rate_limits" in item:
+            entries = item["rate_limits"]
+            if not isinstance(entries, list) or not entries:
+                self._issue(
+                    item.line_of("rate_limits"), f"{path}.rate_limits", "must be a non-empty list of rate limits"
+                )
+            else:
+                line = item.line_of("rate_limits")
+                blocks += [(entry, f"{path}.rate_limits[{index}]", line) for index, entry in enumerate(entries)]
+        rules: list[RateLimitRule] = []
+        for block, where, line in blocks:
+            rule = self._parse_rate_limit(block, where, line, node_path, flags)
+            if rule is not None:
+                rules.append(rule)
+        self._check_limits_together(rules)
+        return rules
+
+    def _check_limits_together(self, rules: list[RateLimitRule]) -> None:
+        if len(rules) < 2:
+            return
+        seen: dict[tuple[int, Algorithm], RateLimitRule] = {}
+        for rule in rules:
+            line = int(rule.source.rsplit(":", 1)[1])
+            if rule.unlimited:
+                self._issue(line, rule.where, "unlimited cannot be combined with other limits on the same descriptor")
+                continue
+            slot = (rule.unit_seconds, rule.algorithm)
+            first = seen.setdefault(slot, rule)
+            if first is not rule:
+                self._issue(
+                    line,
+                    rule.where,
+                    f"same window ({rule.unit_seconds} s) and algorithm as {first.where}: only the lower limit "
+                    "would ever decide; keep one",
+                )
 
     def _value(self, item: MarkedMapping, path: str) -> str | None:
         if "value" not in item:
@@ -161,17 +231,14 @@ class DomainParser:
 
     def _parse_rate_limit(
         self,
-        item: MarkedMapping,
-        path: str,
+        block: Any,
+        where: str,
+        line: int,
         node_path: list[PathStep],
         flags: dict[str, bool],
     ) -> RateLimitRule | None:
-        if "rate_limit" not in item:
-            return None
-        block = item["rate_limit"]
-        where = f"{path}.rate_limit"
         if not isinstance(block, MarkedMapping):
-            self._issue(item.line_of("rate_limit"), where, "must be a mapping")
+            self._issue(line, where, "must be a mapping")
             return None
         self._unknown_fields(block, RATE_LIMIT_FIELDS, where)
         unlimited = self._flag(block, "unlimited", where)
@@ -180,6 +247,22 @@ class DomainParser:
         name = self._name(block, where)
         replaces = self._replaces(block, where, name)
         warn_at = self._warn_at(block, where, unlimited)
+        algorithm = self._algorithm(block, where, unlimited)
+        multiplier = self._unit_multiplier(block, where, unit, unlimited)
+        burst = self._burst(block, where, algorithm, requests)
+        ban_seconds = self._ban_duration(block, where, unlimited)
+        if algorithm is Algorithm.TOKEN_BUCKET and requests == 0 and "requests_per_unit" in block:
+            self._issue(
+                block.line_of("requests_per_unit"),
+                f"{where}.requests_per_unit",
+                "must be at least 1 for a token_bucket (it is the refill rate)",
+            )
+        seconds = unit.seconds * multiplier if unit else 0
+        interval = (
+            emission_interval_us(seconds, requests)
+            if algorithm is Algorithm.TOKEN_BUCKET and requests and seconds
+            else 0
+        )
         rule = RateLimitRule(
             domain=self.domain,
             requests_per_unit=requests,
@@ -191,9 +274,15 @@ class DomainParser:
             quota_mode=flags["quota_mode"],
             detailed_metric=flags["detailed_metric"],
             stat_key=stat_key(self.domain, node_path),
-            counter_id=counter_id(self.domain, unit, node_path),
+            counter_id=counter_id(self.domain, seconds, node_path, algorithm),
             source=f"{self.file}:{block.line}",
             warn_at=warn_at,
+            algorithm=algorithm,
+            unit_multiplier=multiplier,
+            burst=burst,
+            interval_us=interval,
+            ban_seconds=ban_seconds,
+            where=where,
         )
         self.rules.append(rule)
         return rule
@@ -255,6 +344,65 @@ class DomainParser:
             return None
         return float(value)
 
+    def _algorithm(self, block: MarkedMapping, where: str, unlimited: bool) -> Algorithm:
+        if "algorithm" not in block:
+            return Algorithm.FIXED_WINDOW
+        text, line = block["algorithm"], block.line_of("algorithm")
+        if unlimited:
+            self._issue(line, f"{where}.algorithm", "must not be set when unlimited")
+            return Algorithm.FIXED_WINDOW
+        if isinstance(text, str) and text.strip().upper() in Algorithm.__members__:
+            return Algorithm[text.strip().upper()]
+        self._issue(line, f"{where}.algorithm", f"invalid algorithm {text!r} (one of {ALGORITHM_NAMES})")
+        return Algorithm.FIXED_WINDOW
+
+    def _unit_multiplier(self, block: MarkedMapping, where: str, unit: Unit | None, unlimited: bool) -> int:
+        """``unit_multiplier`` (an extension): windows of N units, still aligned to the epoch."""
+        if "unit_multiplier" not in block:
+            return 1
+        value, line, field = block["unit_multiplier"], block.line_of("unit_multiplier"), f"{where}.unit_multiplier"
+        if unlimited:
+            self._issue(line, field, "must not be set when unlimited")
+            return 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            self._issue(line, field, f"must be a whole number of at least 1, got {value!r}")
+            return 1
+        if unit is not None and unit.seconds * value > MAX_WINDOW_SECONDS:
+            self._issue(line, field, f"makes a window of {unit.seconds * value} s, longer than a century")
+            return 1
+        return value
+
+    def _burst(self, block: MarkedMapping, where: str, algorithm: Algorithm, requests: int) -> int:
+        """``burst``: a token bucket's size; defaults to ``requests_per_unit``."""
+        if "burst" not in block:
+            return requests if algorithm is Algorithm.TOKEN_BUCKET else 0
+        value, line, field = block["burst"], block.line_of("burst"), f"{where}.burst"
+        if algorithm is not Algorithm.TOKEN_BUCKET:
+            self._issue(line, field, "only applies to algorithm: token_bucket")
+            return 0
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REQUESTS_PER_UNIT:
+            self._issue(line, field, f"must be a whole number between 1 and {MAX_REQUESTS_PER_UNIT}, got {value!r}")
+            return requests
+        return value
+
+    def _ban_duration(self, block: MarkedMapping, where: str, unlimited: bool) -> int:
+        """``ban_duration``: whole seconds, or a duration such as ``90s``, ``10m``, ``1h30m``, ``1d``."""
+        if "ban_duration" not in block:
+            return 0
+        value, line, field = block["ban_duration"], block.line_of("ban_duration"), f"{where}.ban_duration"
+        if unlimited:
+            self._issue(line, field, "must not be set when unlimited (nothing can go over)")
+            return 0
+        seconds = parse_duration(value)
+        if seconds is None or not 1 <= seconds <= MAX_BAN_SECONDS:
+            self._issue(
+                line,
+                field,
+                f"must be a duration from 1 s to 365 d, in seconds or like 90s, 10m, 1h30m, 1d; got {value!r}",
+            )
+            return 0
+        return seconds
+
     def _name(self, block: MarkedMapping, where: str) -> str | None:
         if "name" not in block:
             return None
@@ -305,3 +453,14 @@ class DomainParser:
 
     def _issue(self, line: int, path: str, message: str) -> None:
         self.issues.append(ConfigIssue(self.file, line, path, message))
+
+
+def parse_duration(value: Any) -> int | None:
+    """Seconds in a whole number or a text such as ``10m`` or ``1h30m``; None if it is neither."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and DURATION.fullmatch(value.strip()):
+        return sum(int(number) * DURATION_UNITS[unit] for number, unit in DURATION_PART.findall(value))
+    return None

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from sidecar.limiter.algorithms import Algorithm
+
 if TYPE_CHECKING:
     from sidecar.metrics import LimiterSnapshot
 
@@ -43,9 +45,17 @@ class Check(NamedTuple):
 
     key: CounterKey
     unit_seconds: int
+    """Window length (``unit`` times ``unit_multiplier``); a token bucket refills
+    ``requests_per_unit`` tokens per this many seconds."""
     limit: int
+    """``requests_per_unit``, or a token bucket's ``burst``."""
     hits: int
     role: Role = Role.ENFORCED
+    algorithm: Algorithm = Algorithm.FIXED_WINDOW
+    interval_us: int = 0
+    """Token bucket only: microseconds per token (GCRA's emission interval)."""
+    ban_seconds: int = 0
+    """``ban_duration``: once over, the counter refuses everything for this long."""
 
 
 class Decision(NamedTuple):
