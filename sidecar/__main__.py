@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     check = commands.add_parser("check-config", help="validate a config file or directory")
     check.add_argument("path", help="YAML file or directory of YAML files")
+    check.add_argument(
+        "--mode",
+        choices=("memory", "sync", "strict"),
+        default=None,
+        help="also check what this backend mode can enforce (sync refuses token buckets)",
+    )
     ask = commands.add_parser("query", help="ask a running sidecar about one request")
     _add_client_arguments(ask)
     ask.add_argument("--domain", required=True, help="rate limit domain")
@@ -97,9 +103,9 @@ def _serve(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def _check_config(path: str) -> int:
+def _check_config(path: str, mode: str | None = None) -> int:
     try:
-        config = load_config(path)
+        config = load_config(path, mode)
     except ConfigError as error:
         for issue in error.issues:
             print(issue, file=sys.stderr)
@@ -156,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.command == "serve":
         return _serve(arguments)
     if arguments.command == "check-config":
-        return _check_config(arguments.path)
+        return _check_config(arguments.path, arguments.mode)
     if arguments.command == "query":
         return _query(arguments)
     if arguments.command == "export-haproxy":

@@ -206,7 +206,11 @@ class Sidecar:
         self.watcher: ConfigWatcher | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self.reloader = ConfigReloader(
-            settings.config, lambda: self.service.config, self._install, self.stats.config_refused
+            settings.config,
+            lambda: self.service.config,
+            self._install,
+            self.stats.config_refused,
+            enforcing_mode(settings),
         )
 
     def _install(self, config: RateLimitConfig) -> None:
@@ -342,15 +346,20 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     log.info("sidecar_stopped")
 
 
+def enforcing_mode(settings: Settings) -> str | None:
+    """The Redis mode that will enforce the config, or None for the memory backend."""
+    return settings.mode if settings.backend == "redis" else None
+
+
 def serve(settings: Settings) -> None:
     """Load the config and serve on uvloop; raises :class:`StartupError` on failure."""
     ensure_bindable(settings.grpc_address)
     if settings.metrics_address:
         ensure_bindable(settings.metrics_address)
     try:
-        config = load_config(settings.config)
+        config = load_config(settings.config, enforcing_mode(settings))
     except ConfigError as error:
-        hint = f"run 'ratelimit-sidecar check-config {settings.config}' to list every issue"
+        hint = f"run 'ratelimit-sidecar check-config --mode {settings.mode} {settings.config}' to list every issue"
         raise StartupError(f"{error}; {hint}") from None
     log.info("config_loaded", files=len(config.files), domains=sorted(config.domains), rules=rule_count(config))
     uvloop.run(run(settings, config))

@@ -9,12 +9,14 @@ real files behind the symlinks, so nothing is loaded twice.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import DomainConfig, RateLimitConfig
 from sidecar.config.parse import DomainParser
 from sidecar.config.yaml_source import YamlError, load_yaml
+from sidecar.limiter.algorithms import Algorithm
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -47,8 +49,38 @@ def parse_text(text: str, file: str) -> tuple[DomainConfig | None, list[ConfigIs
     return parser.parse(document), parser.issues
 
 
-def load_config(path: str | Path) -> RateLimitConfig:
-    """Load and validate everything under ``path``; :class:`ConfigError` lists all issues."""
+SYNC_MODE = "sync"
+
+
+def mode_issues(domains: Mapping[str, DomainConfig], mode: str | None) -> list[ConfigIssue]:
+    """Rules the backend that will run them cannot enforce within its promises.
+
+    ``sync`` mode decides from local counts reconciled by addition; a token bucket's
+    state is a time (GCRA's TAT) that replicas cannot advance independently and add up
+    later without losing the bound sync mode proves for windows, so it is refused
+    there rather than enforced approximately.
+    """
+    if mode != SYNC_MODE:
+        return []
+    return [
+        ConfigIssue(
+            rule.source_file,
+            rule.source_line,
+            f"{rule.where}.algorithm",
+            "token_bucket is not supported in sync mode (--mode sync): use --mode strict, "
+            "the memory backend, or a fixed_window/sliding_window limit",
+        )
+        for domain in domains.values()
+        for rule in domain.rules
+        if rule.algorithm is Algorithm.TOKEN_BUCKET
+    ]
+
+
+def load_config(path: str | Path, mode: str | None = None) -> RateLimitConfig:
+    """Load and validate everything under ``path``; :class:`ConfigError` lists all issues.
+
+    ``mode``: the Redis mode that will enforce it (``sync`` refuses token buckets).
+    """
     files = config_files(Path(path))
     issues: list[ConfigIssue] = []
     domains: dict[str, DomainConfig] = {}
@@ -84,6 +116,7 @@ def load_config(path: str | Path) -> RateLimitConfig:
             )
             continue
         domains[domain.name] = domain
+    issues += mode_issues(domains, mode)
     if issues:
         raise ConfigError(issues)
     return RateLimitConfig(domains, tuple(str(file) for file in files), digest.hexdigest())

@@ -57,6 +57,14 @@ class RateLimitRule:
         return self.unit.seconds * self.unit_multiplier if self.unit else 0
 
     @property
+    def source_file(self) -> str:
+        return self.source.rsplit(":", 1)[0]
+
+    @property
+    def source_line(self) -> int:
+        return int(self.source.rsplit(":", 1)[1])
+
+    @property
     def limit(self) -> int:
         """What a check of this rule is compared with: the bucket size or the window's limit."""
         return self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.requests_per_unit

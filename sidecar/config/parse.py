@@ -195,7 +195,7 @@ class DomainParser:
             return
         seen: dict[tuple[int, Algorithm], RateLimitRule] = {}
         for rule in rules:
-            line = int(rule.source.rsplit(":", 1)[1])
+            line = rule.source_line
             if rule.unlimited:
                 self._issue(line, rule.where, "unlimited cannot be combined with other limits on the same descriptor")
                 continue

@@ -35,8 +35,11 @@ class ConfigReloader:
         current: Callable[[], RateLimitConfig],
         apply: Callable[[RateLimitConfig], None],
         refused: Callable[[], None],
+        mode: str | None = None,
     ) -> None:
         self.path = path
+        self.mode = mode
+        """The Redis mode enforcing the config (see :func:`~sidecar.config.load.mode_issues`)."""
         self.current = current
         self.apply = apply
         self.refused = refused
@@ -46,7 +49,7 @@ class ConfigReloader:
         """Load and swap; True when a new config is active. One reload at a time."""
         async with self._lock:
             try:
-                config = await asyncio.to_thread(load_config, self.path)
+                config = await asyncio.to_thread(load_config, self.path, self.mode)
             except ConfigError as error:
                 self._refuse(trigger, [str(issue) for issue in error.issues])
                 return False

@@ -149,7 +149,7 @@ class FailurePolicy:
             return
         for check, spent in zip(checks, consume, strict=True):
             if spent and check.hits:
-                self._local.record(check.key, check.unit_seconds, check.hits, now)
+                self._local.record(check, now)
 
     @staticmethod
     def _open(checks: Sequence[Check]) -> Decision:

@@ -1,4 +1,4 @@
-"""The embedded backend: fixed windows in this process's memory.
+"""The embedded backend: windows and token buckets in this process's memory.
 
 Counters are grouped by window (``(unit_seconds, start)``) so that expiry drops a
 whole window's dict at once when it ends, instead of tracking a deadline per key.
@@ -8,12 +8,14 @@ writing a counter, so no locks are needed and a request is atomic.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
 
 import structlog
 
+from sidecar.limiter.algorithms import Algorithm, bucket_after, now_us, previous_weight, sliding_part
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
 from sidecar.limiter.windows import window_start
 from sidecar.metrics import LimiterSnapshot
@@ -28,6 +30,7 @@ DEFAULT_MAX_COUNTERS = 2_000_000
 (measured ~300-450 bytes per counter depending on value length; see README)."""
 
 EVICTION_LOG_INTERVAL = 60.0
+BUCKET_SWEEP_MIN = 1024
 
 
 def share_of_limit(limit: int, instances: int) -> int:
@@ -65,6 +68,37 @@ class EvictionLog:
             self._last = now
 
 
+class Bans:
+    """Counters refusing everything until a time (``ban_duration``), bounded in number."""
+
+    def __init__(self, max_bans: int) -> None:
+        self.max_bans = max_bans
+        self._until: dict[CounterKey, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def active(self, key: CounterKey, now: float) -> bool:
+        """Whether ``key`` is banned at ``now``."""
+        return self._until.get(key, 0.0) > now
+
+    def ban(self, key: CounterKey, until: float, now: float) -> None:
+        """Ban ``key`` until ``until``; a ban already running is not extended (a banned
+        client that keeps sending is not banned for longer, as with Cloud Armor)."""
+        if self.active(key, now):
+            return
+        if len(self._until) >= self.max_bans:
+            self.expire(now)
+            if len(self._until) >= self.max_bans:
+                del self._until[next(iter(self._until))]
+        self._until[key] = until
+
+    def expire(self, now: float) -> None:
+        """Forget bans that have run out."""
+        for key in [key for key, until in self._until.items() if until <= now]:
+            del self._until[key]
+
+
 class MemoryLimiter:
     """Fixed-window counters held in memory, with expiry and a cap on live counters."""
 
@@ -91,11 +125,18 @@ class MemoryLimiter:
         self._eviction_log = EvictionLog(max_counters)
         self._popped: dict[WindowId, int] = {}
         """Evictions per window since its dict was last rebuilt (see :meth:`_compacted`)."""
+        self._kept: set[WindowId] = set()
+        """Windows holding sliding-window counters: kept one window past their end."""
+        self._buckets: dict[CounterKey, int] = {}
+        """Token buckets: the TAT in microseconds (a TAT in the past is a full bucket)."""
+        self._bucket_room = BUCKET_SWEEP_MIN
+        """Buckets held before full ones are swept out (doubles with the live ones)."""
+        self._bans = Bans(max_counters)
 
     @property
     def live_counters(self) -> int:
-        """Counters currently held (all live windows)."""
-        return self._live
+        """Counters currently held (all live windows and token buckets)."""
+        return self._live + len(self._buckets)
 
     async def check(self, checks: Sequence[Check], now: float) -> Decision:
         """Decide the request and record its hits; see :class:`Limiter`."""
@@ -105,6 +146,9 @@ class MemoryLimiter:
         """Synchronous core of :meth:`check`, usable where no await is wanted."""
         if now >= self._next_expiry:
             self._expire(now)
+        for check in checks:
+            if check.algorithm or check.ban_seconds:
+                return self._check_extended(checks, now)
         windows = [(check.unit_seconds, window_start(now, check.unit_seconds)) for check in checks]
         counts = self._would_be_counts(checks, windows)
         limits = tuple(share_of_limit(check.limit, self.instances) for check in checks)
@@ -115,11 +159,101 @@ class MemoryLimiter:
                     self._add(window, check.key, check.hits)
         return Decision(admitted, over, counts, limits)
 
-    def record(self, key: CounterKey, unit_seconds: int, hits: int, now: float) -> None:
+    def _check_extended(self, checks: Sequence[Check], now: float) -> Decision:
+        """:meth:`check_now` for requests with a sliding window, a token bucket or a ban.
+
+        Kept apart so plain fixed windows, the common case, pay for none of it.
+        """
+        counts, states = self._extended_counts(checks, now)
+        limits = tuple(share_of_limit(check.limit, self.instances) for check in checks)
+        admitted, over, consume = decide(checks, counts, limits, self.admit_all)
+        if admitted:
+            for check, state, spend in zip(checks, states, consume, strict=True):
+                if spend and check.hits:
+                    self._spend(check, state, now)
+        for check, is_over in zip(checks, over, strict=True):
+            if is_over and check.ban_seconds:
+                self._bans.ban(check.key, now + check.ban_seconds, now)
+        return Decision(admitted, over, counts, limits)
+
+    def _extended_counts(self, checks: Sequence[Check], now: float) -> tuple[tuple[int, ...], list[int]]:
+        """Each check's count, and what recording it needs (a token bucket's new TAT).
+
+        A counter named twice in one request sees the earlier check's hits, as for
+        fixed windows.
+        """
+        seen: dict[tuple[int, CounterKey], int] = {}
+        counts: list[int] = []
+        states: list[int] = []
+        microseconds = now_us(now)
+        for check in checks:
+            slot = (check.unit_seconds, check.key)
+            state = 0
+            if check.ban_seconds and self._bans.active(check.key, now):
+                count = check.limit + max(1, check.hits)
+            elif check.algorithm is Algorithm.TOKEN_BUCKET:
+                tat = seen.get(slot)
+                if tat is None:
+                    tat = self._buckets.get(check.key, 0)
+                state, count = bucket_after(tat, microseconds, check.interval_us * self.instances, check.hits)
+                seen[slot] = state
+            else:
+                window = (check.unit_seconds, window_start(now, check.unit_seconds))
+                before = seen.get(slot)
+                if before is None:
+                    counters = self._windows.get(window)
+                    before = counters.get(check.key, 0) if counters else 0
+                seen[slot] = before + check.hits
+                count = before + check.hits
+                if check.algorithm is Algorithm.SLIDING_WINDOW:
+                    count += sliding_part(self._previous(check, window), previous_weight(now, check.unit_seconds))
+            counts.append(count)
+            states.append(state)
+        return tuple(counts), states
+
+    def _previous(self, check: Check, window: WindowId) -> int:
+        """The counter's total in the window before ``window`` (0 when unknown)."""
+        counters = self._windows.get((window[0], window[1] - window[0]))
+        return counters.get(check.key, 0) if counters else 0
+
+    def _spend(self, check: Check, tat: int, now: float) -> None:
+        """Record an admitted check: a bucket's new TAT, or hits in the current window."""
+        if check.algorithm is Algorithm.TOKEN_BUCKET:
+            self._take_tokens(check.key, tat, now)
+            return
+        window = (check.unit_seconds, window_start(now, check.unit_seconds))
+        if check.algorithm is Algorithm.SLIDING_WINDOW and window not in self._kept:
+            self._kept.add(window)  # the next window reads this one
+        self._add(window, check.key, check.hits)
+
+    def _take_tokens(self, key: CounterKey, tat: int, now: float) -> None:
+        buckets = self._buckets
+        if key not in buckets and len(buckets) >= self._bucket_room:
+            self._make_bucket_room(now)
+        buckets[key] = tat
+
+    def _make_bucket_room(self, now: float) -> None:
+        """Forget full buckets (TAT in the past: same as no entry); evict the oldest past the cap."""
+        horizon = now_us(now)
+        buckets = self._buckets
+        for key in [key for key, tat in buckets.items() if tat <= horizon]:
+            del buckets[key]
+        excess = len(buckets) + 1 - self.max_counters
+        for key in list(itertools.islice(buckets, max(0, excess))):
+            del buckets[key]
+            self.evictions += 1
+        self._bucket_room = max(BUCKET_SWEEP_MIN, min(self.max_counters, 2 * len(buckets)))
+
+    def record(self, check: Check, now: float) -> None:
         """Add hits admitted elsewhere (by Redis) to a counter, without deciding anything."""
         if now >= self._next_expiry:
             self._expire(now)
-        self._add((unit_seconds, window_start(now, unit_seconds)), key, hits)
+        if check.algorithm is Algorithm.TOKEN_BUCKET:
+            interval = check.interval_us * self.instances
+            tat, _ = bucket_after(self._buckets.get(check.key, 0), now_us(now), interval, check.hits)
+            self._take_tokens(check.key, tat, now)
+        else:
+            self._spend(check, 0, now)
 
     def count(self, key: CounterKey, unit_seconds: int, now: float) -> int:
         """Current count of one counter (0 when absent or expired)."""
@@ -150,11 +284,16 @@ class MemoryLimiter:
             counts.append(after)
         return tuple(counts)
 
+    def _end(self, window: WindowId) -> int:
+        """When a window's counters may go: its end, or one window later if sliding counters read it."""
+        unit, start = window
+        return start + (2 * unit if window in self._kept else unit)
+
     def _add(self, window: WindowId, key: CounterKey, hits: int) -> None:
         counters = self._windows.get(window)
         if counters is None:
             counters = self._windows[window] = {}
-            self._next_expiry = min(self._next_expiry, window[1] + window[0])
+            self._next_expiry = min(self._next_expiry, self._end(window))
         before = counters.get(key)
         if before is None:
             self._live += 1
@@ -166,11 +305,13 @@ class MemoryLimiter:
 
     def _expire(self, now: float) -> None:
         """Drop every window that has ended; runs at most once per window end."""
-        ended = [window for window in self._windows if window[1] + window[0] <= now]
+        ended = [window for window in self._windows if self._end(window) <= now]
         for window in ended:
             self._live -= len(self._windows.pop(window))
             self._popped.pop(window, None)
-        self._next_expiry = min((start + unit for unit, start in self._windows), default=math.inf)
+            self._kept.discard(window)
+        self._next_expiry = min(map(self._end, self._windows), default=math.inf)
+        self._bans.expire(now)
 
     def _compacted(self, window: WindowId) -> dict[CounterKey, int]:
         """The counters of ``window``, rebuilt once evictions left many holes at its front.
@@ -196,7 +337,7 @@ class MemoryLimiter:
         excess = self._live - self.max_counters
         evicted = 0
         while excess > 0:
-            oldest = min(self._windows, key=lambda window: window[1] + window[0])
+            oldest = min(self._windows, key=self._end)
             counters = self._compacted(oldest)
             while excess > 0 and counters:
                 counters.pop(next(iter(counters)))
@@ -208,6 +349,7 @@ class MemoryLimiter:
             if not counters:
                 del self._windows[oldest]
                 self._popped.pop(oldest, None)
+                self._kept.discard(oldest)
         if self._on_evict is not None:
             self._on_evict(self.evictions)
         self._eviction_log.note(evicted, self.evictions)
