@@ -81,7 +81,7 @@ def closest_to_exhaustion(
     over, counts, limits = decision.over, decision.counts, decision.limits
 
     def reset_of(index: int) -> int:
-        return reset_seconds(checks[index], counts[index], over[index], now)
+        return reset_seconds(checks[index], counts[index], limits[index], over[index], now)
 
     chosen: RateLimitRule | None = None
     chosen_index = 0
@@ -143,12 +143,16 @@ def warnings(
     for item in applied:
         if item is None:
             continue
+        counted = False
         for rule, index in item.limits():
             text = warning(rule, index, checks, decision)
             if text is None:
                 continue
-            if item.stats is not None:
+            if item.stats is not None and not counted:
+                # Once per descriptor: its limits share one stats row, and hits must not
+                # count twice when two of them are past their warn_at.
                 stats.warned(item.stats, checks[index].hits)
+                counted = True
             if not rule.shadow_mode and text not in texts:
                 texts.append(text)
     return texts

@@ -261,7 +261,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     current_limit=self._messages.limit(rule),
                     limit_remaining=decision.remaining(index),
                     duration_until_reset=self._messages.duration(
-                        reset_seconds(checks[index], decision.counts[index], over, now)
+                        reset_seconds(checks[index], decision.counts[index], decision.limits[index], over, now)
                     ),
                 )
         return response

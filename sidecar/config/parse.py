@@ -199,14 +199,19 @@ class DomainParser:
             if rule.unlimited:
                 self._issue(line, rule.where, "unlimited cannot be combined with other limits on the same descriptor")
                 continue
+            if rule.unit is None:
+                continue  # its unit is an issue already; a window of "0 s" would clash with every other
             slot = (rule.unit_seconds, rule.algorithm)
             first = seen.setdefault(slot, rule)
             if first is not rule:
+                # Both would also share one counter: the counter id holds the window and algorithm only.
+                why = (
+                    "both would share one bucket; keep one, or give one another unit (10/second is 600/minute)"
+                    if rule.algorithm is Algorithm.TOKEN_BUCKET
+                    else "only the lower limit would ever decide; keep one"
+                )
                 self._issue(
-                    line,
-                    rule.where,
-                    f"same window ({rule.unit_seconds} s) and algorithm as {first.where}: only the lower limit "
-                    "would ever decide; keep one",
+                    line, rule.where, f"same window ({rule.unit_seconds} s) and algorithm as {first.where}: {why}"
                 )
 
     def _value(self, item: MarkedMapping, path: str) -> str | None:
@@ -247,11 +252,14 @@ class DomainParser:
         name = self._name(block, where)
         replaces = self._replaces(block, where, name)
         warn_at = self._warn_at(block, where, unlimited)
-        algorithm = self._algorithm(block, where, unlimited)
+        named = self._algorithm(block, where, unlimited)
+        algorithm = Algorithm.FIXED_WINDOW if named is None else named
         multiplier = self._unit_multiplier(block, where, unit, unlimited)
-        burst = self._burst(block, where, algorithm, requests)
+        burst = self._burst(block, where, named, requests)
         ban_seconds = self._ban_duration(block, where, unlimited)
-        if algorithm is Algorithm.TOKEN_BUCKET and requests == 0 and "requests_per_unit" in block:
+        # Only a rate written as 0: an invalid one has its own issue already.
+        written = block.get("requests_per_unit")
+        if algorithm is Algorithm.TOKEN_BUCKET and type(written) is int and written == 0:
             self._issue(
                 block.line_of("requests_per_unit"),
                 f"{where}.requests_per_unit",
@@ -344,7 +352,9 @@ class DomainParser:
             return None
         return float(value)
 
-    def _algorithm(self, block: MarkedMapping, where: str, unlimited: bool) -> Algorithm:
+    def _algorithm(self, block: MarkedMapping, where: str, unlimited: bool) -> Algorithm | None:
+        """The algorithm; None when it is invalid, so a ``burst`` next to a misspelt
+        ``token_bucket`` is not reported as well."""
         if "algorithm" not in block:
             return Algorithm.FIXED_WINDOW
         text, line = block["algorithm"], block.line_of("algorithm")
@@ -354,7 +364,7 @@ class DomainParser:
         if isinstance(text, str) and text.strip().upper() in Algorithm.__members__:
             return Algorithm[text.strip().upper()]
         self._issue(line, f"{where}.algorithm", f"invalid algorithm {text!r} (one of {ALGORITHM_NAMES})")
-        return Algorithm.FIXED_WINDOW
+        return None
 
     def _unit_multiplier(self, block: MarkedMapping, where: str, unit: Unit | None, unlimited: bool) -> int:
         """``unit_multiplier`` (an extension): windows of N units, still aligned to the epoch."""
@@ -372,9 +382,9 @@ class DomainParser:
             return 1
         return value
 
-    def _burst(self, block: MarkedMapping, where: str, algorithm: Algorithm, requests: int) -> int:
+    def _burst(self, block: MarkedMapping, where: str, algorithm: Algorithm | None, requests: int) -> int:
         """``burst``: a token bucket's size; defaults to ``requests_per_unit``."""
-        if "burst" not in block:
+        if "burst" not in block or algorithm is None:
             return requests if algorithm is Algorithm.TOKEN_BUCKET else 0
         value, line, field = block["burst"], block.line_of("burst"), f"{where}.burst"
         if algorithm is not Algorithm.TOKEN_BUCKET:

@@ -86,14 +86,24 @@ def bucket_after(tat_us: int, now_microseconds: int, interval_us: int, hits: int
     return tat, tokens_in_use(tat, now_microseconds, interval_us)
 
 
-def reset_seconds(check: Check, count: int, over: bool, now: float) -> int:
-    """``duration_until_reset`` of one check whose count is ``count``.
+def reset_seconds(check: Check, count: int, limit: int, over: bool, now: float) -> int:
+    """``duration_until_reset`` of one check whose count is ``count`` against ``limit``.
 
     Windows: until the current window ends (for a sliding window that is when the
     current window's hits start to weigh less). Token bucket: until the bucket is full
     again, or, for a refused request, until enough tokens are back for it.
+
+    ``limit`` is the limit the backend enforced (``Decision.limits``): with
+    ``--instances N`` a replica's bucket holds ``ceil(burst / N)`` tokens, each
+    ``N`` times slower to come back, so its tokens are counted at the whole bucket's
+    refill time divided by that share (exactly ``N`` times the interval when ``N``
+    divides the burst). Comparing with the configured burst instead said "0 s" to
+    every refused request of a shared bucket. Not part of the Lua script: resets are
+    worked out by the service, whatever the backend.
     """
     if check.algorithm is not Algorithm.TOKEN_BUCKET:
         return seconds_until_reset(now, check.unit_seconds)
-    tokens = count - check.limit if over else count
-    return max(0, math.ceil(tokens * check.interval_us / MICROSECONDS))
+    tokens = count - limit if over else count
+    if tokens <= 0 or limit <= 0:
+        return 0
+    return -(-tokens * check.interval_us * check.limit // (limit * MICROSECONDS))
