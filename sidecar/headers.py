@@ -25,8 +25,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sidecar.limiter.algorithms import reset_seconds
-
 if TYPE_CHECKING:
     from sidecar.config.model import RateLimitRule
     from sidecar.limiter.protocol import Check, Decision
@@ -81,7 +79,7 @@ def closest_to_exhaustion(
     over, counts, limits = decision.over, decision.counts, decision.limits
 
     def reset_of(index: int) -> int:
-        return reset_seconds(checks[index], counts[index], limits[index], over[index], now)
+        return decision.reset(checks[index], index, now)
 
     chosen: RateLimitRule | None = None
     chosen_index = 0

@@ -20,7 +20,6 @@ from google.protobuf.message import DecodeError
 from sidecar.config.match import Match, match_descriptor
 from sidecar.config.model import RateLimitConfig, RateLimitRule
 from sidecar.headers import HeaderNames, ResponseHeaders, closest_to_exhaustion
-from sidecar.limiter.algorithms import reset_seconds
 from sidecar.limiter.keys import counter_key
 from sidecar.limiter.protocol import Check, Decision, Limiter, Role
 from sidecar.limiter.windows import Clock, Unit, system_clock
@@ -260,9 +259,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     code=OVER_LIMIT if over and not rule.shadow_mode else OK,
                     current_limit=self._messages.limit(rule),
                     limit_remaining=decision.remaining(index),
-                    duration_until_reset=self._messages.duration(
-                        reset_seconds(checks[index], decision.counts[index], decision.limits[index], over, now)
-                    ),
+                    duration_until_reset=self._messages.duration(decision.reset(checks[index], index, now)),
                 )
         return response
 

@@ -82,6 +82,10 @@ class Bans:
     def __len__(self) -> int:
         return len(self._until)
 
+    def until(self, key: Hashable) -> float:
+        """When ``key``'s ban ends (0 if it has none; a time in the past if it ran out)."""
+        return self._until.get(key, 0.0)
+
     def active(self, key: Hashable, now: float) -> bool:
         """Whether ``key`` is banned at ``now``."""
         return self._until.get(key, 0.0) > now
@@ -195,7 +199,8 @@ class MemoryLimiter:
         for check, is_over in zip(checks, over, strict=True):
             if is_over and check.ban_seconds:
                 self._bans.ban(check.key, now + check.ban_seconds, now)
-        return Decision(admitted, over, counts, limits)
+        ban_ends = tuple(self._bans.until(check.key) if check.ban_seconds else 0.0 for check in checks)
+        return Decision(admitted, over, counts, limits, ban_ends)
 
     def _extended_counts(self, checks: Sequence[Check], now: float) -> tuple[tuple[int, ...], list[int]]:
         """Each check's count, and what recording it needs (a token bucket's new TAT).

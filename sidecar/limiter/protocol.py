@@ -9,11 +9,12 @@ they all apply :func:`decide` to the counts they see, so the policy lives in one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from sidecar.limiter.algorithms import Algorithm
+from sidecar.limiter.algorithms import Algorithm, reset_seconds
 
 if TYPE_CHECKING:
     from sidecar.metrics import LimiterSnapshot
@@ -70,6 +71,17 @@ class Decision(NamedTuple):
     over: tuple[bool, ...]
     counts: tuple[int, ...]
     limits: tuple[int, ...]
+    ban_ends: tuple[float, ...] = ()
+    """Per check, when its counter's ban ends (``ban_duration``), where the backend knows
+    it: an over-limit check then resets when its ban does. Empty when no check has a ban."""
+
+    def reset(self, check: Check, index: int, now: float) -> int:
+        """``duration_until_reset`` of check ``index``: its ban's end while banned, else its
+        window's or bucket's (:func:`~sidecar.limiter.algorithms.reset_seconds`)."""
+        over = self.over[index]
+        if over and self.ban_ends and self.ban_ends[index] > now:
+            return math.ceil(self.ban_ends[index] - now)
+        return reset_seconds(check, self.counts[index], self.limits[index], over, now)
 
     def remaining(self, index: int) -> int:
         """Hits left in check ``index``'s window after this request (0 when over)."""

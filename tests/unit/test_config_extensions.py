@@ -731,6 +731,15 @@ async def test_over_limit_bans_the_counter_for_ban_duration_even_in_later_window
     assert [status_of(await ask(("banned", "a")))[0] for _ in range(3)] == [OK, OK, OVER]
 
 
+async def test_a_banned_descriptor_resets_when_its_ban_ends(ask, clock):
+    start = float(MINUTE_START)
+    clock.now = start
+    for _ in range(3):
+        await ask(("banned", "a"))
+    clock.now = start + 2.5  # a later one-second window: the window would reset in 1 s
+    assert status_of(await ask(("banned", "a"))) == (OVER, 0, 8)
+
+
 async def test_requests_during_a_ban_do_not_extend_it(ask, clock):
     start = float(MINUTE_START)
     clock.now = start

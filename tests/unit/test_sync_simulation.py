@@ -80,11 +80,15 @@ class SimulatedStore:
         *,
         once: tuple[str, int] | None = None,
         live_since: float | None = None,
+        bans: Mapping[str, int] | None = None,
     ) -> dict[str, int]:
-        """INCRBY each add once per (owner, sequence), as flush_once.lua does.
+        """INCRBY each add once per (owner, sequence), as flush_once.lua does; bans are
+        ``SET NX`` (the first ban's end stays).
 
         Membership is fixed (:class:`FixedReplicas`), so ``live_since`` reads nothing."""
         self._round_trip(False)
+        for key, until in (bans or {}).items():
+            self.counts.setdefault(key, until)
         for key, (hits, _) in adds.items():
             marker = (key, once[0] if once else "")
             if once is None or self.markers.get(marker, 0) < once[1]:
