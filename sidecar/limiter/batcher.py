@@ -31,6 +31,8 @@ class PendingDecision:
     checks: Checks
     expire_ats: Sequence[int]
     answer: asyncio.Future[list[int]]
+    now_us: int = 0
+    """The script's clock in microseconds; 0 for Redis ``TIME``."""
 
 
 class DecisionBatcher:
@@ -53,17 +55,20 @@ class DecisionBatcher:
         expire_ats: Sequence[int],
         budget: float,
         on_late: LateAnswer,
+        *,
+        now_us: int = 0,
     ) -> list[int]:
         """Would-be counts from the atomic script (it records the hits if it admits).
 
         ``checks`` may be a function: it is called when the batch is sent, holding
-        :attr:`lock`, for limits that depend on state only settled then.
+        :attr:`lock`, for limits that depend on state only settled then. ``now_us`` is
+        the script's clock (sliding weights, token buckets), 0 for Redis ``TIME``.
         Raises :class:`RedisUnavailable`, or ``TimeoutError`` after ``budget`` seconds
         (waiting for the lock included); after a timeout the call goes on and
         ``on_late`` gets its answer.
         """
         loop = asyncio.get_running_loop()
-        pending = PendingDecision(keys, checks, expire_ats, loop.create_future())
+        pending = PendingDecision(keys, checks, expire_ats, loop.create_future(), now_us)
         self._queue.append(pending)
         if len(self._queue) == 1:
             loop.call_soon(self._send)
@@ -96,8 +101,12 @@ class DecisionBatcher:
             requests = [
                 (item.keys, item.checks() if callable(item.checks) else item.checks, item.expire_ats) for item in batch
             ]
+            nows = [item.now_us for item in batch]
             try:
-                answers = await self.store.decide_batch(requests, self.admit_all)
+                if any(nows):
+                    answers = await self.store.decide_batch(requests, self.admit_all, nows)
+                else:  # Redis TIME for every request (always so in sync mode): the plain call
+                    answers = await self.store.decide_batch(requests, self.admit_all)
             except RedisUnavailable as error:
                 for item in batch:
                     if not item.answer.done():

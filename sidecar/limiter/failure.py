@@ -18,6 +18,18 @@ takes corrections (:meth:`FailurePolicy.owe`, possibly negative: hits Redis hold
 but must give back), so every adjustment of a counter is one commutative ``INCRBY``
 whatever was already sent.
 
+The ledger holds what ``INCRBY`` adds, per key: hits for a window (a sliding window's
+hits go to its current window, like a fixed window's), and ``hits * interval`` (us)
+for a token bucket's TAT key: charging the bucket, or with a negative amount giving
+back. That is an approximation for buckets: ``INCRBY`` moves the TAT it finds, not
+``max(TAT, now)`` as a decision does, so hits owed to a bucket that has refilled since
+(its TAT in the past, or its key expired) are partly or wholly forgiven, never charged
+twice; and ``INCRBY`` keeps the key's expiry, set for the TAT before the charge, so a
+charge longer than the expiry grace may be forgiven early when the key expires.
+
+Bans decided here are not sent to Redis: they protect this replica during the outage,
+and a ban Redis holds is honoured by the script as soon as Redis answers.
+
 State changes are logged once each (``redis_unavailable``, ``redis_recovered``),
 never per request: an outage under load must not turn into a flood of log lines.
 """
@@ -30,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import structlog
 
+from sidecar.limiter.keys import per_hit
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, MemoryLimiter
 from sidecar.limiter.protocol import Check, Decision, Role, decide
 from sidecar.metrics import LimiterSnapshot
@@ -39,7 +52,8 @@ log = structlog.get_logger(__name__)
 MODES = ("local", "open", "closed")
 
 Admitted = dict[str, tuple[int, int]]
-"""Hits owed to Redis: ``{window_key: (hits, expire_at)}``; negative hits are to be given back."""
+"""Owed to Redis: ``{key: (amount, expire_at)}``, ``INCRBY`` amounts (hits, or a TAT's
+microseconds); negative amounts are to be given back."""
 WAITERS_PRUNE = 1024
 """Abandoned waiters of :meth:`FailurePolicy.wait_settled` are pruned past this many."""
 
@@ -71,6 +85,9 @@ class FailurePolicy:
         """Hits to give back that could not be remembered (Redis keeps them: errs towards rejecting)."""
         self._local = MemoryLimiter(max_counters=max_counters, admit_all=admit_all)
         self._owed: dict[str, list[int]] = {}
+        self._per_hit: dict[str, int] = {}
+        """Amount per hit of owed or in-flight keys that are not windows (token buckets), for
+        the hit counts reported; kept while the key is owed or in flight."""
         self._in_flight: dict[str, int] = {}
         self._held: dict[str, int] = {}
         self._has_owed = asyncio.Event()
@@ -126,9 +143,9 @@ class FailurePolicy:
         _, _, consume = decide(checks, decision.counts, decision.limits, self.admit_all)
         spent = tuple(check.hits if spend else 0 for check, spend in zip(checks, consume, strict=True))
         if owe:
-            for key, expire_at, hits in zip(keys, expire_ats, spent, strict=True):
+            for check, key, expire_at, hits in zip(checks, keys, expire_ats, spent, strict=True):
                 if hits:
-                    self._owe(key, hits, expire_at, now)
+                    self._owe(key, hits * per_hit(check), expire_at, now, per_hit(check))
         return decision, spent
 
     def _decide_locally(self, checks: Sequence[Check], now: float) -> Decision:
@@ -138,7 +155,8 @@ class FailurePolicy:
         (:meth:`note_admitted`): if every replica keeps its own hits of a window within
         ``ceil(limit / R)``, the total stays within the limit whatever each one knew of
         the others. Local counts outlive the outage until their window ends, so a
-        second outage in the same window still sees the first one's hits.
+        second outage in the same window still sees the first one's hits. Bans decided
+        here stay here (see the module docstring).
         """
         self._local.instances = max(1, self.live())
         return self._local.check_now(checks, now)
@@ -181,12 +199,23 @@ class FailurePolicy:
     @property
     def owed_hits(self) -> int:
         """Hits admitted here and not sent to Redis yet (in flight excluded)."""
-        return sum(hits for hits, _ in self._owed.values() if hits > 0)
+        return sum(hits for hits in self._hits(self._owed) if hits > 0)
 
     @property
     def owed_give_backs(self) -> int:
         """Hits Redis holds but must give back, not sent yet (in flight excluded)."""
-        return -sum(hits for hits, _ in self._owed.values() if hits < 0)
+        return -sum(hits for hits in self._hits(self._owed) if hits < 0)
+
+    def hits_in(self, adds: Mapping[str, Sequence[int]]) -> int:
+        """Hits (not give-backs) in owed or in-flight amounts such as a flush's ``adds``."""
+        return sum(hits for hits in self._hits(adds) if hits > 0)
+
+    def _hits(self, amounts: Mapping[str, Sequence[int]]) -> Iterable[int]:
+        """Each key's amount in hits (a token bucket's microseconds divided back)."""
+        per = self._per_hit
+        if not per:
+            return (amount for amount, *_ in amounts.values())
+        return (amount // per.get(key, 1) for key, (amount, *_) in amounts.items())
 
     def reconciled(self) -> bool:
         """Whether Redis holds every hit admitted here (nothing owed, in flight or held)."""
@@ -269,46 +298,56 @@ class FailurePolicy:
 
     def restore(self, adds: Mapping[str, tuple[int, int]]) -> None:
         """Sending ``adds`` failed: owe them again."""
+        for key, (amount, expire_at) in adds.items():
+            self._owe(key, amount, expire_at, None, self._per_hit.get(key, 1))
         self._unmark_in_flight(adds)
-        for key, (hits, expire_at) in adds.items():
-            self._owe(key, hits, expire_at, None)
 
-    def owe(self, key: str, hits: int, expire_at: int) -> bool:
+    def owe(self, key: str, hits: int, expire_at: int, amount_per_hit: int = 1) -> bool:
         """Add ``hits`` (negative: take them off) to what Redis is owed for ``key``.
 
         For corrections: a negative entry is sent like any other (``INCRBY`` with a
         negative amount), and entries of one key merge, so a correction is exact
         whether what it corrects is still owed, on the wire, or already in Redis.
+        ``amount_per_hit`` is what one hit adds to the key (:func:`~sidecar.limiter.keys.per_hit`).
         Returns False if it could not be remembered (see :attr:`dropped_hits` and
         :attr:`dropped_give_backs`).
         """
-        return self._owe(key, hits, expire_at, None) if hits else True
+        return self._owe(key, hits * amount_per_hit, expire_at, None, amount_per_hit) if hits else True
 
     async def wait_owed(self) -> None:
         """Return once some hit is owed."""
         await self._has_owed.wait()
 
-    def _owe(self, key: str, hits: int, expire_at: int, now: float | None) -> bool:
+    def _owe(self, key: str, amount: int, expire_at: int, now: float | None, amount_per_hit: int = 1) -> bool:
         entry = self._owed.get(key)
         if entry is not None:
-            entry[0] += hits
+            entry[0] += amount
             if not entry[0]:
-                del self._owed[key]  # a correction cancelled what was owed: nothing to send
+                self._forget(key)  # a correction cancelled what was owed: nothing to send
                 self._wake()
                 return True
         elif len(self._owed) < self.max_counters or self._make_room(now):
-            self._owed[key] = [hits, expire_at]
+            self._owed[key] = [amount, expire_at]
         else:
-            self._drop(hits)
+            self._drop(amount // amount_per_hit)
             return False
+        if amount_per_hit != 1:
+            self._per_hit[key] = amount_per_hit
         self._has_owed.set()
         return True
 
+    def _forget(self, key: str) -> None:
+        """Drop what is owed for ``key``, and its amount per hit once nothing of it is in flight."""
+        del self._owed[key]
+        if key not in self._in_flight:
+            self._per_hit.pop(key, None)
+
     def _make_room(self, now: float | None) -> bool:
-        """Forget hits owed to windows that have ended (their keys are gone from Redis anyway)."""
+        """Forget hits owed to windows that have ended, and to buckets full again by now
+        (their keys are gone from Redis anyway, or the hits no longer matter)."""
         moment = time.time() if now is None else now
         for key in [key for key, (_, expire_at) in self._owed.items() if expire_at <= moment]:
-            del self._owed[key]
+            self._forget(key)
         return len(self._owed) < self.max_counters
 
     def _drop(self, hits: int) -> None:
@@ -335,6 +374,8 @@ class FailurePolicy:
                 self._in_flight[key] = left
             else:
                 self._in_flight.pop(key, None)
+                if key not in self._owed:
+                    self._per_hit.pop(key, None)
         self._wake()
 
     def _wake(self) -> None:

@@ -25,7 +25,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
-from sidecar.limiter.keys import replicas_key
+from sidecar.limiter.keys import per_hit, replicas_key
 from sidecar.limiter.protocol import Check, decide
 from sidecar.limiter.scripts import DECIDE, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
 from sidecar.limiter.windows import Clock
@@ -195,14 +195,17 @@ class RedisStore:
         pending: Pending | None = None,
         *,
         request_path: bool = True,
+        now_us: int = 0,
     ) -> tuple[bool, list[int], dict[str, int]]:
         """Add ``pending``, then decide ``checks`` all-or-nothing and record them if admitted.
 
-        Returns ``(admitted, counts, totals)``: each check's would-be count (its counter
-        before this request plus its hits, repeated counters seeing earlier checks) and
-        each pending key's value afterwards (including hits this request consumed).
-        One round trip. In Cluster mode, keys spread over several slots cannot share a
-        script; see :meth:`_reserve` for what that costs in atomicity.
+        Returns ``(admitted, counts, totals)``: each check's would-be count (see
+        ``lua/decide.lua``; repeated counters see earlier checks) and each pending key's
+        value afterwards (including hits this request consumed). ``keys`` holds one key
+        per check (:func:`~sidecar.limiter.keys.check_window`); ``now_us`` is the
+        script's clock, 0 for Redis ``TIME``. One round trip. In Cluster mode, keys
+        spread over several slots cannot share a script; see :meth:`_decide_per_check`
+        for what that costs in atomicity.
         """
         pending = pending or {}
         self._ensure_available()
@@ -211,12 +214,12 @@ class RedisStore:
         try:
             async with asyncio.timeout(self.request_timeout if request_path else self.background_timeout):
                 if self.cluster and not same_slot([*keys, *pending]):
-                    result = await self._reserve(
-                        keys, checks, expire_ats, admit_all, pending, request_path=request_path
+                    result = await self._decide_per_check(
+                        keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path
                     )
                 else:
                     result = await self._decide_script(
-                        keys, checks, expire_ats, admit_all, pending, request_path=request_path
+                        keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path
                     )
         except FAILURES as error:
             raise self._failed(error, request_path) from error
@@ -224,25 +227,30 @@ class RedisStore:
         return result
 
     async def decide_batch(
-        self, requests: Sequence[DecideRequest], admit_all: bool
+        self, requests: Sequence[DecideRequest], admit_all: bool, nows: Sequence[int] | None = None
     ) -> list[list[int] | RedisUnavailable]:
         """Several requests' decisions in one round trip; each is atomic on its own.
 
         Returns each request's would-be counts (see :meth:`decide`), or the
         :class:`RedisUnavailable` that request alone met (a key holding something that
         is not a counter fails its own script, not the others, which did run). A
-        failure of the whole round trip raises. Callers that
+        failure of the whole round trip raises. ``nows`` gives each request's script
+        clock in microseconds (default: Redis ``TIME`` for all). Callers that
         coalesce the script calls of one event-loop iteration use this, and enforce
         their own request budget around it: the call itself may take up to the
         background timeout, so a late answer still tells the caller what Redis did.
-        In Cluster mode the requests go out concurrently, one script (or cross-slot
-        reservation) each, under that same background timeout, not the request budget
-        (a call cut off at the budget may still run, and nobody would hear of it).
+        In Cluster mode the requests go out concurrently, one script (or one per check
+        when they span slots) each, under that same background timeout, not the request
+        budget (a call cut off at the budget may still run, and nobody would hear of it).
         """
         self._ensure_available()
+        clocks = list(nows) if nows is not None else [0] * len(requests)
         if self.cluster:
             answers = await asyncio.gather(
-                *(self._decide_in_cluster(keys, checks, expiries, admit_all) for keys, checks, expiries in requests),
+                *(
+                    self._decide_in_cluster(keys, checks, expiries, admit_all, now_us)
+                    for (keys, checks, expiries), now_us in zip(requests, clocks, strict=True)
+                ),
                 return_exceptions=True,
             )
             results: list[list[int] | RedisUnavailable] = []
@@ -254,14 +262,16 @@ class RedisStore:
                 else:
                     results.append(answer)
             return results
-        replies = await self._decide_pipeline(requests, admit_all)
+        replies = await self._decide_pipeline(requests, admit_all, clocks)
         missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             try:
                 await self._probe_once()  # reloads the scripts; NOSCRIPT means the call did not run
             except FAILURES as error:
                 raise self._failed(error, request_path=False) from error
-            retried = await self._decide_pipeline([requests[index] for index in missing], admit_all)
+            retried = await self._decide_pipeline(
+                [requests[index] for index in missing], admit_all, [clocks[index] for index in missing]
+            )
             for index, reply in zip(missing, retried, strict=True):
                 replies[index] = reply
         return [
@@ -272,27 +282,27 @@ class RedisStore:
         ]
 
     async def _decide_in_cluster(
-        self, keys: Sequence[str], checks: Sequence[Check], expire_ats: Sequence[int], admit_all: bool
+        self, keys: Sequence[str], checks: Sequence[Check], expire_ats: Sequence[int], admit_all: bool, now_us: int
     ) -> list[int]:
         """One request of a Cluster batch: a request-path call under the background timeout."""
         if not keys:
             return []
         try:
             async with asyncio.timeout(self.background_timeout):
-                if same_slot(keys):
-                    _, counts, _ = await self._decide_script(keys, checks, expire_ats, admit_all, {}, request_path=True)
-                else:
-                    _, counts, _ = await self._reserve(keys, checks, expire_ats, admit_all, {}, request_path=True)
+                decide_one = self._decide_script if same_slot(keys) else self._decide_per_check
+                decided = await decide_one(keys, checks, expire_ats, admit_all, {}, now_us=now_us, request_path=True)
         except FAILURES as error:
             raise self._failed(error, request_path=False) from error
         self._timeouts_in_a_row = 0
-        return counts
+        return decided[1]
 
-    async def _decide_pipeline(self, requests: Sequence[DecideRequest], admit_all: bool) -> list[Any]:
+    async def _decide_pipeline(
+        self, requests: Sequence[DecideRequest], admit_all: bool, nows: Sequence[int]
+    ) -> list[Any]:
         """EVALSHA decide.lua once per request, pipelined; errors come back as values."""
         pipe = self.client.pipeline(transaction=False)
-        for keys, checks, expiries in requests:
-            script_keys, args = decide_arguments(keys, checks, expiries, admit_all, {})
+        for (keys, checks, expiries), now_us in zip(requests, nows, strict=True):
+            script_keys, args = decide_arguments(keys, checks, expiries, admit_all, {}, now_us=now_us)
             pipe.evalsha(DECIDE.sha, len(script_keys), *script_keys, *args)
         self._count(request_path=True)
         try:
@@ -310,6 +320,7 @@ class RedisStore:
         *,
         once: tuple[str, int] | None = None,
         live_since: float | None = None,
+        bans: Mapping[str, int] | None = None,
     ) -> dict[str, int]:
         """Add ``adds`` (INCRBY, EXPIREAT) and read ``reads`` in one pipeline.
 
@@ -329,12 +340,19 @@ class RedisStore:
         ``live_since`` also counts the replicas that beat since then, in the same round
         trip, returned under :attr:`replicas_key`: a replica learns of a new peer within
         one flush, not one heartbeat interval.
+
+        ``bans`` (``{ban key: until}``) are written first with ``SET NX EXAT until``, so
+        a ban already running is neither extended nor shortened, and the ban keys among
+        ``reads`` then tell when the ban in force ends.
         """
         self._ensure_available()
+        bans = bans or {}
         read_keys = [key for key in dict.fromkeys(reads) if key not in adds]
-        if not adds and not read_keys:
+        if not adds and not read_keys and not bans:
             return {}
         pipe = self.client.pipeline(transaction=False)
+        for key, until in bans.items():
+            pipe.set(key, until, exat=until, nx=True)
         self._queue_adds(pipe, adds, once)
         for key in read_keys:
             pipe.get(key)
@@ -343,12 +361,13 @@ class RedisStore:
         replies = await self._background(pipe.execute(raise_on_error=False))
         if once is not None and any(isinstance(reply, NoScriptError) for reply in replies):
             await self._probe_once()  # reloads the scripts; NOSCRIPT means that call did not run
-            return await self.flush(adds, reads, once=once, live_since=live_since)
+            return await self.flush(adds, reads, once=once, live_since=live_since, bans=bans)
         totals: dict[str, int] = {}
         if live_since is not None:
             live = replies.pop()
             if not isinstance(live, BaseException):
                 totals[self.replicas_key] = int(live)
+        del replies[: len(bans)]  # SET NX: nothing to learn (a failed one is retried with the batch)
         stride = 2 if once is None else 1
         add_replies, read_replies = replies[: stride * len(adds) : stride], replies[stride * len(adds) :]
         for key, reply in zip([*adds, *read_keys], [*add_replies, *read_replies], strict=True):
@@ -417,7 +436,7 @@ class RedisStore:
         self._ensure_available()
         await self._background(self.client.zrem(self.replicas_key, replica_id))
 
-    # -- decide, two ways -------------------------------------------------------------
+    # -- decide, two ways: one script, or one per check -----------------------------
 
     async def _decide_script(
         self,
@@ -427,15 +446,16 @@ class RedisStore:
         admit_all: bool,
         pending: Pending,
         *,
+        now_us: int,
         request_path: bool,
     ) -> tuple[bool, list[int], dict[str, int]]:
-        script_keys, args = decide_arguments(keys, checks, expire_ats, admit_all, pending)
+        script_keys, args = decide_arguments(keys, checks, expire_ats, admit_all, pending, now_us=now_us)
         reply = await self._run_script(DECIDE, script_keys, args, request_path=request_path)
         values = [int(value) for value in reply]
         counts = values[1 : 1 + len(checks)]
         return values[0] == 1, counts, dict(zip(pending, values[1 + len(checks) :], strict=True))
 
-    async def _reserve(
+    async def _decide_per_check(
         self,
         keys: Sequence[str],
         checks: Sequence[Check],
@@ -443,48 +463,90 @@ class RedisStore:
         admit_all: bool,
         pending: Pending,
         *,
+        now_us: int,
         request_path: bool,
     ) -> tuple[bool, list[int], dict[str, int]]:
-        """Cross-slot decision in Cluster: reserve every counter, decide, give back.
+        """Cross-slot decision in Cluster: each check decided on its own slot, then the request.
 
-        One pipeline INCRBYs every counter the request would spend (and applies the
-        pending adds); :func:`protocol.decide` runs on the results; what must not be
-        spent is DECRBYed by a background give-back, off the request path. Atomic per
-        counter only: admitted hits never exceed a limit (each INCRBY result is exact
-        for its counter), but while a reservation is outstanding a concurrent request
-        on the same counter sees it and may be rejected although the reserving request
-        ends up giving its hits back.
+        One pipeline applies the pending adds and runs ``decide.lua`` once per check,
+        with that check alone and its own role, on the check's slot (a counter's window,
+        previous window, bucket and ban keys share one hash tag), so sliding windows,
+        token buckets and bans work exactly as in one script. Alone, a check consumes
+        its hits exactly when it would in an admitted request (within its limit, shadow,
+        or global shadow); :func:`protocol.decide` then runs over all the counts, and
+        what an overall-rejected request consumed is given back in the background, off
+        the request path (``DECRBY`` hits, or hits times the interval from a TAT).
+
+        Atomic per check only: admitted hits never exceed a limit (each script is exact
+        for its counter), but until a give-back lands, a concurrent request on the same
+        counter sees the hits and may be rejected although this request was not
+        admitted; a token bucket given back after a refill may return to a full bucket
+        slightly later than it would have. A counter named twice in a request sees the
+        earlier check's hits only if that check consumed them. Bans are set by each
+        over check whatever the request's fate, as in one script.
         """
         pipe = self.client.pipeline(transaction=False)
         for key, (hits, expire_at) in pending.items():
             pipe.incrby(key, hits)
             pipe.expireat(key, expire_at)
-        for key, check, expire_at in zip(keys, checks, expire_ats, strict=True):
-            if check.hits:
-                pipe.incrby(key, check.hits)
-                pipe.expireat(key, expire_at)
-            else:
-                pipe.get(key)
+        calls = [
+            decide_arguments([key], [check], [expire_at], admit_all, {}, now_us=now_us)
+            for key, check, expire_at in zip(keys, checks, expire_ats, strict=True)
+        ]
+        for script_keys, args in calls:
+            # execute_command: redis-py blocks pipe.evalsha on Cluster pipelines, though it
+            # routes EVALSHA by its keys like any command.
+            pipe.execute_command("EVALSHA", DECIDE.sha, len(script_keys), *script_keys, *args)
         self._count(request_path)
-        replies = await pipe.execute()
-        totals = {key: int(replies[2 * index]) for index, key in enumerate(pending)}
-        counts = reserved_counts(checks, replies[2 * len(pending) :])
+        replies = await pipe.execute(raise_on_error=False)
+        added, decided = replies[: 2 * len(pending)], replies[2 * len(pending) :]
+        await self._run_missing_scripts(calls, decided, request_path)
+        took = [
+            check.hits > 0 and not isinstance(reply, BaseException) and int(reply[0]) == 1
+            for reply, check in zip(decided, checks, strict=True)
+        ]
+        failure = next((reply for reply in [*added, *decided] if isinstance(reply, BaseException)), None)
+        if failure is not None:
+            self._give_back_later(keys, checks, took)  # the request fails: it keeps nothing
+            raise failure
+        counts = [int(reply[1]) for reply in decided]
         admitted, _, consume = decide(checks, counts, [check.limit for check in checks], admit_all)
-        give_back: dict[str, int] = {}
+        self._give_back_later(keys, checks, [spent and not spend for spent, spend in zip(took, consume, strict=True)])
+        totals = {key: int(added[2 * index]) for index, key in enumerate(pending)}
         for key, check, spend in zip(keys, checks, consume, strict=True):
             if spend and key in totals:
-                totals[key] += check.hits
-            elif not spend and check.hits:
-                give_back[key] = give_back.get(key, 0) + check.hits
-        if give_back:
-            self._spawn(self._give_back(give_back))
+                totals[key] += check.hits * per_hit(check)
         return admitted, counts, totals
 
-    async def _give_back(self, amounts: Mapping[str, int]) -> None:
-        """DECRBY reserved hits a rejected (or partly over) request must not spend."""
+    async def _run_missing_scripts(
+        self, calls: Sequence[tuple[list[str], list[int | str]]], replies: list[Any], request_path: bool
+    ) -> None:
+        """Send the calls Redis answered NOSCRIPT (so they did not run) again with their body."""
+        missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if not missing:
+            return
         pipe = self.client.pipeline(transaction=False)
-        for key, hits in amounts.items():
-            pipe.decrby(key, hits)
+        for index in missing:
+            script_keys, args = calls[index]
+            pipe.execute_command("EVAL", DECIDE.source, len(script_keys), *script_keys, *args)
+        self._count(request_path)
+        for index, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
+            replies[index] = reply
+
+    def _give_back_later(self, keys: Sequence[str], checks: Sequence[Check], marks: Sequence[bool]) -> None:
+        """Give back, in the background, the hits of the marked checks (their scripts consumed them)."""
+        amounts: dict[str, int] = {}
+        for key, check, marked in zip(keys, checks, marks, strict=True):
+            if marked:
+                amounts[key] = amounts.get(key, 0) + check.hits * per_hit(check)
+        if amounts:
+            self._spawn(self._give_back(amounts))
+
+    async def _give_back(self, amounts: Mapping[str, int]) -> None:
+        """DECRBY what a rejected request's per-check scripts consumed: hits, or a TAT's microseconds."""
+        pipe = self.client.pipeline(transaction=False)
+        for key, amount in amounts.items():
+            pipe.decrby(key, amount)
         try:
             await self._background(pipe.execute())
         except RedisUnavailable:
@@ -613,16 +675,6 @@ async def stop_task(task: asyncio.Task[Any]) -> None:
         await asyncio.wait({task}, timeout=0.1)
     if not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log it as never retrieved
-
-
-def reserved_counts(checks: Sequence[Check], replies: Sequence[Any]) -> list[int]:
-    """Each check's count from a reservation pipeline (INCRBY + EXPIREAT, or GET for 0 hits)."""
-    counts: list[int] = []
-    offset = 0
-    for check in checks:
-        counts.append(int(replies[offset] or 0))
-        offset += 2 if check.hits else 1
-    return counts
 
 
 def describe(error: BaseException) -> str:

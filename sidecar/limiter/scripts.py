@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
+from sidecar.limiter.algorithms import Algorithm
+from sidecar.limiter.keys import EXPIRY_GRACE_SECONDS, previous_window, sibling_ban_key
 from sidecar.limiter.protocol import Check, Role
 
 ROLE_CODES: Mapping[Role, int] = {Role.ENFORCED: 0, Role.SHADOW: 1, Role.QUOTA: 2}
@@ -51,11 +53,35 @@ def decide_arguments(
     expire_ats: Sequence[int],
     admit_all: bool,
     pending: Mapping[str, tuple[int, int]],
+    *,
+    now_us: int = 0,
 ) -> tuple[list[str], list[int | str]]:
-    """``KEYS`` and ``ARGV`` of ``decide.lua``: checks first, then pending adds."""
-    args: list[int | str] = [int(admit_all), len(checks)]
-    for check, expire_at in zip(checks, expire_ats, strict=True):
-        args += (check.limit, check.hits, ROLE_CODES[check.role], expire_at)
+    """``KEYS`` and ``ARGV`` of ``decide.lua``: checks first, then pending adds.
+
+    ``keys`` holds one key per check (see :func:`~sidecar.limiter.keys.check_window`);
+    the other keys a check needs (a sliding window's previous window, a ban) are
+    derived from it here, so callers need not know them. Every check gets three keys,
+    its own key standing in for those it does not need, so the script indexes them
+    with a fixed stride. ``now_us`` is the script's clock; 0 means Redis ``TIME``.
+    """
+    script_keys: list[str] = []
+    args: list[int | str] = [int(admit_all), len(checks), now_us, EXPIRY_GRACE_SECONDS]
+    for key, check, expire_at in zip(keys, checks, expire_ats, strict=True):
+        previous, start = key, 0
+        if check.algorithm is Algorithm.SLIDING_WINDOW:
+            previous, start = previous_window(key, check.unit_seconds)
+        script_keys += (key, previous, sibling_ban_key(key) if check.ban_seconds else key)
+        args += (
+            check.limit,
+            check.hits,
+            ROLE_CODES[check.role],
+            expire_at,
+            int(check.algorithm),
+            check.unit_seconds,
+            start,
+            check.interval_us,
+            check.ban_seconds,
+        )
     for hits, expire_at in pending.values():
         args += (hits, expire_at)
-    return [*keys, *pending], args
+    return [*script_keys, *pending], args

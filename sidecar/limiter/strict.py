@@ -20,6 +20,14 @@ are (:meth:`StrictLimiter._give_up`), and an answer arriving after all still
 corrects them. Owed hits and corrections are entries of one ledger per counter,
 merged by addition and sent as ``INCRBY`` (negative for give-backs), so a correction
 is exact whether what it corrects is still owed, on the wire, or already in Redis.
+A token bucket's ledger entries are ``hits * interval`` on its ``:tat`` key (see
+:mod:`sidecar.limiter.failure` for what that approximates).
+
+Sliding windows, token buckets and bans are decided by the same script (see
+``lua/decide.lua``). Its clock is Redis ``TIME`` by default, so every replica charges
+and refills token buckets on one clock; ``redis_time=False`` makes it use each
+request's ``now`` instead (tests drive it with chosen times, as they drive the memory
+backend).
 
 Owed hits are never sent inside a request's script: a request on a counter whose
 owed hits Redis may not hold yet waits (within its budget) until the reconciler's
@@ -37,9 +45,10 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from sidecar.limiter.algorithms import Algorithm, now_us
 from sidecar.limiter.batcher import DecisionBatcher
 from sidecar.limiter.failure import Admitted, FailurePolicy
-from sidecar.limiter.keys import counter_window
+from sidecar.limiter.keys import check_window, per_hit, previous_window
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
@@ -60,6 +69,8 @@ class RedisCall:
     keys: Sequence[str]
     checks: Sequence[Check]
     expire_ats: Sequence[int]
+    now_us: int = 0
+    """The script's clock (0: Redis ``TIME``)."""
     abandoned: bool = False
     """The request stopped waiting while the call was on the wire: it may still run."""
     spent: tuple[int, ...] = ()
@@ -90,12 +101,15 @@ class StrictLimiter:
         *,
         prefix: str = "rls",
         admit_all: bool = False,
+        redis_time: bool = True,
     ) -> None:
         self.store = store
         self.replicas = replicas
         self.policy = policy
         self.prefix = prefix
         self.admit_all = admit_all
+        self.redis_time = redis_time
+        """The script's clock is Redis ``TIME`` (else each request's ``now``)."""
         self.batcher = DecisionBatcher(store, admit_all)
         self.redis_decisions = 0
         self._reconciler: asyncio.Task[None] | None = None
@@ -134,10 +148,10 @@ class StrictLimiter:
         """One script call within the budget; the failure policy when Redis cannot answer."""
         if not checks:
             return Decision(True, (), (), ())
-        windows = [counter_window(self.prefix, check.key, check.unit_seconds, now) for check in checks]
+        windows = [check_window(self.prefix, check, now) for check in checks]
         keys = [key for key, _ in windows]
         expire_ats = [expires for _, expires in windows]
-        call = RedisCall(keys, checks, expire_ats)
+        call = RedisCall(keys, checks, expire_ats, 0 if self.redis_time else now_us(now))
         if self.store.available:
             try:
                 counts = await self._ask(call)
@@ -154,8 +168,9 @@ class StrictLimiter:
     async def _ask(self, call: RedisCall) -> list[int]:
         """The script's would-be counts, within the request budget.
 
-        A counter with hits owed to Redis (or on their way, or held) is asked only
-        once they have landed, so the script counts them. Raises ``TimeoutError`` or
+        A counter with hits owed to Redis (or on their way, or held), or a sliding
+        window whose previous window has some, is asked only once they have landed, so
+        the script counts them. Raises ``TimeoutError`` or
         :class:`RedisUnavailable`; ``call.abandoned`` then says whether the call is
         still on the wire, in which case its answer reaches :meth:`_late_answer`.
         Either wait running out counts as a Redis timeout, so a stalled Redis is soon
@@ -163,11 +178,12 @@ class StrictLimiter:
         """
         budget = self.store.request_timeout
         try:
-            if not self.policy.settled(call.keys):
+            watched = [*call.keys, *read_keys(call)]
+            if not self.policy.settled(watched):
                 loop = asyncio.get_running_loop()
                 started = loop.time()
                 async with asyncio.timeout(budget):
-                    await self.policy.wait_settled(call.keys)
+                    await self.policy.wait_settled(watched)
                 budget -= loop.time() - started
                 if budget <= 0:
                     raise TimeoutError
@@ -175,7 +191,12 @@ class StrictLimiter:
                     raise RedisUnavailable("redis became unavailable while owed hits were being sent")
             call.abandoned = True  # until the batcher answers: its timeout leaves the call on the wire
             counts = await self.batcher.decide(
-                call.keys, call.checks, call.expire_ats, budget, lambda counts: self._late_answer(call, counts)
+                call.keys,
+                call.checks,
+                call.expire_ats,
+                budget,
+                lambda counts: self._late_answer(call, counts),
+                now_us=call.now_us,
             )
         except TimeoutError:
             self.store.note_request_timeout()
@@ -234,11 +255,11 @@ class StrictLimiter:
 
     def _owe_for(self, call: RedisCall, consumed: Sequence[int]) -> None:
         """Make what is owed for ``call`` equal to its admitted hits minus ``consumed``."""
-        for index, (key, deadline, spent, script) in enumerate(
-            zip(call.keys, call.expire_ats, call.spent, consumed, strict=True)
+        for index, (check, key, deadline, spent, script) in enumerate(
+            zip(call.checks, call.keys, call.expire_ats, call.spent, consumed, strict=True)
         ):
             change = spent - script - call.owed[index]
-            if change and self.policy.owe(key, change, deadline):
+            if change and self.policy.owe(key, change, deadline, per_hit(check)):
                 call.owed[index] += change
 
     # -- reconciling -------------------------------------------------------------------
@@ -294,7 +315,7 @@ class StrictLimiter:
     def unreconciled_hits(self) -> int:
         """Admitted hits Redis may not hold yet: owed, held, or in a flush not acknowledged."""
         pending = self._unacknowledged
-        unsent = sum(hits for hits, _ in pending.adds.values() if hits > 0) if pending else 0
+        unsent = self.policy.hits_in(pending.adds) if pending else 0
         held = sum(sum(call.spent) for call in self._held)
         return self.policy.owed_hits + unsent + held
 
@@ -337,3 +358,16 @@ class StrictLimiter:
                 # Usually the failed flush marked Redis unavailable and the next wait blocks;
                 # the pause keeps a failure that does not do so from spinning this loop.
                 await asyncio.sleep(RECONCILE_RETRY)
+
+
+def read_keys(call: RedisCall) -> list[str]:
+    """Keys the script reads besides the ones it may write: sliding windows' previous windows.
+
+    Hits owed to a previous window change a sliding estimate, so a request waits for
+    them to land as it waits for its own counters' (bans are never owed).
+    """
+    return [
+        previous_window(key, check.unit_seconds)[0]
+        for key, check in zip(call.keys, call.checks, strict=True)
+        if check.algorithm is Algorithm.SLIDING_WINDOW
+    ]
