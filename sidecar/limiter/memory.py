@@ -215,14 +215,12 @@ class MemoryLimiter:
         for check in checks:
             slot = (check.unit_seconds, check.key)
             state = 0
-            if check.ban_seconds and self._bans.active(check.key, now):
-                count = check.limit + max(1, check.hits)
-            elif check.algorithm is Algorithm.TOKEN_BUCKET:
+            if check.algorithm is Algorithm.TOKEN_BUCKET:
                 tat = seen.get(slot)
                 if tat is None:
                     tat = self._buckets.get(check.key, 0)
                 state, count = bucket_after(tat, microseconds, check.interval_us * self.instances, check.hits)
-                seen[slot] = state
+                seen[slot] = state  # also when banned: a shadow rule's hits are still charged
             else:
                 window = (check.unit_seconds, window_start(now, check.unit_seconds))
                 before = seen.get(slot)
@@ -233,6 +231,8 @@ class MemoryLimiter:
                 count = before + check.hits
                 if check.algorithm is Algorithm.SLIDING_WINDOW:
                     count += sliding_part(self._previous(check, window), previous_weight(now, check.unit_seconds))
+            if check.ban_seconds and self._bans.active(check.key, now):
+                count = check.limit + max(1, check.hits)  # banned: over whatever it holds
             counts.append(count)
             states.append(state)
         return tuple(counts), states

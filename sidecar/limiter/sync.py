@@ -39,13 +39,14 @@ import contextlib
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
+from sidecar.limiter.algorithms import Algorithm, previous_weight, sliding_part
 from sidecar.limiter.batcher import DecisionBatcher
-from sidecar.limiter.keys import counter_digest, expire_at, window_key
-from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, EvictionLog
+from sidecar.limiter.keys import ban_key, counter_digest, expire_at, window_key
+from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, Bans, EvictionLog
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
 from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
@@ -81,11 +82,37 @@ class WindowCounter:
     busy: int = 0
     """Requests deciding with this counter right now: it must not be evicted or expired
     under them, or the hits they admit would land on a counter nobody flushes."""
+    ban_key: str | None = None
+    """Rules with ``ban_duration``: the counter's ban key, read back with every flush."""
+    previous_key: str | None = None
+    """Sliding window only: the previous window's key, read back with every flush."""
+    previous: int | None = None
+    """Sliding window only: the previous window's global total; None until known (every
+    decision on the counter escalates until then)."""
 
     @property
     def unflushed(self) -> int:
         """Our hits Redis may not hold yet."""
         return self.pending + self.inflight
+
+    def extra_reads(self) -> list[str]:
+        """Keys a flush reads besides the counter: the previous window, the ban."""
+        return [key for key in (self.previous_key, self.ban_key) if key is not None]
+
+
+def lowered_check(check: Check, own: int, previous_part: int | None) -> Check:
+    """The check an escalation sends: the limit lowered by our unflushed hits.
+
+    A sliding window whose previous total is known goes as a fixed window with the
+    limit also lowered by that total's weighted part, so the answer is the current
+    window's count, which :meth:`SyncLimiter._learn` can learn from; one whose previous
+    total is unknown goes as a sliding window and the script weighs the previous
+    window itself.
+    """
+    if previous_part is None:
+        return check._replace(limit=max(0, check.limit - own))
+    lowered = max(0, check.limit - own - previous_part)
+    return check._replace(limit=lowered, algorithm=Algorithm.FIXED_WINDOW)
 
 
 @dataclass(slots=True)
@@ -96,6 +123,13 @@ class FlushBatch:
     reads: list[WindowCounter]
     sequence: int
     """Grows with every new batch; a retried batch keeps its number (idempotent flush)."""
+
+    bans: dict[str, int] = field(default_factory=dict)
+    """Bans decided here since the last flush: ``{ban key: until}`` (SET NX, so the first wins)."""
+
+    def counters(self) -> list[WindowCounter]:
+        """Every counter the flush sends hits for or reads back."""
+        return [counter for counter, _ in self.sent.values()] + self.reads
 
 
 class SyncLimiter:
@@ -132,6 +166,10 @@ class SyncLimiter:
         together, and the Redis key digest is computed once per counter and window."""
         self._live = 0
         self._previous_growth: dict[str, float] = {}
+        self._bans = Bans(max_counters)
+        """Bans by Redis ban key: our own, and the others' read back by flushes."""
+        self._ban_outbox: dict[str, int] = {}
+        """Bans this replica decided, to be written to Redis with the next flush (key: until)."""
         """Growth estimate per counter digest, carried into the next window."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -200,24 +238,57 @@ class SyncLimiter:
         """
         counters = [self._counter(check, now) for check in checks]
         try:
-            if not self.store.available:
-                return self._decide_without_redis(checks, counters)
-            decision = self._decide_locally(checks, counters)
-            if decision is not None:
-                self.local_decisions += 1
-                return decision
-            try:
-                return await self._escalate(checks, counters)
-            except (RedisUnavailable, TimeoutError):
-                return self._decide_without_redis(checks, counters)
+            decision = await self._decide(checks, counters, now)
         finally:
             for counter in counters:
                 counter.busy -= 1
+        banned = False
+        for check, over in zip(checks, decision.over, strict=True):
+            if check.ban_seconds:
+                banned = True
+                if over:
+                    self._ban(check, now)
+        if banned:
+            ends = tuple(self._bans.until(counter.ban_key) if counter.ban_key else 0.0 for counter in counters)
+            return decision._replace(ban_ends=ends)
+        return decision
 
-    def _decide_locally(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision | None:
-        """A decision from local knowledge, or None when Redis must be asked."""
+    async def _decide(self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float) -> Decision:
+        if not self.store.available:
+            return self._decide_without_redis(checks, counters, now)
+        decision = self._decide_locally(checks, counters, now)
+        if decision is not None:
+            self.local_decisions += 1
+            return decision
+        try:
+            return await self._escalate(checks, counters)
+        except (RedisUnavailable, TimeoutError):
+            return self._decide_without_redis(checks, counters, now)
+
+    def _ban(self, check: Check, now: float) -> None:
+        """A counter with ``ban_duration`` went over: refuse it here at once, and tell the
+        other replicas with the next flush (an escalation's script sets the ban itself)."""
+        key = ban_key(self.prefix, counter_digest(check.key))
+        if self._bans.active(key, now):
+            return
+        until = math.ceil(now + check.ban_seconds)
+        self._bans.ban(key, until, now)
+        self._ban_outbox[key] = until
+
+    def _decide_locally(
+        self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float
+    ) -> Decision | None:
+        """A decision from local knowledge, or None when Redis must be asked.
+
+        A sliding window counts like a fixed one plus its previous window's weighted
+        total, so the same reserve and blind cap apply to the estimate; while that total
+        is unknown, Redis decides.
+        """
         replicas = self.replicas.live
-        counts = self._would_be(checks, counters)
+        for counter in counters:
+            if counter.previous_key is not None and counter.previous is None:
+                return None
+        counts = self._would_be(checks, counters, now=now)
         limits = tuple(check.limit for check in checks)
         for check, counter, count in zip(checks, counters, counts, strict=True):
             if count > check.limit:
@@ -238,6 +309,7 @@ class SyncLimiter:
         """
         self.escalations += 1
         held: list[int] = []
+        parts: list[int] = []
         adjusted: list[Check] = []
 
         def lowered() -> list[Check]:
@@ -246,8 +318,10 @@ class SyncLimiter:
             # flush could deliver them before the script runs and they would count twice).
             # Only our own hits: the script adds earlier checks of the same counter itself.
             held[:] = [counter.unflushed for counter in counters]
+            known = [self._previous_part(check, counter) for check, counter in zip(checks, counters, strict=True)]
+            parts[:] = [part or 0 for part in known]
             adjusted[:] = [
-                check._replace(limit=max(0, check.limit - own)) for check, own in zip(checks, held, strict=True)
+                lowered_check(check, own, part) for check, own, part in zip(checks, held, known, strict=True)
             ]
             return adjusted
 
@@ -260,8 +334,18 @@ class SyncLimiter:
         )
         admitted, over, consume = self._learn(checks, counters, adjusted, counts)
         self._escalated(checks, counters, consume)
-        totals = tuple(count + own for count, own in zip(counts, held, strict=True))
+        totals = tuple(count + own + part for count, own, part in zip(counts, held, parts, strict=True))
         return Decision(admitted, over, totals, tuple(check.limit for check in checks))
+
+    def _previous_part(self, check: Check, counter: WindowCounter, now: float | None = None) -> int | None:
+        """What a sliding window's previous window adds to its estimate (0 for other
+        algorithms); None while the previous total is unknown."""
+        if counter.previous_key is None:
+            return 0
+        if counter.previous is None:
+            return None
+        weight = previous_weight(self.clock() if now is None else now, check.unit_seconds)
+        return sliding_part(counter.previous, weight)
 
     def _learn(
         self,
@@ -272,7 +356,9 @@ class SyncLimiter:
     ) -> tuple[bool, tuple[bool, ...], tuple[bool, ...]]:
         """Update ``known`` from a script's answer; returns the script's ``decide`` verdict."""
         verdict = decide(adjusted, counts, [check.limit for check in adjusted], self.admit_all)
-        for check, counter, count, spent in zip(checks, counters, counts, verdict[2], strict=True):
+        for check, counter, count, spent in zip(adjusted, counters, counts, verdict[2], strict=True):
+            if check.algorithm is Algorithm.SLIDING_WINDOW:
+                continue  # an estimate, not the window's count: the next flush reads the count
             counter.known = max(counter.known, count if spent else count - check.hits)
         return verdict
 
@@ -301,7 +387,7 @@ class SyncLimiter:
             if spent:
                 counter.pending -= check.hits
 
-    def _decide_without_redis(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision:
+    def _decide_without_redis(self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float) -> Decision:
         """Redis is unreachable: apply the failure mode; admitted hits stay pending."""
         self.failure_decisions += 1
         if self.failure_mode == "local":
@@ -310,10 +396,10 @@ class SyncLimiter:
             # whatever each one's stale view of the others, even in a burst where some
             # escalations were answered and others timed out.
             replicas = self.replicas.live
-            counts = self._would_be(checks, counters, own=True)
+            counts = self._would_be(checks, counters, own=True, now=now)
             limits = tuple(math.ceil(check.limit / replicas) for check in checks)
             return self._apply(checks, counters, counts, limits)
-        counts = self._would_be(checks, counters)
+        counts = self._would_be(checks, counters, now=now)
         if self.failure_mode == "open":
             limits = tuple(max(check.limit, count) for check, count in zip(checks, counts, strict=True))
         else:
@@ -338,16 +424,23 @@ class SyncLimiter:
                         self._wake.set()
         return Decision(admitted, over, counts, tuple(max(0, limit) for limit in limits))
 
-    @staticmethod
-    def _would_be(checks: Sequence[Check], counters: Sequence[WindowCounter], own: bool = False) -> tuple[int, ...]:
+    def _would_be(
+        self, checks: Sequence[Check], counters: Sequence[WindowCounter], own: bool = False, now: float = 0.0
+    ) -> tuple[int, ...]:
         """Per check, what this replica knows is admitted (``own``: what it admitted
         itself) plus this request's hits (earlier checks of the same counter included,
-        so a counter named twice is not admitted twice)."""
+        so a counter named twice is not admitted twice); a sliding window adds its
+        previous window's weighted total (not to ``own``: the safe share is per window)."""
         extra: dict[int, int] = {}
         values = []
         for check, counter in zip(checks, counters, strict=True):
             before = extra.get(id(counter), 0)
+            if counter.ban_key is not None and self._bans.active(counter.ban_key, now):
+                values.append(check.limit + max(1, check.hits))  # banned: over whatever it holds
+                continue
             base = counter.own if own else counter.known + counter.unflushed
+            if counter.previous_key is not None and not own:
+                base += self._previous_part(check, counter, now) or 0
             values.append(base + before + check.hits)
             extra[id(counter)] = before + check.hits
         return tuple(values)
@@ -386,6 +479,10 @@ class SyncLimiter:
                 window_key(self.prefix, digest, start), digest, expire_at(start, check.unit_seconds)
             )
             counter.growth = self._previous_growth.get(digest, 0.0)
+            if check.algorithm is Algorithm.SLIDING_WINDOW:
+                self._follow_previous(counter, slot, start, check.unit_seconds)
+            if check.ban_seconds:
+                counter.ban_key = ban_key(self.prefix, digest)
             window[slot] = counter
             self._live += 1
         counter.busy += 1  # before any eviction: this request is about to use it
@@ -393,6 +490,18 @@ class SyncLimiter:
         if self._live > self.max_counters:
             self._evict()
         return counter
+
+    def _follow_previous(
+        self, counter: WindowCounter, slot: tuple[CounterKey, int], start: int, unit_seconds: int
+    ) -> None:
+        """Set up a sliding window's counter: its key outlives the next window (which reads
+        it), and the previous window's total starts from what this replica still holds
+        of it (exact once the next flush reads it back), or unknown."""
+        counter.expire_at += unit_seconds
+        counter.previous_key = window_key(self.prefix, counter.digest, start - unit_seconds)
+        before = self._windows.get(start, {}).get(slot)
+        if before is not None:
+            counter.previous = before.known + before.unflushed
 
     def _expire(self, now: float) -> None:
         """Forget ended windows whose hits have all reached Redis."""
@@ -470,15 +579,18 @@ class SyncLimiter:
         async with self._flush_lock:
             self._expire(self.clock())
             batch = self._unacknowledged or self._prepare_flush()
-            if not batch.sent and not batch.reads:
+            if not batch.sent and not batch.reads and not batch.bans:
                 return
             adds = {key: (hits, counter.expire_at) for key, (counter, hits) in batch.sent.items()}
             once = (self.replicas.replica_id, batch.sequence)
             reads = [counter.key for counter in batch.reads]
+            reads += [key for counter in batch.counters() for key in counter.extra_reads()]
             self.flush_keys.observe(len(adds) + len(reads))
             started = time.perf_counter()
             try:
-                totals = await self.store.flush(adds, reads, once=once, live_since=self.replicas.alive_since)
+                totals = await self.store.flush(
+                    adds, reads, once=once, live_since=self.replicas.alive_since, bans=batch.bans
+                )
             except RedisUnavailable:
                 # The adds may or may not have landed: send exactly this batch again (same
                 # sequence number) until Redis acknowledges it; flush_once.lua makes the
@@ -496,6 +608,7 @@ class SyncLimiter:
             if live is not None:
                 self.replicas.observe(live)
             self._apply_flush(batch, totals)
+            self._learn_bans(batch, totals)
 
     def _prepare_flush(self) -> FlushBatch:
         sent: dict[str, tuple[WindowCounter, int]] = {}
@@ -510,13 +623,25 @@ class SyncLimiter:
                 reads.append(counter)
             counter.touched = False
         self._sequence += 1
-        return FlushBatch(sent, reads, self._sequence)
+        bans, self._ban_outbox = self._ban_outbox, {}
+        return FlushBatch(sent, reads, self._sequence, bans)
+
+    def _learn_bans(self, batch: FlushBatch, totals: dict[str, int]) -> None:
+        """Take on the bans other replicas (or escalations) wrote: a ban key holds its end time."""
+        now = self.clock()
+        for counter in batch.counters():
+            if counter.ban_key is not None:
+                until = totals.get(counter.ban_key, 0)
+                if until > now:
+                    self._bans.ban(counter.ban_key, until, now)
 
     @staticmethod
     def _apply_flush(batch: FlushBatch, totals: dict[str, int]) -> None:
         """Learn the global totals; the growth we did not cause feeds the reserve."""
         own = {key: hits for key, (_, hits) in batch.sent.items()}
-        for counter in [counter for counter, _ in batch.sent.values()] + batch.reads:
+        for counter in batch.counters():
+            if counter.previous_key is not None:
+                counter.previous = totals.get(counter.previous_key, counter.previous)
             total = totals.get(counter.key, counter.known)
             sent = own.get(counter.key, 0)
             others = max(0, total - counter.known - sent)
