@@ -48,6 +48,25 @@ mode; a refused or broken connection does at once.
 """
 
 Pending = Mapping[str, tuple[int, int]]
+
+
+class Counts(list[int]):
+    """One request's would-be counts from ``decide.lua`` (a list, index-aligned with its
+    checks), and when each check's ban ends where the request has bans (Unix seconds,
+    0 for none; empty when no check has a ban duration)."""
+
+    ban_ends: tuple[float, ...] = ()
+
+
+def counts_of(reply: Sequence[Any], checks: int, pending: int = 0) -> Counts:
+    """The :class:`Counts` in a ``decide.lua`` reply (see its header for the layout)."""
+    counts = Counts(int(value) for value in reply[1 : 1 + checks])
+    ends = reply[1 + checks + pending :]
+    if ends:
+        counts.ban_ends = tuple(float(value) for value in ends)
+    return counts
+
+
 """Hits to add unconditionally: ``{window_key: (hits, expire_at)}``."""
 DecideRequest = tuple[Sequence[str], Sequence[Check], Sequence[int]]
 """One request for :meth:`RedisStore.decide_batch`: window keys, checks, expiry times."""
@@ -275,9 +294,7 @@ class RedisStore:
             for index, reply in zip(missing, retried, strict=True):
                 replies[index] = reply
         return [
-            self._failed(reply, request_path=True)
-            if isinstance(reply, Exception)
-            else [int(value) for value in reply[1 : 1 + len(checks)]]
+            self._failed(reply, request_path=True) if isinstance(reply, Exception) else counts_of(reply, len(checks))
             for reply, (_, checks, _) in zip(replies, requests, strict=True)
         ]
 
@@ -452,8 +469,8 @@ class RedisStore:
         script_keys, args = decide_arguments(keys, checks, expire_ats, admit_all, pending, now_us=now_us)
         reply = await self._run_script(DECIDE, script_keys, args, request_path=request_path)
         values = [int(value) for value in reply]
-        counts = values[1 : 1 + len(checks)]
-        return values[0] == 1, counts, dict(zip(pending, values[1 + len(checks) :], strict=True))
+        totals = values[1 + len(checks) : 1 + len(checks) + len(pending)]
+        return values[0] == 1, counts_of(reply, len(checks), len(pending)), dict(zip(pending, totals, strict=True))
 
     async def _decide_per_check(
         self,
@@ -509,7 +526,8 @@ class RedisStore:
         if failure is not None:
             self._give_back_later(keys, checks, took)  # the request fails: it keeps nothing
             raise failure
-        counts = [int(reply[1]) for reply in decided]
+        counts = Counts(int(reply[1]) for reply in decided)
+        counts.ban_ends = tuple(float(reply[2]) if len(reply) > 2 else 0.0 for reply in decided)
         admitted, _, consume = decide(checks, counts, [check.limit for check in checks], admit_all)
         self._give_back_later(keys, checks, [spent and not spend for spent, spend in zip(took, consume, strict=True)])
         totals = {key: int(added[2 * index]) for index, key in enumerate(pending)}

@@ -50,7 +50,7 @@ from sidecar.limiter.batcher import DecisionBatcher
 from sidecar.limiter.failure import Admitted, FailurePolicy
 from sidecar.limiter.keys import check_window, per_hit, previous_window
 from sidecar.limiter.protocol import Check, Decision, decide
-from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
+from sidecar.limiter.redis_store import Counts, RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import LimiterSnapshot
@@ -213,7 +213,8 @@ class StrictLimiter:
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
         self.redis_decisions += 1
         self.policy.note_admitted(checks, consume, now)
-        return Decision(admitted, over, tuple(counts), limits)
+        ban_ends = counts.ban_ends if isinstance(counts, Counts) else ()
+        return Decision(admitted, over, tuple(counts), limits, ban_ends)
 
     def _hold(self, call: RedisCall) -> None:
         """The request was answered by the failure policy while its script may still run."""

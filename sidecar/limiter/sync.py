@@ -48,7 +48,7 @@ from sidecar.limiter.batcher import DecisionBatcher
 from sidecar.limiter.keys import ban_key, counter_digest, expire_at, window_key
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, Bans, EvictionLog
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
-from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
+from sidecar.limiter.redis_store import Counts, RedisStore, RedisUnavailable, stop_task
 from sidecar.limiter.replicas import Replicas
 from sidecar.limiter.windows import Clock, system_clock, window_start
 from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
@@ -334,6 +334,8 @@ class SyncLimiter:
         )
         admitted, over, consume = self._learn(checks, counters, adjusted, counts)
         self._escalated(checks, counters, consume)
+        if isinstance(counts, Counts) and counts.ban_ends:
+            self._learn_ban_ends(counters, counts.ban_ends)
         totals = tuple(count + own + part for count, own, part in zip(counts, held, parts, strict=True))
         return Decision(admitted, over, totals, tuple(check.limit for check in checks))
 
@@ -628,12 +630,15 @@ class SyncLimiter:
 
     def _learn_bans(self, batch: FlushBatch, totals: dict[str, int]) -> None:
         """Take on the bans other replicas (or escalations) wrote: a ban key holds its end time."""
+        counters = batch.counters()
+        self._learn_ban_ends(counters, [totals.get(counter.ban_key or "", 0) for counter in counters])
+
+    def _learn_ban_ends(self, counters: Sequence[WindowCounter], ends: Sequence[float]) -> None:
+        """Bans Redis holds (read by a flush, or answered by an escalation) are refused here too."""
         now = self.clock()
-        for counter in batch.counters():
-            if counter.ban_key is not None:
-                until = totals.get(counter.ban_key, 0)
-                if until > now:
-                    self._bans.ban(counter.ban_key, until, now)
+        for counter, until in zip(counters, ends, strict=True):
+            if counter.ban_key is not None and until > now:
+                self._bans.ban(counter.ban_key, until, now)
 
     @staticmethod
     def _apply_flush(batch: FlushBatch, totals: dict[str, int]) -> None:

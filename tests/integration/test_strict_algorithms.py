@@ -207,6 +207,8 @@ async def test_a_ban_blocks_the_counter_on_every_replica_until_it_ends(
     # A new window, a fresh counter, another replica: still banned; over whatever it holds.
     during = await second.check([item], start + 1.5)
     assert verdict(during) == (False, (True,), (3,))
+    assert during.ban_ends == (ends,), "the script tells when the ban ends"
+    assert during.reset(item, 0, start + 1.5) == 2, "so a banned client is told to wait for it"
     assert not (await first.check([item._replace(hits=0)], start + 2.9)).admitted
     assert client.get(ban) == str(ends), "requests during a ban do not extend it"
     assert client.expiretime(ban) == ends

@@ -10,7 +10,9 @@
 --       algorithm (0 fixed, 1 sliding, 2 token bucket), unit seconds, window start,
 --       interval in microseconds (token bucket), ban seconds,
 --       then per pending add: hits, expire_at.
--- Reply: {admitted (0|1), count of each check..., total of each pending key...}
+-- Reply: {admitted (0|1), count of each check..., total of each pending key...}, then,
+--        if any check has a ban duration, when each check's ban ends (Unix seconds; 0
+--        for none), so the caller can tell a banned client when to come back.
 --
 -- A check's count is what its counter would hold with this request's hits: a fixed
 -- window's hits; a sliding window's hits plus the previous window's, weighted by the
@@ -179,5 +181,19 @@ end
 
 for j = 1, m do
   reply[n + 1 + j] = tonumber(redis.call('GET', KEYS[3 * n + j]) or '0')
+end
+
+local any_ban = false
+for i = 1, n do
+  any_ban = any_ban or ARGV[HEADER + STRIDE * (i - 1) + 9] ~= '0'
+end
+if any_ban then
+  for i = 1, n do
+    local ends = 0
+    if ARGV[HEADER + STRIDE * (i - 1) + 9] ~= '0' then
+      ends = tonumber(redis.call('GET', KEYS[3 * i]) or '0')
+    end
+    reply[n + 1 + m + i] = ends
+  end
 end
 return reply
