@@ -8,7 +8,7 @@ no state, which also keeps Hypothesis' function-scoped-fixture health check quie
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -118,7 +118,19 @@ def rate_request(domain: str, *descriptors: Any, hits: int = 0) -> Any:
     return rls_pb2.RateLimitRequest(domain=domain, descriptors=list(descriptors), hits_addend=hits)
 
 
+def asker(domain: str, service: Any) -> Callable[..., Awaitable[Any]]:
+    """``await ask(("key", "value"), ..., hits=0, to=other_service)``: one request to a
+    service's ``decide`` in ``domain``; tuples become descriptors, protos pass as they are."""
+
+    async def send(*descriptors: Any, hits: int = 0, to: Any = None) -> Any:
+        built = [item if not isinstance(item, tuple) else descriptor(item) for item in descriptors]
+        return await (to or service).decide(rate_request(domain, *built, hits=hits))
+
+    return send
+
+
 HELPERS = SimpleNamespace(
+    asker=asker,
     Entry=Entry,
     FakeClock=FakeClock,
     TEST_FILE=TEST_FILE,

@@ -481,11 +481,7 @@ def service(make) -> RateLimitService:
 
 @pytest.fixture
 def ask(h, service):
-    async def send(*descriptors: Any, hits: int = 0, to: RateLimitService | None = None) -> Any:
-        built = [item if not isinstance(item, tuple) else h.descriptor(item) for item in descriptors]
-        return await (to or service).decide(h.rate_request("alg", *built, hits=hits))
-
-    return send
+    return h.asker("alg", service)
 
 
 def status_numbers(response: Any, index: int = 0) -> tuple[bool, int, int]:

@@ -673,11 +673,7 @@ def service(h, clock, limiter) -> RateLimitService:
 
 @pytest.fixture
 def ask(h, service):
-    async def send(*descriptors: Any, hits: int = 0) -> Any:
-        built = [item if not isinstance(item, tuple) else h.descriptor(item) for item in descriptors]
-        return await service.decide(h.rate_request("ext", *built, hits=hits))
-
-    return send
+    return h.asker("ext", service)
 
 
 def status_of(response: Any, index: int = 0) -> tuple[int, int, int]:
