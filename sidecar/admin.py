@@ -14,7 +14,8 @@ from typing import Any
 
 import structlog
 
-from sidecar.config.model import RateLimitConfig, RateLimitRule
+from sidecar.config.model import DomainConfig, Level, RateLimitConfig, RateLimitRule
+from sidecar.limiter.algorithms import Algorithm
 from sidecar.metrics import render
 
 log = structlog.get_logger(__name__)
@@ -24,20 +25,56 @@ READ_TIMEOUT = 5.0
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def rule_json(rule: RateLimitRule) -> dict[str, Any]:
-    """One rule as ``/config`` shows it."""
+def rule_json(rule: RateLimitRule, together_with: tuple[RateLimitRule, ...] = ()) -> dict[str, Any]:
+    """One rule as ``/config`` shows it; ``together_with``: the other limits of its descriptor
+    (``rate_limits``), enforced with it all-or-nothing."""
+    limited = not rule.unlimited
+    bucket = rule.algorithm is Algorithm.TOKEN_BUCKET
     return {
         "stat_key": rule.stat_key,
         "name": rule.name,
-        "requests_per_unit": None if rule.unlimited else rule.requests_per_unit,
+        "path": rule.where,
+        "requests_per_unit": rule.requests_per_unit if limited else None,
         "unit": rule.unit.name.lower() if rule.unit else None,
+        "unit_multiplier": rule.unit_multiplier if limited else None,
+        "window_seconds": rule.unit_seconds if limited else None,
+        "algorithm": rule.algorithm.label if limited else None,
+        "burst": rule.burst if bucket else None,
+        "ban_duration_seconds": rule.ban_seconds or None,
         "unlimited": rule.unlimited,
         "shadow_mode": rule.shadow_mode,
         "quota_mode": rule.quota_mode,
         "replaces": sorted(rule.replaces),
         "detailed_metric": rule.detailed_metric,
         "warn_at": rule.warn_at,
+        "together_with": [other.where for other in together_with],
         "source": rule.source,
+    }
+
+
+def limits_together(domain: DomainConfig) -> dict[int, tuple[RateLimitRule, ...]]:
+    """For each rule (by ``id``) on a descriptor with several limits, the other limits there."""
+    found: dict[int, tuple[RateLimitRule, ...]] = {}
+
+    def visit(level: Level) -> None:
+        for node in level.nodes():
+            if node.rule is not None and node.more:
+                limits = (node.rule, *node.more)
+                for rule in limits:
+                    found[id(rule)] = tuple(other for other in limits if other is not rule)
+            visit(node.children)
+
+    visit(domain.root)
+    return found
+
+
+def domain_json(domain: DomainConfig) -> dict[str, Any]:
+    """One domain's rules in config order: every limit of a descriptor with several is listed,
+    each naming the others in ``together_with``."""
+    together = limits_together(domain)
+    return {
+        "source": domain.source,
+        "rules": [rule_json(rule, together.get(id(rule), ())) for rule in domain.rules],
     }
 
 
@@ -47,10 +84,7 @@ def config_json(config: RateLimitConfig, loaded_at: float) -> dict[str, Any]:
         "sha256": config.digest,
         "loaded_at": loaded_at,
         "files": list(config.files),
-        "domains": {
-            name: {"source": domain.source, "rules": [rule_json(rule) for rule in domain.rules]}
-            for name, domain in sorted(config.domains.items())
-        },
+        "domains": {name: domain_json(domain) for name, domain in sorted(config.domains.items())},
     }
 
 

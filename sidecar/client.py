@@ -40,7 +40,16 @@ def build_request(domain: str, descriptors: Sequence[str], hits: int = 0) -> Any
 
 
 def describe(response: Any) -> list[str]:
-    """Human lines: the overall verdict, then one line per descriptor."""
+    """Human lines: the overall verdict, then one line per descriptor.
+
+    ``limit`` is ``current_limit`` as sent: ``requests_per_unit`` per ``unit``, the window's
+    limit, or a token bucket's refill rate (its size, ``burst``, is not in the response, so
+    ``remaining`` can exceed it). The proto has no ``unit_multiplier``: a window of several
+    units shows as its unit (5 per 5 minutes as ``5/minute``); ``reset`` shows the window.
+    ``remaining`` is ``limit_remaining``: hits left in the window, or tokens left in the
+    bucket. ``reset`` is ``duration_until_reset``: until the window ends, until the bucket
+    is full again (for a refused request: until enough tokens are back), or until a ban ends.
+    """
     code_name = rls_pb2.RateLimitResponse.Code.Name
     lines = [f"overall: {code_name(response.overall_code)}"]
     for index, status in enumerate(response.statuses):

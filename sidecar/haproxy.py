@@ -28,6 +28,16 @@ Both count *admitted* requests only (``sc-inc-gpc`` after every check, never
 above the limit would never get through again), and a request is all-or-nothing like
 in the sidecar: every check runs before any counter is incremented, so a request
 refused by one limit spends nothing from the others.
+
+The config extensions: a window of ``unit_multiplier`` units is just another window
+length (its own table); every limit of a ``rate_limits`` node is one more rule (a slot,
+and a tracker when its window differs); a ``sliding_window`` rule of the fixed flavour
+adds the previous clock window's weighted count (``table_gpc`` on the previous window's
+key), which is the sidecar's estimate, where ``gpc_rate`` would start its periods at an
+entry's first count; a ``ban_duration`` is the ban's end in a ``gpt`` slot of a bans
+table keyed without the window, written by the request that goes over (its own tracker)
+and read with ``table_gpt``. A ``token_bucket`` has no HAProxy 2.6 counterpart and is
+listed.
 """
 
 from __future__ import annotations
@@ -43,8 +53,8 @@ from typing import Any, Literal
 import yaml
 
 from sidecar.config.load import load_config
-from sidecar.config.model import DescriptorNode, DomainConfig, Level, RateLimitRule
-from sidecar.limiter.windows import Unit
+from sidecar.config.model import UNIT_BY_SECONDS, DescriptorNode, DomainConfig, Level, RateLimitRule
+from sidecar.limiter.algorithms import Algorithm
 
 Flavour = Literal["fixed", "sliding"]
 FLAVOURS: tuple[Flavour, ...] = ("fixed", "sliding")
@@ -546,18 +556,24 @@ def flag_step(
     return f"no --fetch {node.key}=SAMPLE says where HAProxy reads the {node.key!r} value"
 
 
+def node_limits(node: DescriptorNode) -> tuple[RateLimitRule, ...]:
+    """The limits of a node: its ``rate_limit`` (or first ``rate_limits`` entry), then the others."""
+    return () if node.rule is None else (node.rule, *node.more)
+
+
 def subtree_rules(node: DescriptorNode) -> Iterator[RateLimitRule]:
     """Every rule at or below ``node``."""
-    if node.rule is not None:
-        yield node.rule
+    yield from node_limits(node)
     for child in node.children.nodes():
         yield from subtree_rules(child)
 
 
 def where_of(rule: RateLimitRule) -> str:
-    """How problems name a rule: its file and line, stat key and name."""
+    """How problems name a rule: its file and line, stat key and name, and which of a node's
+    ``rate_limits`` it is (several can share a line and a stat key)."""
     name = f" ({rule.name})" if rule.name else ""
-    return f"{rule.source}: {rule.stat_key}{name}"
+    entry = f" {rule.where.rsplit('.', 1)[-1]}" if ".rate_limits[" in rule.where else ""
+    return f"{rule.source}: {rule.stat_key}{name}{entry}"
 
 
 # ---------------------------------------------------------------- descriptors onto rules
@@ -587,8 +603,9 @@ def targets_of(domain: DomainConfig, route: int, producer: Producer) -> list[Tar
             values = (*key, source) if node.counts_each_value else key
             if index < last:
                 walk(node.children, index + 1, held, values)
-            elif node.rule is not None:
-                found.append(Target(node.rule, route, held, values))
+            else:
+                # Every limit of the node (``rate_limits``): each its own counter, checked together.
+                found.extend(Target(rule, route, held, values) for rule in node_limits(node))
 
     walk(domain.root, 0, producer.condition, ())
     return found
@@ -622,19 +639,62 @@ def candidates(level: Level, key: str, source: Source) -> list[tuple[DescriptorN
     return found
 
 
+def window_text(rule: RateLimitRule) -> str:
+    """``unit minute``, or ``unit minute x 5 (300 s)`` for a window of several units."""
+    unit = rule.unit.name.lower() if rule.unit else "?"
+    if rule.unit_multiplier == 1:
+        return f"unit {unit}"
+    return f"unit {unit} x {rule.unit_multiplier} ({rule.unit_seconds} s)"
+
+
+def rate_of(rule: RateLimitRule) -> str:
+    """``20/second``, or ``5/5 minutes`` for a window of several units."""
+    unit = rule.unit.name.lower() if rule.unit else "?"
+    per = f"{rule.unit_multiplier} {unit}s" if rule.unit_multiplier > 1 else unit
+    return f"{rule.requests_per_unit}/{per}"
+
+
+def keeps_previous_window(rule: RateLimitRule, flavour: Flavour) -> bool:
+    """Whether the rule's table must keep an entry one window past its end: every rate of the
+    sliding flavour, and a ``sliding_window`` rule of the fixed flavour (which reads the
+    previous window's count)."""
+    return flavour == "sliding" or rule.algorithm is Algorithm.SLIDING_WINDOW
+
+
 def rule_problem(rule: RateLimitRule, flavour: Flavour) -> str | None:
     """Why a rule cannot be exported in ``flavour`` at all, or None."""
     if rule.unlimited:
         return None
     if rule.quota_mode:
         return "quota_mode (reject only when every quota descriptor is over) is not exported"
-    unit = rule.unit_seconds
-    needed = unit + 1 if flavour == "fixed" else 2 * unit + 1
-    if needed > MAX_TIMER_SECONDS:
-        what = "table expire" if flavour == "fixed" else "rate period and expire"
+    if rule.algorithm is Algorithm.TOKEN_BUCKET:
         return (
-            f"unit {rule.unit.name.lower() if rule.unit else '?'}: a {flavour} window needs a {what} of {needed} s; "
-            f"HAProxy 2.6 allows at most {MAX_TIMER_SECONDS} s (~24.8 days)"
+            f"algorithm token_bucket (burst {rule.burst}, refilled at {rate_of(rule)}): HAProxy 2.6 has no token "
+            "bucket (its stick tables count hits per period; nothing refills over time), and no window admits "
+            "the same requests"
+        )
+    unit = rule.unit_seconds
+    needed = 2 * unit + 1 if keeps_previous_window(rule, flavour) else unit + 1
+    if needed > MAX_TIMER_SECONDS:
+        if flavour == "sliding":
+            what = "a sliding window needs a rate period and expire"
+        elif rule.algorithm is Algorithm.SLIDING_WINDOW:
+            what = "a sliding_window rule keeps the previous window: it needs a table expire"
+        else:
+            what = "a fixed window needs a table expire"
+        return (
+            f"{window_text(rule)}: {what} of {needed} s; HAProxy 2.6 allows at most {MAX_TIMER_SECONDS} s (~24.8 days)"
+        )
+    return None
+
+
+def ban_problem(rule: RateLimitRule) -> str | None:
+    """Why a rule's ``ban_duration`` cannot be exported (the limit itself still is), or None."""
+    needed = rule.ban_seconds + 1
+    if needed > MAX_TIMER_SECONDS:
+        return (
+            f"ban_duration {rule.ban_seconds} s not exported (the limit is): a ban is kept in a table whose expire "
+            f"would be {needed} s; HAProxy 2.6 allows at most {MAX_TIMER_SECONDS} s (~24.8 days)"
         )
     return None
 
@@ -669,12 +729,17 @@ class ExportOptions:
 
 @dataclass(frozen=True, slots=True)
 class Table:
-    """One stick table per window length; each rule with that window owns one counter slot."""
+    """One stick table per window length; each rule with that window owns one counter slot.
+
+    The bans table (``seconds`` 0) holds one ``gpt`` slot per rule with a ``ban_duration``.
+    """
 
     name: str
-    unit: Unit
+    seconds: int
     rules: tuple[int, ...]
     """Rule ids in slot order."""
+    keeps_previous: bool = False
+    """Entries live one window past their end (rates, or a sliding_window rule reading the previous window)."""
 
     def slot(self, rule_id: int) -> int:
         return self.rules.index(rule_id)
@@ -682,6 +747,8 @@ class Table:
 
 GroupKey = tuple[int, tuple[Source, ...]]
 """``(window seconds, key parts)``: targets with equal group keys share one table entry and tracker."""
+BanKey = tuple[Source, ...]
+"""The key parts of a ban entry: no window, since a ban outlives windows."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,6 +761,9 @@ class Placed:
     group: int
     condition: Condition
     """The target's condition and, for a replaceable rule, the 'not replaced' test; no route test."""
+    ban: tuple[int | None, int] | None = None
+    """``(tracker, ban group)`` of the rule's ban entry, when its ``ban_duration`` is exported; the
+    tracker that starts a ban is None on a route with none left (it only enforces running bans)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -705,6 +775,7 @@ class Merged:
     tracker: int
     group: int
     condition: Condition
+    ban: tuple[int | None, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -732,8 +803,12 @@ class Planner:
         ]
         self.replacers = self._replacers()
         self.groups: list[GroupKey] = []
+        self.ban_groups: list[BanKey] = []
+        self.banned: tuple[int, ...] = ()
+        """Rule ids whose ban is exported, in gpt slot order."""
         self.placed = self._place()
         self.tables = self._tables()
+        self.bans = self._bans_table()
         self._report_unreached()
 
     def rule_id(self, rule: RateLimitRule) -> int:
@@ -754,12 +829,13 @@ class Planner:
 
     def merged(self) -> list[Merged]:
         """Placed targets that differ only by route, as one item with a test for all their routes."""
-        routes: dict[tuple[int, int, int, Condition], list[int]] = {}
+        routes: dict[tuple[int, int, int, Condition, tuple[int | None, int] | None], list[int]] = {}
         for item in self.placed:
-            routes.setdefault((item.rule_id, item.tracker, item.group, item.condition), []).append(item.target.route)
+            key = (item.rule_id, item.tracker, item.group, item.condition, item.ban)
+            routes.setdefault(key, []).append(item.target.route)
         return [
-            Merged(self.domain.rules[rule_id], rule_id, tracker, group, (*self.route_test(on), *condition))
-            for (rule_id, tracker, group, condition), on in routes.items()
+            Merged(self.domain.rules[rule_id], rule_id, tracker, group, (*self.route_test(on), *condition), ban)
+            for (rule_id, tracker, group, condition, ban), on in routes.items()
         ]
 
     def _replacers(self) -> dict[str, list[Target]]:
@@ -785,8 +861,8 @@ class Planner:
         """
         placed: list[Placed] = []
         refused: set[int] = set()
-        trackers: dict[int, dict[int, int]] = {}
-        """Per route: group -> tracker, in order of first use."""
+        trackers: dict[int, dict[tuple[str, int], int]] = {}
+        """Per route: ("count", group) or ("ban", ban group) -> tracker, in order of first use."""
         slots: dict[int, set[int]] = {}
         """Per window length: the rules with a slot in its table."""
         for target in sorted(self.targets, key=lambda target: target.rule.shadow_mode):
@@ -806,19 +882,89 @@ class Planner:
                 continue
             group = self._group((rule.unit_seconds, target.key))
             on_route = trackers.setdefault(target.route, {})
-            tracker = on_route.setdefault(group, len(on_route))
+            tracker = on_route.setdefault(("count", group), len(on_route))
             if tracker >= TRACKERS:
                 self._tracker_problem(target)
                 continue
             condition = (*target.condition, *self.replaced_test(rule))
             placed.append(Placed(target, rule_id, tracker, group, condition))
+        placed = self._place_bans(placed, trackers)
         self._note_differences(placed)
         return placed
+
+    def _place_bans(self, placed: list[Placed], trackers: dict[int, dict[tuple[str, int], int]]) -> list[Placed]:
+        """Give each placed rule with a ``ban_duration`` its ban entry, and the tracker that starts a ban.
+
+        After every counter has its tracker: a route short of trackers loses a ban rather than a
+        limit. Reading a ban needs no tracker (``table_gpt``), so such a route still refuses a
+        client banned through another route; when no route can start the rule's ban, it is not
+        exported. A ban entry is keyed by the values alone (a ban outlives the windows), one
+        ``gpt`` slot per rule, so rules with the same values share an entry and a tracker.
+        """
+        keys: list[BanKey] = []
+        chosen: list[tuple[Placed, int | None, int | None]] = []
+        """Each item with its ban tracker (None: read only) and key index, or no ban at all."""
+        starts: set[int] = set()
+        for item in placed:
+            rule = item.target.rule
+            reason = ban_problem(rule) if rule.ban_seconds else None
+            if not rule.ban_seconds or reason is not None:
+                if reason is not None:
+                    self._note_once(rule, reason)
+                chosen.append((item, None, None))
+                continue
+            if item.target.key not in keys:
+                keys.append(item.target.key)
+            index = keys.index(item.target.key)
+            on_route = trackers.setdefault(item.target.route, {})
+            tracker = on_route.get(("ban", index))
+            if tracker is None and len(on_route) < TRACKERS:
+                tracker = on_route[("ban", index)] = len(on_route)
+            if tracker is not None:
+                starts.add(item.rule_id)
+            chosen.append((item, tracker, index))
+        banned = sorted(starts)[:MAX_SLOTS]
+        result: list[Placed] = []
+        for item, tracker, key in chosen:
+            rule = item.target.rule
+            if key is None:  # no ban, or one that cannot be exported at all
+                result.append(item)
+                continue
+            if item.rule_id not in banned:
+                why = (
+                    f"more than {MAX_SLOTS} rules with a ban, and a HAProxy gpt array holds {MAX_SLOTS}"
+                    if item.rule_id in starts
+                    else f"starting a ban needs a stick counter beyond sc{TRACKERS - 1} for its entry (keyed by "
+                    "the values, without the window) on every route that reaches it"
+                )
+                self._note_once(rule, f"ban_duration not exported (the limit is): {why}")
+                result.append(item)
+                continue
+            if tracker is None:
+                label = self.sources.routes[item.target.route].label
+                self._note_once(
+                    rule,
+                    f"on {label}: a running ban is enforced, but no ban starts here: that needs a stick counter "
+                    f"beyond sc{TRACKERS - 1} for the ban entry (keyed by the values, without the window)",
+                )
+            result.append(replace(item, ban=(tracker, self._ban_group(keys[key]))))
+        self.banned = tuple(banned)
+        return result
+
+    def _note_once(self, rule: RateLimitRule, reason: str) -> None:
+        problem = Problem(where_of(rule), reason, exported=True)
+        if problem not in self.problems:
+            self.problems.append(problem)
 
     def _group(self, key: GroupKey) -> int:
         if key not in self.groups:
             self.groups.append(key)
         return self.groups.index(key)
+
+    def _ban_group(self, key: BanKey) -> int:
+        if key not in self.ban_groups:
+            self.ban_groups.append(key)
+        return self.ban_groups.index(key)
 
     def _tracker_problem(self, target: Target) -> None:
         label = self.sources.routes[target.route].label
@@ -831,13 +977,15 @@ class Planner:
         self.problems.append(Problem(where_of(target.rule), reason))
 
     def _note_differences(self, placed: Sequence[Placed]) -> None:
-        """Notes for rules exported with a documented difference: shadow mode, soft limits, repeated descriptors."""
+        """Notes for rules exported with a documented difference: shadow mode, soft limits, bans,
+        repeated descriptors."""
         seen: dict[tuple[int, int, tuple[Source, ...]], int] = {}
         for item in placed:
             slot = (item.target.route, item.rule_id, item.target.key)
             seen[slot] = seen.get(slot, 0) + 1
         noted: set[int] = set()
         soft_noted: set[int] = set()
+        ban_noted: set[int] = set()
         for item in placed:
             rule = item.target.rule
             if rule.shadow_mode and item.rule_id not in noted:
@@ -860,6 +1008,17 @@ class Planner:
                         exported=True,
                     )
                 )
+            if item.ban is not None and item.rule_id not in ban_noted:
+                ban_noted.add(item.rule_id)
+                self.problems.append(
+                    Problem(
+                        where_of(rule),
+                        f"ban_duration {rule.ban_seconds} s: set by the request that goes over, never extended, "
+                        "kept as its end in whole Unix seconds rounded up (it can last up to 1 s longer than "
+                        "in the sidecar)",
+                        exported=True,
+                    )
+                )
         for (route, rule_id, _), count in seen.items():
             if count > 1:
                 rule = self.domain.rules[rule_id]
@@ -874,18 +1033,29 @@ class Planner:
                 )
 
     def _tables(self) -> list[Table]:
-        by_unit: dict[Unit, list[int]] = {}
+        by_window: dict[int, list[int]] = {}
         for item in self.placed:
-            unit = item.target.rule.unit
-            assert unit is not None
-            ids = by_unit.setdefault(unit, [])
+            ids = by_window.setdefault(item.target.rule.unit_seconds, [])
             if item.rule_id not in ids:
                 ids.append(item.rule_id)
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", self.domain.name)
-        return [
-            Table(f"rl_{name}_{self.options.flavour}_{unit.name.lower()}", unit, tuple(sorted(by_unit[unit])))
-            for unit in sorted(by_unit, key=lambda unit: unit.seconds)
-        ]
+        name = self._table_prefix()
+        tables = []
+        for seconds in sorted(by_window):
+            rule_ids = tuple(sorted(by_window[seconds]))
+            unit = UNIT_BY_SECONDS.get(seconds)
+            label = unit.name.lower() if unit is not None else f"{seconds}s"
+            keeps = any(keeps_previous_window(self.domain.rules[i], self.options.flavour) for i in rule_ids)
+            tables.append(Table(f"{name}_{label}", seconds, rule_ids, keeps))
+        return tables
+
+    def _bans_table(self) -> Table | None:
+        """The table of ban ends, one ``gpt`` slot per rule whose ban is exported."""
+        if not self.banned:
+            return None
+        return Table(f"{self._table_prefix()}_bans", 0, self.banned)
+
+    def _table_prefix(self) -> str:
+        return f"rl_{re.sub(r'[^A-Za-z0-9_.-]', '_', self.domain.name)}_{self.options.flavour}"
 
     def table_of(self, rule_id: int) -> Table:
         return next(table for table in self.tables if rule_id in table.rules)
@@ -941,6 +1111,10 @@ class Renderer:
         self.values: list[str] = []
         self.lengths: set[int] = set()
         self.merged = plan.merged()
+        self.estimated = [item for item in self.merged if self.fixed and is_sliding(item.rule)]
+        """Fixed flavour: sliding_window rules, whose count adds the previous window's weighted share."""
+        self.banning = [item for item in self.merged if item.ban is not None]
+        """Rules whose running bans are enforced; those with a tracker also start them."""
 
     def render(self) -> str:
         """The whole fragment: frontend lines (indented), then one backend per table."""
@@ -949,6 +1123,8 @@ class Renderer:
             *self._replacements(),
             *self._keys(),
             *self._tracking(),
+            *self._estimates(),
+            *self._bans(),
             *self._checks(),
             *self._counting(),
         ]
@@ -957,6 +1133,8 @@ class Renderer:
         lines = [f"    {printable(line)}" if line else "" for line in frontend]
         for table in self.plan.tables:
             lines.extend(["", f"backend {table.name}", f"    {self._stick_table(table)}"])
+        if self.plan.bans is not None:
+            lines.extend(["", f"backend {self.plan.bans.name}", f"    {self._bans_stick_table(self.plan.bans)}"])
         return "\n".join(lines) + "\n"
 
     def _header(self) -> list[str]:
@@ -972,23 +1150,67 @@ class Renderer:
             f"# flavour {self.options.flavour}: {kind}.",
             "# Counts admitted requests only: every check runs before any counter moves.",
             "# Uses sc0..sc2 and txn.rl_* variables; exact with nbthread 1 (threads may race check and count).",
+            *self._extension_notes(),
             "# Rules (id: stat key, limit, where counted):",
         ]
         for index, rule in enumerate(plan.domain.rules):
             lines.append(f"#   r{index}: {self._rule_summary(index, rule)}")
         return lines
 
+    def _extension_notes(self) -> list[str]:
+        """Header lines for the extensions the exported rules use (none for a plain config)."""
+        rules = [item.rule for item in self.merged]
+        lines = []
+        if any(".rate_limits[" in rule.where for rule in rules):
+            lines += [
+                "# rate_limits (several limits on one descriptor): each limit has its own slot and is checked",
+                "# with the others before anything is counted: a request refused by one spends none of them.",
+            ]
+        if any(is_sliding(rule) for rule in rules):
+            if self.fixed:
+                lines += [
+                    "# sliding_window rules, even in this flavour, as the sidecar computes them: the current",
+                    "# clock window's count plus the previous window's (read with table_gpc) times the share of",
+                    "# it the sliding window still covers (millisecond clock), rounded down. Not gpc_rate, whose",
+                    "# periods start at an entry's first count rather than at clock boundaries.",
+                ]
+            else:
+                lines += [
+                    "# sliding_window rules: gpc_rate is the sidecar's estimate (current period plus the previous",
+                    "# one weighted by the share still covered, rounded down), but its periods start at an",
+                    "# entry's first count rather than at clock boundaries.",
+                ]
+        if self.banning:
+            assert self.plan.bans is not None
+            lines += [
+                "# ban_duration: the request that goes over a limit writes when its ban ends (Unix seconds,",
+                f"# rounded up) into the rule's gpt slot in {self.plan.bans.name}, keyed by the values without",
+                "# the window; every request on it is refused until then. Never extended: a banned request",
+                "# does not start a new ban.",
+            ]
+        return lines
+
     def _rule_summary(self, index: int, rule: RateLimitRule) -> str:
         name = f" ({rule.name})" if rule.name else ""
+        if ".rate_limits[" in rule.where:
+            name += f" {rule.where.rsplit('.', 1)[-1]}"
         if rule.unlimited:
             return f"{rule.stat_key}{name} unlimited: nothing counted"
         flags = " shadow" if rule.shadow_mode else ""
-        unit = rule.unit.name.lower() if rule.unit else "?"
+        kind = ""
+        if rule.algorithm is Algorithm.SLIDING_WINDOW:
+            kind = " sliding_window"
+        elif rule.algorithm is Algorithm.TOKEN_BUCKET:
+            kind = f" token_bucket burst {rule.burst}"
+        ban = f" ban {rule.ban_seconds}s" if rule.ban_seconds else ""
         where = "not exported (see stderr)"
         if any(item.rule_id == index for item in self.plan.placed):
             table = self.plan.table_of(index)
             where = f"{table.name} slot {table.slot(index)}"
-        return f"{rule.stat_key}{name} {rule.requests_per_unit}/{unit}{flags}: {where}"
+            bans = self.plan.bans
+            if bans is not None and index in bans.rules:
+                where += f", ban in {bans.name} gpt slot {bans.slot(index)}"
+        return f"{rule.stat_key}{name} {rate_of(rule)}{kind}{ban}{flags}: {where}"
 
     def _routing(self) -> list[str]:
         routes = self.plan.sources.routes
@@ -1022,20 +1244,41 @@ class Renderer:
         if not plan.placed:
             return []
         lines = ["# 3. counter keys: one per window length and key values"]
+        previous = sorted({item.group for item in self.estimated})
+        """Groups whose previous window's entry is read (sliding_window rules, fixed flavour)."""
+        placed = {item.group for item in plan.placed}
         if self.fixed:
-            for unit in sorted({unit for unit, _ in plan.groups}):
+            for unit in sorted({plan.groups[group][0] for group in placed}):
                 fetch = "date" if unit == 1 else f"date,div({unit})"
                 lines.append(f"http-request set-var(txn.rl_w{unit}) {fetch}")
+            for unit in sorted({plan.groups[group][0] for group in previous}):
+                millis = unit * 1000
+                lines.append(
+                    f"http-request set-var(txn.rl_w{unit}p) {'date' if unit == 1 else f'date,div({unit})'},sub(1)"
+                )
+                lines.append(f"http-request set-var(txn.rl_e{unit}) date(0,ms),mod({millis}),neg,add({millis})")
+        if self.banning:
+            lines.append("http-request set-var(txn.rl_now) date")
         for group, (unit, parts) in enumerate(plan.groups):
-            lines.extend(self._key(group, unit, parts))
+            if group not in placed:
+                continue  # its rules found no tracker
+            used = self._used_condition(group)
+            prefix = f"var(txn.rl_w{unit})" if self.fixed else "str()"
+            lines.extend(self._key(f"txn.rl_k{group}", prefix, parts, used))
+            if group in previous:
+                lines.extend(self._key(f"txn.rl_k{group}p", f"var(txn.rl_w{unit}p)", parts, used))
+        for ban_group, parts in enumerate(plan.ban_groups):
+            routes = {item.target.route for item in plan.placed if item.ban is not None and item.ban[1] == ban_group}
+            if routes:  # else no route had a tracker left to set its bans
+                lines.extend(self._key(f"txn.rl_b{ban_group}", "str()", parts, self._if(plan.route_test(routes))))
         return lines
 
-    def _key(self, group: int, unit: int, parts: tuple[Source, ...]) -> list[str]:
+    def _key(self, name: str, prefix: str, parts: tuple[Source, ...], used: str) -> list[str]:
         """``<window>:<len>:<v1>:<v2>`` (every value but the last length-prefixed, so no two lists of
-        values make one key); hashed when it may not fit the table's key length."""
+        values make one key); hashed when it may not fit the table's key length. Ban keys have no
+        window (``prefix`` ``str()``)."""
         lines: list[str] = []
-        expression = [f"var(txn.rl_w{unit})" if self.fixed else "str()"]
-        used = self._used_condition(group)
+        expression = [prefix]
         for position, part in enumerate(parts):
             last = position == len(parts) - 1
             if isinstance(part, Const):
@@ -1052,11 +1295,11 @@ class Renderer:
                 expression.append(f"concat(:,txn.rl_v{value},)")
         if not parts:
             expression.append("concat(:)")
-        lines.append(f"http-request set-var(txn.rl_k{group}) {','.join(expression)}{used}")
+        lines.append(f"http-request set-var({name}) {','.join(expression)}{used}")
         if self._may_be_long(parts):
             lines.append(
-                f"http-request set-var(txn.rl_k{group}) var(txn.rl_k{group}),sha2(256),bytes(0,{HASH_BYTES}),hex"
-                f" if {{ var(txn.rl_k{group}),length gt {KEY_LENGTH} }}"
+                f"http-request set-var({name}) var({name}),sha2(256),bytes(0,{HASH_BYTES}),hex"
+                f" if {{ var({name}),length gt {KEY_LENGTH} }}"
             )
         return lines
 
@@ -1094,11 +1337,81 @@ class Renderer:
             lines.append(f"http-request track-sc{tracker} var(txn.rl_k{group}) table {table.name}{guard}")
         return lines
 
+    def _estimates(self) -> list[str]:
+        """Fixed flavour, sliding_window rules: what the previous clock window adds to the count."""
+        if not self.estimated:
+            return []
+        lines = [
+            "# 4b. sliding_window rules: the previous window's count times the share of it the sliding window",
+            "#     still covers (ms left in this window / window length), rounded down",
+        ]
+        done: set[str] = set()
+        for item in sorted(self.estimated, key=lambda i: (i.group, i.rule_id)):
+            table = self.plan.table_of(item.rule_id)
+            slot = table.slot(item.rule_id)
+            unit = table.seconds
+            line = (
+                f"http-request set-var({self._previous_var(item)}) var(txn.rl_k{item.group}p),"
+                f"table_gpc({slot},{table.name}),mul(txn.rl_e{unit}),div({unit * 1000})"
+                f"{self._used_condition(item.group)}"
+            )
+            if line not in done:
+                done.add(line)
+                lines.append(f"{line}  # r{item.rule_id}")
+        return lines
+
+    def _previous_var(self, item: Merged) -> str:
+        return f"txn.rl_p{item.group}_{self.plan.table_of(item.rule_id).slot(item.rule_id)}"
+
+    def _bans(self) -> list[str]:
+        """Start the ban of every rule this request is over (before any denial stops the rules)."""
+        starting = [item for item in self.banning if item.ban is not None and item.ban[0] is not None]
+        bans = self.plan.bans
+        if not starting or bans is None:
+            return []
+        lines = ["# 4c. bans: a request over a limit with ban_duration starts its ban, unless one is running"]
+        tracked: dict[tuple[int | None, int], list[str]] = {}
+        for item in starting:
+            assert item.ban is not None
+            starts = " ".join(
+                filter(None, [self.acls.condition(item.condition), self._over(item), self._not_banned(item)])
+            )
+            alternatives = tracked.setdefault(item.ban, [])
+            if starts not in alternatives:
+                alternatives.append(starts)
+        for (tracker, ban_group), alternatives in tracked.items():
+            lines.append(
+                f"http-request track-sc{tracker} var(txn.rl_b{ban_group}) table {bans.name}"
+                f" if {' || '.join(alternatives)}"
+            )
+        for item in sorted(starting, key=lambda i: i.rule_id):
+            assert item.ban is not None
+            end = f"date(0,ms),add({item.rule.ban_seconds * 1000 + 999}),div(1000)"
+            lines.append(
+                f"http-request sc-set-gpt({bans.slot(item.rule_id)},{item.ban[0]}) {end}"
+                f"{self._if(item.condition, self._over(item), self._not_banned(item))}  # r{item.rule_id}"
+            )
+        return lines
+
     def _over(self, item: Merged) -> str:
         """The anonymous ACL 'this rule's counter has no room for one more hit'."""
         slot = self.plan.table_of(item.rule_id).slot(item.rule_id)
-        fetch = "sc_get_gpc" if self.fixed else "sc_gpc_rate"
-        return f"{{ {fetch}({slot},{item.tracker}) ge {item.rule.requests_per_unit} }}"
+        if not self.fixed:
+            return f"{{ sc_gpc_rate({slot},{item.tracker}) ge {item.rule.requests_per_unit} }}"
+        previous = f",add({self._previous_var(item)})" if item in self.estimated else ""
+        return f"{{ sc_get_gpc({slot},{item.tracker}){previous} ge {item.rule.requests_per_unit} }}"
+
+    def _ban_left(self, item: Merged) -> str:
+        """Seconds until the rule's ban ends (0 or less: no ban)."""
+        assert item.ban is not None and self.plan.bans is not None
+        bans = self.plan.bans
+        return f"var(txn.rl_b{item.ban[1]}),table_gpt({bans.slot(item.rule_id)},{bans.name}),sub(txn.rl_now)"
+
+    def _banned(self, item: Merged) -> str:
+        return f"{{ {self._ban_left(item)} gt 0 }}"
+
+    def _not_banned(self, item: Merged) -> str:
+        return f"!{self._banned(item)}"
 
     def _checks(self) -> list[str]:
         if not self.merged:
@@ -1106,21 +1419,34 @@ class Renderer:
         enforced = [item for item in self.merged if not item.rule.shadow_mode]
         shadow = [item for item in self.merged if item.rule.shadow_mode]
         lines = ["# 5. checks, longest window first (its Retry-After is the longest): nothing counted yet"]
-        for item in sorted(enforced, key=lambda i: (-i.rule.unit_seconds, i.rule_id)):
-            lines.append(
-                f"http-request deny {self._deny_response(item.rule)}{self._if(item.condition, self._over(item))}"
-            )
+        denials: list[tuple[int, int, int, str]] = []
+        """``(longest wait, rule id, order, line)``: a ban's wait is its length, a window's its length."""
+        for item in enforced:
+            rule = item.rule
+            if item.ban is not None:
+                retry = f'"%[{self._ban_left(item)}]"'
+                banned = self._if(item.condition, self._banned(item))
+                line = f"http-request deny {self._deny_response(rule, retry)}{banned}"
+                denials.append((rule.ban_seconds, item.rule_id, 0, line))
+            line = f"http-request deny {self._deny_response(rule)}{self._if(item.condition, self._over(item))}"
+            denials.append((rule.unit_seconds, item.rule_id, 1, line))
+        for _, _, _, line in sorted(denials, key=lambda denial: (-denial[0], denial[1], denial[2])):
+            lines.append(line)
         for item in sorted(shadow, key=lambda i: i.rule_id):
+            over = " ".join(filter(None, [self.acls.condition(item.condition), self._over(item)]))
+            if item.ban is not None:
+                over += " || " + " ".join(filter(None, [self.acls.condition(item.condition), self._banned(item)]))
             lines.append(
                 f"http-request set-var(txn.rl_shadow) str(),concat(,txn.rl_shadow,/r{item.rule_id})"
-                f"{self._if(item.condition, self._over(item))}  # shadow: never denied"
+                f" if {over}  # shadow: never denied"
             )
         return lines
 
-    def _deny_response(self, rule: RateLimitRule) -> str:
+    def _deny_response(self, rule: RateLimitRule, retry: str | None = None) -> str:
         unit = rule.unit_seconds
         until_window_end = f'"%[date,mod({unit}),neg,add({unit})]"'
-        retry = until_window_end if self.fixed and unit > 1 else str(unit)
+        if retry is None:
+            retry = until_window_end if self.fixed and unit > 1 else str(unit)
         limit = f'"{rule.requests_per_unit}, {rule.requests_per_unit};w={unit}"'
         return (
             'status 429 content-type text/plain string "Too Many Requests\\n"'
@@ -1142,17 +1468,27 @@ class Renderer:
         return f" if {text}" if text else ""
 
     def _stick_table(self, table: Table) -> str:
-        unit = table.unit.seconds
+        unit = table.seconds
         slots = len(table.rules)
-        if self.fixed:
-            expire, store = unit + 1, f"gpc({slots})"
-        else:
-            expire, store = 2 * unit + 1, f"gpc_rate({slots},{unit}s)"
+        expire = 2 * unit + 1 if table.keeps_previous else unit + 1
+        store = f"gpc({slots})" if self.fixed else f"gpc_rate({slots},{unit}s)"
+        return self._table_line(expire, store)
+
+    def _bans_stick_table(self, table: Table) -> str:
+        """Entries outlive the longest ban; the ban's end itself is in its gpt slot."""
+        longest = max(self.plan.domain.rules[rule_id].ban_seconds for rule_id in table.rules)
+        return self._table_line(longest + 1, f"gpt({len(table.rules)})")
+
+    def _table_line(self, expire: int, store: str) -> str:
         peers = f" peers {self.options.peers}" if self.options.peers else ""
         return (
             f"stick-table type string len {KEY_LENGTH} size {self.options.table_size} expire {expire}s{peers} "
             f"store {store}"
         )
+
+
+def is_sliding(rule: RateLimitRule) -> bool:
+    return rule.algorithm is Algorithm.SLIDING_WINDOW
 
 
 def export(domain: DomainConfig, sources: Sources, options: ExportOptions) -> Export:

@@ -359,7 +359,9 @@ def serve(settings: Settings) -> None:
     try:
         config = load_config(settings.config, enforcing_mode(settings))
     except ConfigError as error:
-        hint = f"run 'ratelimit-sidecar check-config --mode {settings.mode} {settings.config}' to list every issue"
+        mode = enforcing_mode(settings)
+        flag = f"--mode {mode} " if mode else ""
+        hint = f"run 'ratelimit-sidecar check-config {flag}{settings.config}' to list every issue"
         raise StartupError(f"{error}; {hint}") from None
     log.info("config_loaded", files=len(config.files), domains=sorted(config.domains), rules=rule_count(config))
     uvloop.run(run(settings, config))

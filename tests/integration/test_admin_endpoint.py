@@ -78,6 +78,25 @@ def test_config_lists_the_loaded_rules_with_their_source(start_sidecar: SidecarF
     assert rules["it.free"]["unlimited"] is True
 
 
+def test_config_shows_the_extensions_of_every_limit(start_sidecar: SidecarFactory) -> None:
+    """examples/extensions through a real sidecar: algorithm, window, burst, ban, and both limits of api_key."""
+    extensions = Path(__file__).resolve().parents[2] / "examples" / "extensions"
+    _, port = with_admin(start_sidecar, extensions)
+    status, _, body = get(port, "/config")
+    assert status == 200
+    rules = json.loads(body)["domains"]["extensions"]["rules"]
+    assert [(rule["name"] or rule["stat_key"], rule["algorithm"], rule["window_seconds"]) for rule in rules] == [
+        ("extensions.remote_address", "sliding_window", 1),
+        ("extensions.generic_key_uploads", "token_bucket", 1),
+        ("api_key_per_second", "fixed_window", 1),
+        ("api_key_per_hour", "fixed_window", 3600),
+        ("extensions.login_user", "fixed_window", 300),
+    ]
+    assert rules[1]["burst"] == 50
+    assert (rules[4]["unit"], rules[4]["unit_multiplier"], rules[4]["ban_duration_seconds"]) == ("minute", 5, 600)
+    assert rules[2]["together_with"] == [rules[3]["path"]] and rules[3]["together_with"] == [rules[2]["path"]]
+
+
 def test_healthz_and_unknown_paths(start_sidecar: SidecarFactory, config_dir: Path) -> None:
     _, port = with_admin(start_sidecar, config_dir)
     assert get(port, "/healthz")[::2] == (200, "SERVING\n")

@@ -636,3 +636,304 @@ def test_waiting_retry_after_is_enough(start_haproxy: Callable[[], HAProxyProces
     assert statuses == [200] * 20 and refused.status == 429
     time.sleep(int(refused.headers["retry-after"]) + 0.01)
     assert client.send().status == 200
+
+
+# ---------------------------------------------------------------- config extensions
+
+EXTENSIONS = REPO / "examples" / "extensions"
+
+
+def envoy_yaml(domain: str, routes: str) -> str:
+    """A minimal Envoy config: one listener, the rate-limit filter of ``domain``, ``routes`` (a YAML list)."""
+    indented = textwrap.indent(textwrap.dedent(routes).strip(), " " * 24)
+    return textwrap.dedent(
+        """\
+        static_resources:
+          listeners:
+            - name: ingress
+              filter_chains:
+                - filters:
+                    - name: envoy.filters.network.http_connection_manager
+                      typed_config:
+                        route_config:
+                          virtual_hosts:
+                            - name: app
+                              domains: ["*"]
+                              routes:
+        {routes}
+                        http_filters:
+                          - name: envoy.filters.http.ratelimit
+                            typed_config: {{domain: {domain}}}
+        """
+    ).format(routes=indented, domain=domain)
+
+
+EXTENSIONS_ENVOY = envoy_yaml(
+    "extensions",
+    """\
+    - match: {prefix: "/login"}
+      route:
+        rate_limits:
+          - actions: [{remote_address: {}}]
+          - actions: [{request_headers: {header_name: x-user, descriptor_key: login_user}}]
+    - match: {prefix: "/upload"}
+      route:
+        rate_limits:
+          - actions: [{remote_address: {}}]
+          - actions: [{generic_key: {descriptor_value: uploads}}]
+    - match: {prefix: "/"}
+      route:
+        rate_limits:
+          - actions: [{remote_address: {}}]
+          - actions: [{request_headers: {header_name: x-api-key, descriptor_key: api_key}}]
+    """,
+)
+"""Routes for examples/extensions that keep every route within HAProxy's three trackers."""
+EXTENSION_FLAGS = (
+    "--fetch",
+    "api_key=req.fhdr(x-api-key,1)",
+    "--fetch",
+    "login_user=req.fhdr(x-user,1)",
+    "--when",
+    "generic_key=uploads",
+    "path_beg /upload",
+)
+
+
+@pytest.mark.parametrize("flavour", ["fixed", "sliding"])
+@pytest.mark.parametrize("inputs", ["envoy", "flags", "peers"])
+def test_extension_exports_pass_haproxy_check(tmp_path: Path, flavour: str, inputs: str) -> None:
+    """examples/extensions: sliding windows, windows of several units, several limits on one key and a
+    ban (a token bucket is listed, not exported)."""
+    envoy = tmp_path / "envoy.yaml"
+    envoy.write_text(EXTENSIONS_ENVOY)
+    args = {
+        "envoy": ("--envoy", str(envoy)),
+        "flags": EXTENSION_FLAGS,
+        "peers": ("--envoy", str(envoy), "--peers", "rl_peers", "--table-size", "10k"),
+    }[inputs]
+    completed = export_cli(str(EXTENSIONS), *args, "--flavour", flavour)
+    assert completed.returncode == 0, completed.stderr
+    assert "token_bucket" in completed.stderr
+    assert f"backend rl_extensions_{flavour}_second" in completed.stdout
+    if inputs != "flags":
+        assert f"backend rl_extensions_{flavour}_bans" in completed.stdout
+        assert f"backend rl_extensions_{flavour}_300s" in completed.stdout
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(frontend_around(completed.stdout, peers=inputs == "peers"))
+    result = check_config(path)
+    assert result.ok, result.output + "\n" + path.read_text()
+
+
+CORNERS = textwrap.dedent(
+    """\
+    domain: corners
+    descriptors:
+      - key: user                  # four limits: the day one finds no tracker, the minute one no ban tracker
+        rate_limits:
+          - {unit: second, requests_per_unit: 1}
+          - {unit: minute, requests_per_unit: 2, ban_duration: 30}
+          - {unit: hour, requests_per_unit: 3}
+          - {unit: day, requests_per_unit: 4}
+      - key: long_ban              # a ban past HAProxy's timers: the limit alone
+        rate_limit: {unit: second, requests_per_unit: 1, ban_duration: 30d}
+      - key: both                  # two banned limits sharing one ban entry and tracker
+        rate_limits:
+          - {unit: second, requests_per_unit: 5, ban_duration: 20, algorithm: sliding_window}
+          - {unit: second, requests_per_unit: 7, ban_duration: 40}
+      - key: shadowed              # shadow, sliding, 60 x 1 s, a ban started on one route only
+        shadow_mode: true
+        rate_limit:
+          {unit: second, unit_multiplier: 60, requests_per_unit: 3, ban_duration: 5, algorithm: sliding_window}
+    """
+)
+CORNER_ROUTES = """\
+- match: {prefix: "/u"}
+  route: {rate_limits: [{actions: [{request_headers: {header_name: x-u, descriptor_key: user}}]}]}
+- match: {prefix: "/l"}
+  route: {rate_limits: [{actions: [{request_headers: {header_name: x-l, descriptor_key: long_ban}}]}]}
+- match: {prefix: "/b"}
+  route:
+    rate_limits:
+      - actions: [{request_headers: {header_name: x-b, descriptor_key: both}}]
+      - actions: [{request_headers: {header_name: x-s, descriptor_key: shadowed}}]
+- match: {prefix: "/"}
+  route: {rate_limits: [{actions: [{request_headers: {header_name: x-s, descriptor_key: shadowed}}]}]}
+"""
+
+
+@pytest.mark.parametrize("flavour", ["fixed", "sliding"])
+def test_corner_cases_of_the_extensions_pass_haproxy_check(tmp_path: Path, flavour: str) -> None:
+    rules = tmp_path / "corners.yaml"
+    rules.write_text(CORNERS)
+    envoy = tmp_path / "envoy.yaml"
+    envoy.write_text(envoy_yaml("corners", CORNER_ROUTES))
+    completed = export_cli(str(rules), "--envoy", str(envoy), "--flavour", flavour)
+    assert completed.returncode == 0, completed.stderr
+    assert "a running ban is enforced, but no ban starts here" in completed.stderr
+    assert "t.user" not in completed.stderr and "corners.user rate_limits[3]" in completed.stderr
+    assert "store gpt(3)" in completed.stdout
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(frontend_around(completed.stdout))
+    result = check_config(path)
+    assert result.ok, result.output + "\n" + path.read_text()
+
+
+BEHAVIOUR = textwrap.dedent(
+    """\
+    domain: beh
+    descriptors:
+      - key: banned
+        rate_limit: {unit: second, unit_multiplier: 2, requests_per_unit: 3, ban_duration: 3}
+      - key: sliding
+        rate_limit: {unit: second, requests_per_unit: 5, algorithm: sliding_window}
+    """
+)
+BEHAVIOUR_FLAGS = ("--fetch", "banned=req.fhdr(x-ban,1)", "--fetch", "sliding=req.fhdr(x-slide,1)")
+
+
+def two_frontends(fixed: str, sliding: str) -> str:
+    """A config serving both flavours of an export on the ports of :class:`HAProxyPorts`, answering 200
+    itself (no upstream) once the rules let a request through."""
+    parts = []
+    backends = []
+    for name, fragment in (("fixed", fixed), ("sliding", sliding)):
+        frontend, _, tables = fragment.partition("\nbackend ")
+        port = f"RL_{name.upper()}_PORT"
+        parts.append(
+            f'frontend {name}\n    bind "${{RL_BIND_ADDR-127.0.0.1}}:${{{port}}}"\n{frontend}\n'
+            "    http-request return status 200 content-type text/plain string ok\n"
+        )
+        backends.append("backend " + tables)
+    head = textwrap.dedent(
+        """\
+        global
+            nbthread 1
+        defaults
+            mode http
+            timeout connect 1s
+            timeout client 5s
+            timeout server 5s
+        """
+    )
+    return head + "\n".join(parts) + "\n" + "\n".join(backends)
+
+
+@pytest.fixture
+def behaviour_haproxy(tmp_path: Path) -> Iterator[tuple[HAProxyProcess, Path]]:
+    """HAProxy running both flavours of the BEHAVIOUR rules, and the rules' file."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(BEHAVIOUR)
+    fragments = []
+    for flavour in ("fixed", "sliding"):
+        completed = export_cli(str(rules), *BEHAVIOUR_FLAGS, "--flavour", flavour)
+        assert completed.returncode == 0, completed.stderr
+        fragments.append(completed.stdout)
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(two_frontends(*fragments))
+    checked = check_config(config, HAProxyPorts.free(app=1).env())
+    assert checked.ok, checked.output
+    group = ProcessGroup()
+    try:
+        haproxy = HAProxyProcess("haproxy", HAProxyPorts.free(app=1), tmp_path, config=config)
+        group.start(haproxy)
+        haproxy.wait_ready()
+        yield haproxy, rules
+    finally:
+        group.close()
+
+
+@dataclass
+class BanRun:
+    before_ban: list[int]
+    retry_after: str
+    during: list[int]
+    after: int
+    on_time: bool
+
+
+def ban_run(port: int) -> BanRun:
+    """Spend 3 of 3 per 2 s, go over (a 3 s ban from then, ended at a whole second), keep sending during
+    the ban, then send once just after it ends."""
+    wait_for_window_start(2, margin=0.05)
+    client = Client(port)
+    key = {"x-ban": f"b{time.time_ns()}"}
+    before_ban = client.statuses(3, headers=key)
+    started = time.time()
+    over = client.send(headers=key)
+    ends = math.ceil(time.time() + 3)  # the latest end a ban started during that request can have
+    earliest = math.ceil(started + 3)
+    during = []
+    while time.time() < earliest - 0.15:
+        during.append(client.send(headers=key).status)
+        time.sleep(0.1)
+    late = time.time() > earliest - 0.1
+    sleep_until(ends + 0.05)
+    after = client.send(headers=key).status
+    return BanRun([*before_ban, over.status], over.headers.get("retry-after", ""), during, after, not late)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["fixed", "sliding"])
+def test_a_ban_refuses_for_its_length_and_is_not_extended(
+    behaviour_haproxy: tuple[HAProxyProcess, Path], flavour: str
+) -> None:
+    haproxy, _ = behaviour_haproxy
+
+    def attempt() -> BanRun | None:
+        run = ban_run(haproxy.ports.port(flavour))
+        return run if run.on_time else None
+
+    run = until_on_time(attempt)
+    assert run.before_ban == [200, 200, 200, 429]
+    assert run.retry_after in {"3", "4"}, "the ban's end, rounded up to a whole second"
+    assert len(run.during) >= 20 and set(run.during) == {429}, "every request is refused while banned"
+    assert run.after == 200, "requests during the ban did not extend it"
+
+
+def sliding_run(port: int, rules: Path) -> tuple[list[tuple[float, list[bool], list[bool]]], bool]:
+    """Bursts at chosen points of three clock seconds, each sent to HAProxy and then to the sidecar."""
+    service = RateLimitService(load_config(rules), MemoryLimiter())
+    loop = asyncio.new_event_loop()
+    client = Client(port)
+    key = f"s{time.time_ns()}"
+    # Offsets within each second where the previous second's weight times any count 1..5 is at
+    # least 0.1 away from a whole number: a millisecond between HAProxy and the sidecar cannot
+    # change the rounding.
+    plan = [(0.45, 7), (1.15, 5), (1.45, 4), (2.15, 6), (2.85, 3), (3.45, 4)]
+    wait_for_window_start()
+    base = math.floor(time.time())
+    results = []
+    on_time = True
+    try:
+        for offset, count in plan:
+            sleep_until(base + offset)
+            haproxy, sidecar = [], []
+            for _ in range(count):
+                haproxy.append(client.send(headers={"x-slide": key}).status == 200)
+                answer = loop.run_until_complete(service.decide(request("beh", [("sliding", key)])))
+                sidecar.append(answer.overall_code == OK)
+            on_time = on_time and time.time() < base + offset + 0.04
+            results.append((offset, haproxy, sidecar))
+    finally:
+        loop.close()
+        client.close()
+    return results, on_time
+
+
+@pytest.mark.slow
+def test_the_fixed_flavour_computes_the_sidecars_sliding_window(
+    behaviour_haproxy: tuple[HAProxyProcess, Path],
+) -> None:
+    """A sliding_window rule in the fixed flavour: the same verdicts as the sidecar, request by request
+    (HAProxy's own gpc_rate would not agree: its periods start at the first request, not the clock)."""
+    haproxy, rules = behaviour_haproxy
+
+    def attempt() -> list[tuple[float, list[bool], list[bool]]] | None:
+        results, on_time = sliding_run(haproxy.ports.fixed, rules)
+        return results if on_time else None
+
+    results = until_on_time(attempt)
+    assert [(offset, got) for offset, got, _ in results] == [(offset, want) for offset, _, want in results]
+    admitted = [sum(got) for _, got, _ in results]
+    assert admitted[0] == 5 and admitted[1] < 5, "the previous second weighs in: fewer than a fixed window's 5"

@@ -635,3 +635,291 @@ def test_a_rule_reached_by_two_descriptors_of_a_route_is_noted(tmp_path: Path) -
         f"note: {tmp_path / 'rules.yaml'}:4: t.remote_address: on route 0 (prefix /): 2 descriptors may land on it; "
         "HAProxy checks for room for one hit, the sidecar for 2 (the limit can be passed by 1)"
     ]
+
+
+# ---------------------------------------------------------------- config extensions
+
+EXTENSIONS = REPO / "examples" / "extensions"
+EXTENSIONS_FILE = EXTENSIONS / "extensions.yaml"
+EXTENSIONS_ROUTES = """\
+- match: {prefix: "/login"}
+  route:
+    rate_limits:
+      - actions: [{remote_address: {}}]
+      - actions: [{request_headers: {header_name: x-user, descriptor_key: login_user}}]
+- match: {prefix: "/upload"}
+  route:
+    rate_limits:
+      - actions: [{remote_address: {}}]
+      - actions: [{generic_key: {descriptor_value: uploads}}]
+- match: {prefix: "/"}
+  route:
+    rate_limits:
+      - actions: [{remote_address: {}}]
+      - actions: [{request_headers: {header_name: x-api-key, descriptor_key: api_key}}]
+"""
+"""Envoy routes for examples/extensions: a login route (address, user), an upload route (address,
+the uploads key) and the rest (address, API key), so every route fits HAProxy's three trackers."""
+EXTENSION_FLAGS = (
+    "--fetch",
+    "api_key=req.fhdr(x-api-key,1)",
+    "--fetch",
+    "login_user=req.fhdr(x-user,1)",
+    "--when",
+    "generic_key=uploads",
+    "path_beg /upload",
+)
+
+
+def extensions_export(tmp_path: Path, flavour: Flavour, *args: str, envoy: bool = True) -> SimpleNamespace:
+    argv = ["export-haproxy", str(EXTENSIONS), "--flavour", flavour, *args]
+    if envoy:
+        envoy_file = tmp_path / "envoy.yaml"
+        envoy_file.write_text(envoy_config(EXTENSIONS_ROUTES, domain="extensions"))
+        argv += ["--envoy", str(envoy_file)]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return SimpleNamespace(code=code, out=out.getvalue(), err=err.getvalue().splitlines())
+
+
+def summaries(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("#   r")]
+
+
+TOKEN_BUCKET_REASON = (
+    f"not exported: {EXTENSIONS_FILE}:14: extensions.generic_key_uploads: algorithm token_bucket (burst 50, "
+    "refilled at 10/second): HAProxy 2.6 has no token bucket (its stick tables count hits per period; nothing "
+    "refills over time), and no window admits the same requests"
+)
+WARN_NOTE = (
+    f"note: {EXTENSIONS_FILE}:20: extensions.api_key (api_key_per_hour) rate_limits[1]: warn_at 0.9: the limit is "
+    "exported, the soft limit is not (HAProxy sends no warning header)"
+)
+BAN_NOTE = (
+    f"note: {EXTENSIONS_FILE}:24: extensions.login_user: ban_duration 600 s: set by the request that goes over, "
+    "never extended, kept as its end in whole Unix seconds rounded up (it can last up to 1 s longer than in the "
+    "sidecar)"
+)
+
+
+@pytest.mark.parametrize("flavour", ["fixed", "sliding"])
+def test_the_extensions_example_exports_all_but_the_token_bucket(tmp_path: Path, flavour: Flavour) -> None:
+    """Through Envoy routes every rule fits: exactly the token bucket is listed, plus two notes."""
+    result = extensions_export(tmp_path, flavour)
+    assert result.code == 0
+    assert result.err == [TOKEN_BUCKET_REASON, WARN_NOTE, BAN_NOTE]
+    table = f"rl_extensions_{flavour}"
+    assert summaries(result.out) == [
+        f"#   r0: extensions.remote_address 20/second sliding_window: {table}_second slot 0",
+        "#   r1: extensions.generic_key_uploads 10/second token_bucket burst 50: not exported (see stderr)",
+        f"#   r2: extensions.api_key (api_key_per_second) rate_limits[0] 10/second: {table}_second slot 1",
+        f"#   r3: extensions.api_key (api_key_per_hour) rate_limits[1] 1000/hour: {table}_hour slot 0",
+        f"#   r4: extensions.login_user 5/5 minutes ban 600s: {table}_300s slot 0, ban in {table}_bans gpt slot 0",
+    ]
+    lines = rule_lines(result.out)
+    # The two limits of api_key: own tables and trackers, both checked before either counts.
+    kinds = [line.split()[1].split("(")[0] for line in lines]
+    checks = [i for i, line in enumerate(lines) if " deny " in line]
+    assert max(checks) < kinds.index("sc-inc-gpc") and set(kinds[kinds.index("sc-inc-gpc") :]) == {"sc-inc-gpc"}
+    assert f"http-request track-sc1 var(txn.rl_k2) table {table}_second if rl_route2 rl_has_api_key" in lines
+    assert f"http-request track-sc2 var(txn.rl_k3) table {table}_hour if rl_route2 rl_has_api_key" in lines
+    # The login route uses all three trackers: address, user, and the user's ban entry.
+    assert f"http-request track-sc1 var(txn.rl_k1) table {table}_300s if rl_route0 rl_has_login_user" in lines
+    assert any(line.startswith(f"http-request track-sc2 var(txn.rl_b0) table {table}_bans if") for line in lines)
+    assert "uploads" not in "\n".join(lines), "the token bucket has no counter"
+    tables = [line.strip() for line in result.out.splitlines() if "stick-table" in line]
+    if flavour == "fixed":
+        assert tables == [
+            "stick-table type string len 64 size 1m expire 3s store gpc(2)",  # keeps the previous second
+            "stick-table type string len 64 size 1m expire 301s store gpc(1)",
+            "stick-table type string len 64 size 1m expire 3601s store gpc(1)",
+            "stick-table type string len 64 size 1m expire 601s store gpt(1)",
+        ]
+    else:
+        assert tables == [
+            "stick-table type string len 64 size 1m expire 3s store gpc_rate(2,1s)",
+            "stick-table type string len 64 size 1m expire 601s store gpc_rate(1,300s)",
+            "stick-table type string len 64 size 1m expire 7201s store gpc_rate(1,3600s)",
+            "stick-table type string len 64 size 1m expire 601s store gpt(1)",
+        ]
+
+
+def test_fixed_windows_of_several_units_are_keyed_by_date_over_their_length(tmp_path: Path) -> None:
+    lines = rule_lines(extensions_export(tmp_path, "fixed").out)
+    assert "http-request set-var(txn.rl_w300) date,div(300)" in lines
+    assert "http-request set-var(txn.rl_k1) var(txn.rl_w300),concat(:,txn.rl_v1,) if rl_route0" in lines
+    deny = next(line for line in lines if '"5, 5;w=300"' in line and "sc_get_gpc" in line)
+    assert 'hdr Retry-After "%[date,mod(300),neg,add(300)]"' in deny
+    sliding = rule_lines(extensions_export(tmp_path, "sliding").out)
+    assert any('"5, 5;w=300"' in line and "hdr Retry-After 300 " in line for line in sliding)
+
+
+def test_sliding_window_rules_compute_the_sidecars_estimate_in_the_fixed_flavour(tmp_path: Path) -> None:
+    """Current clock window + the previous one's count x the share still covered, rounded down."""
+    result = extensions_export(tmp_path, "fixed")
+    lines = rule_lines(result.out)
+    assert "http-request set-var(txn.rl_w1p) date,sub(1)" in lines
+    assert "http-request set-var(txn.rl_e1) date(0,ms),mod(1000),neg,add(1000)" in lines
+    assert "http-request set-var(txn.rl_k0p) var(txn.rl_w1p),concat(:,txn.rl_v0,) if rl_routed" in lines
+    assert (
+        "http-request set-var(txn.rl_p0_0) var(txn.rl_k0p),table_gpc(0,rl_extensions_fixed_second),"
+        "mul(txn.rl_e1),div(1000) if rl_routed"
+    ) in lines
+    deny = next(line for line in lines if '"20, 20;w=1"' in line)
+    assert deny.endswith("if rl_routed { sc_get_gpc(0,0),add(txn.rl_p0_0) ge 20 }")
+    assert "# sliding_window rules, even in this flavour, as the sidecar computes them" in result.out
+    assert "gpc_rate" not in "\n".join(lines)
+    sliding = extensions_export(tmp_path, "sliding")
+    assert any(line.endswith("if rl_routed { sc_gpc_rate(0,0) ge 20 }") for line in rule_lines(sliding.out))
+    assert "txn.rl_p" not in sliding.out and "# sliding_window rules: gpc_rate is the sidecar's estimate" in sliding.out
+
+
+@pytest.mark.parametrize("flavour", ["fixed", "sliding"])
+def test_a_ban_is_started_once_and_refuses_until_it_ends(tmp_path: Path, flavour: Flavour) -> None:
+    lines = rule_lines(extensions_export(tmp_path, flavour).out)
+    over = "{ sc_get_gpc(0,1) ge 5 }" if flavour == "fixed" else "{ sc_gpc_rate(0,1) ge 5 }"
+    left = f"var(txn.rl_b0),table_gpt(0,rl_extensions_{flavour}_bans),sub(txn.rl_now)"
+    starts = f"if rl_route0 rl_has_login_user {over} !{{ {left} gt 0 }}"
+    assert "http-request set-var(txn.rl_now) date" in lines
+    assert "http-request set-var(txn.rl_b0) str(),concat(:,txn.rl_v1,) if rl_route0" in lines
+    assert f"http-request track-sc2 var(txn.rl_b0) table rl_extensions_{flavour}_bans {starts}" in lines
+    assert f"http-request sc-set-gpt(0,2) date(0,ms),add(600999),div(1000) {starts}" in lines
+    banned = [line for line in lines if f"{{ {left} gt 0 }}" in line and " deny " in line]
+    assert banned == [
+        'http-request deny status 429 content-type text/plain string "Too Many Requests\\n" '
+        f'hdr Retry-After "%[{left}]" hdr x-ratelimit-limit "5, 5;w=300" if rl_route0 rl_has_login_user '
+        f"{{ {left} gt 0 }}"
+    ]
+    order = [line for line in lines if "track-sc2 var(txn.rl_b0)" in line or "sc-set-gpt" in line or line in banned]
+    assert [lines.index(line) for line in order] == sorted(lines.index(line) for line in order)
+
+
+def test_without_routes_the_extensions_run_out_of_trackers(tmp_path: Path) -> None:
+    """All descriptors may come with one request: address, API key per second and per hour take
+    sc0..sc2, so the login limit is listed."""
+    result = extensions_export(tmp_path, "fixed", *EXTENSION_FLAGS, envoy=False)
+    assert result.code == 0
+    assert result.err == [
+        TOKEN_BUCKET_REASON,
+        WARN_NOTE,
+        f"not exported: {EXTENSIONS_FILE}:24: extensions.login_user: on all requests: needs a stick counter beyond "
+        "sc2; HAProxy 2.6 tracks sc0..sc2 per request (rules sharing key values and window share one); Envoy "
+        "routes (--envoy) keep descriptors of different routes apart",
+    ]
+    assert "rl_w300" not in result.out and "_bans" not in result.out, "nothing is left of the unplaced rule"
+
+
+SEVERAL = """\
+domain: t
+descriptors:
+  - key: user
+    rate_limits:
+      - {unit: second, requests_per_unit: 1}
+      - {unit: minute, requests_per_unit: 2, ban_duration: 30}
+      - {unit: hour, requests_per_unit: 3}
+      - {unit: day, requests_per_unit: 4}
+  - key: long_ban
+    rate_limit: {unit: second, requests_per_unit: 1, ban_duration: 30d}
+  - key: tail
+    rate_limit: {unit: second, requests_per_unit: 1, unit_multiplier: 1100000, algorithm: sliding_window}
+"""
+
+
+SEVERAL_ROUTES = """\
+- match: {prefix: "/u"}
+  route: {rate_limits: [{actions: [{request_headers: {header_name: x-u, descriptor_key: user}}]}]}
+- match: {prefix: "/l"}
+  route: {rate_limits: [{actions: [{request_headers: {header_name: x-l, descriptor_key: long_ban}}]}]}
+- match: {prefix: "/t"}
+  route: {rate_limits: [{actions: [{request_headers: {header_name: x-t, descriptor_key: tail}}]}]}
+"""
+
+
+def test_limits_beyond_the_trackers_and_bans_beyond_the_timers_are_reported(tmp_path: Path) -> None:
+    """Four limits on one descriptor: three trackers go to the first three (counters before bans),
+    the fourth is listed and so is the ban that found no tracker; a ban longer than HAProxy's
+    timers leaves its limit; a window too long to keep the previous one is listed."""
+    result = run_cli(tmp_path, SEVERAL, envoy=envoy_config(SEVERAL_ROUTES))
+    rules = tmp_path / "rules.yaml"
+    trackers = "needs a stick counter beyond sc2; HAProxy 2.6 tracks sc0..sc2 per request (rules sharing key values "
+    assert result.err == [
+        f"note: {rules}:6: t.user rate_limits[1]: ban_duration not exported (the limit is): starting a ban needs a "
+        "stick counter beyond sc2 for its entry (keyed by the values, without the window) on every route that "
+        "reaches it",
+        f"not exported: {rules}:8: t.user rate_limits[3]: on route 0 (prefix /u): {trackers}and window share one)",
+        f"note: {rules}:10: t.long_ban: ban_duration 2592000 s not exported (the limit is): a ban is kept in a "
+        "table whose expire would be 2592001 s; HAProxy 2.6 allows at most 2147483 s (~24.8 days)",
+        f"not exported: {rules}:12: t.tail: unit second x 1100000 (1100000 s): a sliding_window rule keeps the "
+        "previous window: it needs a table expire of 2200001 s; HAProxy 2.6 allows at most 2147483 s (~24.8 days)",
+    ]
+    assert "sc-set-gpt" not in result.out and "store gpt" not in result.out and "txn.rl_b" not in result.out
+    assert "expire 61s store gpc(1)" in result.out, "the minute limit is kept without its ban"
+    assert "t.user rate_limits[2] 3/hour: rl_t_fixed_hour slot 0" in result.out
+
+
+def test_a_shadow_rule_with_a_ban_logs_while_banned(h: SimpleNamespace) -> None:
+    domain = h.parse_domain(
+        """
+        domain: t
+        descriptors:
+          - key: k
+            shadow_mode: true
+            rate_limit: {unit: second, requests_per_unit: 2, ban_duration: 1m}
+        """
+    )
+    result = export(domain, sources_from_flags(domain, {"k": "req.fhdr(x-k,1)"}, {}), ExportOptions())
+    lines = rule_lines(result.text)
+    shadow = next(line for line in lines if "set-var(txn.rl_shadow)" in line)
+    left = "var(txn.rl_b0),table_gpt(0,rl_t_fixed_bans),sub(txn.rl_now)"
+    assert shadow == (
+        "http-request set-var(txn.rl_shadow) str(),concat(,txn.rl_shadow,/r0) if rl_has_k { sc_get_gpc(0,0) ge 2 } "
+        f"|| rl_has_k {{ {left} gt 0 }}"
+    )
+    assert not any(" deny " in line for line in lines)
+    assert "expire 61s store gpt(1)" in result.text
+
+
+def test_a_route_without_a_tracker_for_the_ban_still_enforces_running_bans(tmp_path: Path) -> None:
+    """Route 0 spends its three trackers on counters, route 1 has one left to start bans; a client banned
+    through route 1 is refused on route 0 too (reading the ban needs no tracker)."""
+    config = """\
+    domain: t
+    descriptors:
+      - key: a
+        rate_limit: {unit: second, requests_per_unit: 1}
+      - key: b
+        rate_limit: {unit: second, requests_per_unit: 1}
+      - key: k
+        rate_limit: {unit: minute, requests_per_unit: 3, ban_duration: 1h}
+    """
+    routes = """\
+    - match: {prefix: "/busy"}
+      route:
+        rate_limits:
+          - actions: [{request_headers: {header_name: x-a, descriptor_key: a}}]
+          - actions: [{request_headers: {header_name: x-b, descriptor_key: b}}]
+          - actions: [{request_headers: {header_name: x-k, descriptor_key: k}}]
+    - match: {prefix: "/"}
+      route: {rate_limits: [{actions: [{request_headers: {header_name: x-k, descriptor_key: k}}]}]}
+    """
+    result = run_cli(tmp_path, config, envoy=envoy_config(routes))
+    where = f"{tmp_path / 'rules.yaml'}:8: t.k"
+    assert result.err == [
+        f"note: {where}: on route 0 (prefix /busy): a running ban is enforced, but no ban starts here: that needs "
+        "a stick counter beyond sc2 for the ban entry (keyed by the values, without the window)",
+        f"note: {where}: ban_duration 3600 s: set by the request that goes over, never extended, kept as its end "
+        "in whole Unix seconds rounded up (it can last up to 1 s longer than in the sidecar)",
+    ]
+    lines = rule_lines(result.out)
+    assert "http-request set-var(txn.rl_b0) str(),concat(:,txn.rl_v2,) if rl_routed" in lines
+    starts = [line for line in lines if "table rl_t_fixed_bans" in line or "sc-set-gpt" in line]
+    assert [line.split(" if ")[0] for line in starts] == [
+        "http-request track-sc1 var(txn.rl_b0) table rl_t_fixed_bans",
+        "http-request sc-set-gpt(0,1) date(0,ms),add(3600999),div(1000)",
+    ]
+    assert all(" if rl_route1 " in line for line in starts)
+    banned = [
+        line for line in lines if " deny " in line and "table_gpt(0,rl_t_fixed_bans),sub(txn.rl_now) gt 0" in line
+    ]
+    assert [line.split(" if ")[1].split(" {")[0] for line in banned] == ["rl_route0 rl_has_k", "rl_route1 rl_has_k"]
