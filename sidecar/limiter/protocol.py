@@ -76,12 +76,14 @@ class Decision(NamedTuple):
     it: an over-limit check then resets when its ban does. Empty when no check has a ban."""
 
     def reset(self, check: Check, index: int, now: float) -> int:
-        """``duration_until_reset`` of check ``index``: its ban's end while banned, else its
-        window's or bucket's (:func:`~sidecar.limiter.algorithms.reset_seconds`)."""
+        """``duration_until_reset`` of check ``index``: its window's or bucket's
+        (:func:`~sidecar.limiter.algorithms.reset_seconds`), or, while it is banned, the
+        ban's end if that comes later (a client must wait for both)."""
         over = self.over[index]
+        reset = reset_seconds(check, self.counts[index], self.limits[index], over, now)
         if over and self.ban_ends and self.ban_ends[index] > now:
-            return math.ceil(self.ban_ends[index] - now)
-        return reset_seconds(check, self.counts[index], self.limits[index], over, now)
+            return max(reset, math.ceil(self.ban_ends[index] - now))
+        return reset
 
     def remaining(self, index: int) -> int:
         """Hits left in check ``index``'s window after this request (0 when over)."""
