@@ -15,15 +15,28 @@ them with SIGTERM and reports, per scenario x mode:
 * throughput and p50 / p99 latency;
 * for redis modes, whether the Redis counters sum to the admitted hits the client saw.
 
+Three scenarios test the other algorithms (``accuracy_harness/algorithms.py`` defines
+the figures): ``sliding_steady`` and ``sliding_boundary`` (``algorithm: sliding_window``,
+3x the limit steady; a burst straddling a window boundary then 2x to the end of the
+window) report the exact sliding count (admitted calls in the unit before each admitted
+call) against one exact instance of the estimate fed the same arrivals, and how far the
+replicas let the estimate itself go past the limit; ``token_bucket`` reports the most
+admitted calls in any interval beyond ``burst + rate x its length``. A mode that does not
+offer an algorithm (sync mode refuses token buckets) is reported as skipped, with what
+``check-config`` says, not run.
+
 Examples::
 
     python loadtest/accuracy.py --quick                         # everything, short (CI)
     python loadtest/accuracy.py --quick --scenario balanced_5x,low_limit --modes local,sync,strict
+    python loadtest/accuracy.py --quick --scenario sliding_steady,sliding_boundary,token_bucket
     python loadtest/accuracy.py                                 # full run, for README
+    python loadtest/accuracy.py --quick --readme README.md      # and rewrite README's accuracy block
 
-It prints a Markdown table, the goals of design.md section 5 with verdicts, the
-command that reproduces the figures and the machine's core count, and writes the
-same figures as JSON (``--json``, default ``loadtest/results/accuracy.json``).
+It prints a Markdown table (and one per algorithm), the goals of design.md section 5
+with verdicts, the command that reproduces the figures and the machine's core count,
+and writes the same figures as JSON (``--json``, default ``loadtest/results/accuracy.json``),
+the README block included (``readme_block``; ``--readme FILE`` writes it into FILE).
 Every child process is stopped at the end, also on Ctrl-C or error.
 """
 
@@ -102,12 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the figures")
     parser.add_argument("--keep-logs", action="store_true", help="keep the sidecar logs and configs")
     parser.add_argument("--dump-calls", type=Path, metavar="DIR", help="write every call of every run as CSV here")
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        metavar="FILE",
+        help="rewrite the block between <!-- accuracy:start --> and <!-- accuracy:end --> of FILE (README.md)",
+    )
     return parser
 
 
 def command_line(arguments: argparse.Namespace) -> str:
     """The command that reproduces the figures, every option spelled out."""
-    return reproduce_command(["python", "loadtest/accuracy.py"], arguments, skip={"json", "keep_logs", "dump_calls"})
+    return reproduce_command(
+        ["python", "loadtest/accuracy.py"], arguments, skip={"json", "keep_logs", "dump_calls", "readme"}
+    )
 
 
 def environment() -> dict[str, Any]:
@@ -246,28 +267,34 @@ def run(arguments: argparse.Namespace) -> int:
     print()
     print(report.table(rows))
     print()
+    extra = report.algorithm_tables(rows)
+    if extra:
+        print(extra)
+        print()
     goal_items = report.goals(rows, arguments.replicas)
     print(report.goals_table(goal_items))
     print()
     print(notes(rows, arguments.replicas))
     print(f"reproduce: {command}")
     print(f"cores: {env['cores']}; total run time {elapsed:.0f} s")
-    report.write_json(
-        arguments.json,
-        {
-            "command": command,
-            "environment": env,
-            "quick": arguments.quick,
-            "replicas": arguments.replicas,
-            "modes": modes,
-            "scenarios": parameters,
-            "results": rows,
-            "goals": goal_items,
-            "unavailable_modes": campaign.unavailable,
-            "elapsed_s": round(elapsed, 1),
-        },
-    )
+    document = {
+        "command": command,
+        "environment": env,
+        "quick": arguments.quick,
+        "replicas": arguments.replicas,
+        "modes": modes,
+        "scenarios": parameters,
+        "results": rows,
+        "goals": goal_items,
+        "unavailable_modes": campaign.unavailable,
+        "elapsed_s": round(elapsed, 1),
+    }
+    document["readme_block"] = report.readme_block(document, vars(arguments))
+    report.write_json(arguments.json, document)
     print(f"wrote {arguments.json}")
+    if arguments.readme is not None:
+        report.write_readme_block(arguments.readme, document["readme_block"])
+        print(f"rewrote the accuracy block of {arguments.readme}")
     if arguments.keep_logs:
         print(f"logs and configs kept in {workdir}")
     else:
@@ -294,11 +321,25 @@ def progress(row: dict[str, Any], seconds: float) -> str:
     if row["status"] != "ok":
         return f"{head} {row['status']}: {row.get('reason')} ({seconds:.1f} s)"
     traffic, acc = row["traffic"], row["accuracy"]
-    text = (
-        f"{head} {traffic['sent']:>7} sent {traffic['rps']:>7.0f}/s p99 {traffic['p99_ms']:.2f} ms; "
-        f"overshoot max {acc['overshoot_max_pct']:.2f} %; false rej. {acc['false_rejections']}/"
-        f"{acc['false_rejections_definite']}/{acc['rejected_in_unfilled_windows']}"
-    )
+    text = f"{head} {traffic['sent']:>7} sent {traffic['rps']:>7.0f}/s p99 {traffic['p99_ms']:.2f} ms; "
+    figures = row.get("algorithm_accuracy")
+    if figures and figures["algorithm"] == "sliding_window":
+        text += (
+            f"exact sliding max {figures['exact_max_pct']:.1f} % (reference {figures['reference_exact_max_pct']:.1f}"
+            f" %); estimate over by {figures['estimate_over_definite_max_hits']} definite; false rej. vs estimate "
+            f"{figures['false_vs_estimate_definite']} definite"
+        )
+    elif figures:
+        text += (
+            f"bucket excess {figures['excess_max_hits']:.2f} ({figures['excess_definite_max_hits']:.2f} definite); "
+            f"admitted {figures['admitted']} vs ideal {figures['ideal_admitted']}; false rej. "
+            f"{figures['false_rejections_definite']} definite"
+        )
+    else:
+        text += (
+            f"overshoot max {acc['overshoot_max_pct']:.2f} %; false rej. {acc['false_rejections']}/"
+            f"{acc['false_rejections_definite']}/{acc['rejected_in_unfilled_windows']}"
+        )
     if row["mode"] != "local":
         rt = row["round_trips"]
         text += f"; RT/req {rt.get('rt_per_request_path')} path, {rt.get('rt_per_request_total')} total"

@@ -1,12 +1,14 @@
 """Side-by-side comparison: the same recorded traffic through Envoy + sidecar and through HAProxy stick tables.
 
-Four paths, all on 127.0.0.1, in front of one sample app (``stack/upstream.py``):
+Five paths, all on 127.0.0.1, in front of one sample app (``stack/upstream.py``):
 
 (a) ``envoy_memory``     Envoy (``envoy/front.yaml``) + one sidecar, memory backend;
 (b) ``envoy_sync``       two Envoys + two sidecars in ``sync`` mode sharing one redis-server; each
                          client's requests alternate between the Envoys, so the shared limit is measured;
 (c) ``haproxy_fixed``    HAProxy 2.6, the exporter's fixed-window flavour (clock-aligned windows);
-(d) ``haproxy_sliding``  HAProxy 2.6, the sliding flavour (``gpc_rate`` over the last second).
+(d) ``haproxy_sliding``  HAProxy 2.6, the sliding flavour (``gpc_rate`` over the last second);
+(e) ``envoy_sliding``    Envoy + one sidecar, memory backend, the per-address rule with
+                         ``algorithm: sliding_window`` (HAProxy's estimate, enforced by the sidecar).
 
 HAProxy sees the same client identities as Envoy: both generated parts of ``haproxy/haproxy.cfg``
 are exported again with ``--fetch remote_address=req.hdr_ip(x-forwarded-for,-1)`` (the last
@@ -28,6 +30,13 @@ placed in the second holding [sent - margin, answered + margin] (the limiter dec
 interval, on the same clock); those crossing a boundary are ambiguous and go to the side closest
 to the ideal. Also: what each client got through the burst (an exact fixed window admits 2x the
 limit there) and the most admitted per client in any 1 s span.
+
+**Sliding windows** (``compare_harness/sliding.py``): when (d) and (e) both run, their admissions
+per clock second are set next to one exact two-window estimate fed the schedule, with the largest
+difference per second and per client-second, how many verdicts differ, and how many of each path's
+verdicts its own formula explains. Both count admitted requests only (HAProxy's ``gpc_rate`` is
+incremented after the deny rules); HAProxy starts a counter's periods at its first hit, and each
+client's first request goes out 0.2 ms after second 0, so both use the same one-second grid.
 
 **Throughput** is measured separately per path: closed loop, ``--concurrency`` keep-alive
 connections with one request in flight each, every request from another address (65,536
@@ -77,7 +86,7 @@ for entry in (str(REPO), str(HERE)):  # stack/ lives in the checkout; compare_ha
         sys.path.insert(0, entry)
 
 from common import bounded_float, machine_facts, parse_cpus, percentile, positive_int, reproduce_command, run_cli  # noqa: E402
-from compare_harness import analysis, client, paths, plot, report  # noqa: E402
+from compare_harness import analysis, client, paths, plot, report, sliding  # noqa: E402
 from compare_harness.recording import MIN_DURATION, Recording, record  # noqa: E402
 
 RESULTS = REPO / "loadtest" / "results"
@@ -279,6 +288,7 @@ def markdown(
     notes: Sequence[str],
     command: str,
     facts: dict[str, Any],
+    sliding_figures: dict[str, Any] | None = None,
 ) -> str:
     throughput = f"closed loop ({arguments.concurrency} conns, {arguments.throughput_duration:g} s)"
     parts = [
@@ -293,6 +303,19 @@ def markdown(
         "",
         report.per_second_table(first_round, recording),
         "",
+    ]
+    if sliding_figures is not None:
+        parts += [
+            "Sliding windows: our `sliding_window` (Envoy + sidecar) and HAProxy's sliding rate counter, admitted per "
+            "clock second, all clients together (round 1; each admission at the first instant of its sent..answered "
+            "interval at which the path's formula admits it; ideal: one exact two-window estimate fed the schedule):",
+            "",
+            sliding.table(sliding_figures, paths.LABELS),
+            "",
+            *sliding.summary_lines(sliding_figures),
+            "",
+        ]
+    parts += [
         *notes,
         "",
         f"Machine: {facts['cores']} cores ({facts['cpu_model']}), load average {facts['loadavg']:.2f} at start; "
@@ -352,6 +375,7 @@ def run(arguments: argparse.Namespace) -> int:
     summary = report.aggregate(names, campaign.accuracy, campaign.throughput)
     first_round = [item for item in campaign.accuracy if item["round"] == 1]
     first_round.sort(key=lambda item: names.index(item["path"]))
+    sliding_figures = compare_sliding(recording, first_round, arguments.margin)
     text = markdown(
         arguments=arguments,
         recording=recording,
@@ -360,6 +384,7 @@ def run(arguments: argparse.Namespace) -> int:
         notes=report.notes(summary, shutdown, arguments.margin),
         command=command,
         facts=facts,
+        sliding_figures=sliding_figures,
     )
     print()
     print(text)
@@ -378,6 +403,7 @@ def run(arguments: argparse.Namespace) -> int:
         "accuracy_runs": campaign.accuracy,
         "throughput_runs": campaign.throughput,
         "sidecar_shutdown": shutdown,
+        "sliding_comparison": sliding_figures,
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     arguments.json.parent.mkdir(parents=True, exist_ok=True)
@@ -390,6 +416,20 @@ def run(arguments: argparse.Namespace) -> int:
     else:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def compare_sliding(
+    recording: Recording, first_round: Sequence[dict[str, Any]], margin: float
+) -> dict[str, Any] | None:
+    """Our sliding window against HAProxy's on round 1, when both paths ran (None otherwise)."""
+    runs = {}
+    for item in first_round:
+        if item["path"] in (sliding.OURS, sliding.HAPROXY):
+            outcomes = analysis.outcomes_from_rows(item["outcomes"], item["start"])
+            runs[item["path"]] = (client.Replay(item["start"], outcomes), item)
+    if len(runs) < 2:
+        return None
+    return sliding.compare(recording, runs, margin)
 
 
 def write_outputs(

@@ -24,6 +24,22 @@ WARMUP_VALUE = "warmup"
 BURST_DELAY = 0.001
 """Bursts go out this long after the window boundary, so no replica's clock puts them before it."""
 UNIT_SECONDS = {"second": 1, "minute": 60}
+FIXED_WINDOW, SLIDING_WINDOW, TOKEN_BUCKET = "fixed_window", "sliding_window", "token_bucket"
+ALL_MODES = ("local", "sync", "strict")
+UNSUPPORTED = {
+    (TOKEN_BUCKET, "sync"): "not measured: sync mode refuses algorithm token_bucket at config load",
+}
+"""(algorithm, mode) pairs the sidecar does not offer, with the note the report prints."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Part of a ``phases`` cycle: from ``start`` to ``end`` (seconds into the cycle), ``demand``
+    x the limit per second (per value; a token bucket's limit is its refill rate), evenly spaced."""
+
+    start: float
+    end: float
+    demand: float
 
 
 @dataclass(frozen=True)
@@ -33,7 +49,8 @@ class Scenario:
     name: str
     description: str
     pattern: str
-    """``steady`` (open loop, evenly spaced), ``burst`` (all at the window start) or ``closed``."""
+    """``steady`` (open loop, evenly spaced), ``burst`` (all at the window start), ``phases``
+    (a cycle of :class:`Phase` repeated over ``duration``) or ``closed``."""
     unit: str
     limit: int
     """Requests per unit, per descriptor value (key-only rule: each value has its own counter)."""
@@ -55,6 +72,22 @@ class Scenario:
     align: str = "window"
     """``window``: start on a window boundary; ``minute-fit``: start now if the run fits in the
     current minute, else at the next minute (quick long-window run); ``minute``: at the next minute."""
+    algorithm: str = FIXED_WINDOW
+    """``algorithm:`` of the rule under test (the scenario's own per-second or per-minute rule)."""
+    burst: int = 0
+    """``burst:`` of a token bucket (its size); ``limit`` is then the refill rate per unit."""
+    phases: tuple[Phase, ...] = ()
+    cycle: float = 0.0
+    """Seconds of one repetition of ``phases``."""
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes that offer this scenario's algorithm."""
+        return tuple(mode for mode in ALL_MODES if (self.algorithm, mode) not in UNSUPPORTED)
+
+    def unsupported(self, mode: str) -> str | None:
+        """Why ``mode`` cannot run this scenario (None when it can)."""
+        return UNSUPPORTED.get((self.algorithm, mode))
 
     @property
     def unit_seconds(self) -> int:
@@ -75,6 +108,9 @@ class Scenario:
         """Offered requests/s, all replicas together (0 for closed loop: as fast as answered)."""
         if self.pattern == "closed":
             return 0.0
+        if self.pattern == "phases":
+            offered = sum((phase.end - phase.start) * phase.demand for phase in self.phases)
+            return offered * self.limit * self.keys / self.unit_seconds / self.cycle
         if self.total_rate:
             return self.total_rate
         return self.demand * self.limit * self.keys / self.span
@@ -108,6 +144,8 @@ class Scenario:
                 offsets = self._burst_offsets(share)
             elif self.pattern == "steady":
                 offsets = self._steady_offsets(self.rate * share, rng)
+            elif self.pattern == "phases":
+                offsets = self._phase_offsets(share, rng)
             else:
                 offsets = array("d")
             result.append((offsets, self._values_for(len(offsets), replica, rng)))
@@ -120,6 +158,22 @@ class Scenario:
         phase = rng.random() * interval
         count = max(0, math.ceil((self.duration - phase) / interval))
         return array("d", (phase + k * interval for k in range(count)))
+
+    def _phase_offsets(self, share: float, rng: random.Random) -> array[float]:
+        """Every cycle's phases, each evenly spaced at its rate with a random phase."""
+        offsets: list[float] = []
+        cycles = max(1, round(self.duration / self.cycle))
+        for number in range(cycles):
+            base = number * self.cycle
+            for phase in self.phases:
+                rate = phase.demand * self.limit * self.keys / self.unit_seconds * share
+                if rate <= 0:
+                    continue
+                interval = 1.0 / rate
+                first = base + phase.start + rng.random() * interval
+                count = max(0, math.ceil((base + phase.end - first) / interval))
+                offsets += [first + k * interval for k in range(count)]
+        return array("d", sorted(offsets))
 
     def _burst_offsets(self, share: float) -> array[float]:
         windows = max(1, round(self.duration / self.unit_seconds))
@@ -239,22 +293,98 @@ def catalogue(quick: bool, limit: int | None = None, windows: int | None = None)
             3.0 if quick else 10.0,
             lanes=32,
         ),
+        *algorithm_scenarios(quick, limit, windows),
     ]
     return {scenario.name: scenario for scenario in scenarios}
+
+
+SLIDING_BOUNDARY_PHASES = (
+    Phase(1.8, 2.0, 7.5),
+    Phase(2.0, 2.2, 7.5),
+    Phase(2.2, 3.0, 2.0),
+)
+"""A quiet second, 1.5x the limit in the last 200 ms of the next one and 1.5x in the first 200 ms
+after the boundary (where fixed windows admit 2x the limit within 400 ms), then 2x steady to the
+end of that window (after a burst at the end of a window the estimate, which assumes the previous
+window's hits were spread evenly, lets the flood in early: the case HAProxy's estimate shares)."""
+TOKEN_BUCKET_BURST = 40
+TOKEN_BUCKET_PHASES = (Phase(0.0, 0.1, 8.0), Phase(0.1, 1.0, 2.0))
+"""Per 2 s cycle: twice the bucket in 100 ms on a full bucket, then 2x the refill rate for 0.9 s,
+then a quiet second in which the bucket fills up again."""
+
+
+def algorithm_scenarios(quick: bool, limit: int | None = None, windows: int | None = None) -> list[Scenario]:
+    """The scenarios of ``algorithm: sliding_window`` and ``token_bucket`` (limit 100/s quick, 400/s full;
+    ``limit``/``windows`` override it and the length of the steady run)."""
+    main_limit = limit or (100 if quick else 400)
+    n = windows or (3 if quick else 15)
+    cycles = 1 if quick else 5
+    return [
+        Scenario(
+            "sliding_steady",
+            "sliding_window, steady, evenly over the replicas, 3x the limit",
+            "steady",
+            "second",
+            main_limit,
+            1,
+            3.0,
+            "balanced",
+            float(n),
+            algorithm=SLIDING_WINDOW,
+        ),
+        Scenario(
+            "sliding_boundary",
+            "sliding_window, per 3 s: quiet, 1.5x the limit in the 200 ms before a window boundary and 1.5x in "
+            "the 200 ms after it, then 2x to the end of that window; evenly over the replicas",
+            "phases",
+            "second",
+            main_limit,
+            1,
+            0.0,
+            "balanced",
+            3.0 * cycles,
+            algorithm=SLIDING_WINDOW,
+            phases=SLIDING_BOUNDARY_PHASES,
+            cycle=3.0,
+        ),
+        Scenario(
+            "token_bucket",
+            f"token_bucket (refill {main_limit}/s, burst {TOKEN_BUCKET_BURST * main_limit // 100}), per 2 s: twice "
+            "the bucket in 100 ms, 2x the refill rate for 0.9 s, a quiet second; evenly over the replicas",
+            "phases",
+            "second",
+            main_limit,
+            1,
+            0.0,
+            "balanced",
+            2.0 * (2 if quick else 6),
+            algorithm=TOKEN_BUCKET,
+            burst=TOKEN_BUCKET_BURST * main_limit // 100,
+            phases=TOKEN_BUCKET_PHASES,
+            cycle=2.0,
+        ),
+    ]
 
 
 def config_yaml(scenario: Scenario) -> str:
     """The descriptor config of one run: a key-only rule per second and one per minute."""
     second_limit = scenario.limit if scenario.unit == "second" else 1_000
     minute_limit = scenario.limit if scenario.unit == "minute" else 600
+    extra = ""
+    if scenario.algorithm != FIXED_WINDOW:
+        extra = f", algorithm: {scenario.algorithm}"
+    if scenario.algorithm == TOKEN_BUCKET:
+        extra += f", burst: {scenario.burst}"
+    second_extra = extra if scenario.unit == "second" else ""
+    minute_extra = extra if scenario.unit == "minute" else ""
     return (
         f"# generated by loadtest/accuracy.py for scenario {scenario.name}\n"
         f"domain: {DOMAIN}\n"
         "descriptors:\n"
         f"  - key: {SECOND_KEY}\n"
-        f"    rate_limit: {{unit: second, requests_per_unit: {second_limit}}}\n"
+        f"    rate_limit: {{unit: second, requests_per_unit: {second_limit}{second_extra}}}\n"
         f"  - key: {MINUTE_KEY}\n"
-        f"    rate_limit: {{unit: minute, requests_per_unit: {minute_limit}}}\n"
+        f"    rate_limit: {{unit: minute, requests_per_unit: {minute_limit}{minute_extra}}}\n"
     )
 
 

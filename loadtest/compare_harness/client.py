@@ -23,6 +23,10 @@ from compare_harness.recording import Planned
 
 ERROR = 0
 """The status recorded when no response came (timeout, refused or broken connection)."""
+PRECISE_UNTIL = 0.005
+"""Requests scheduled in a replay's first 5 ms never go out early: the event loop's timers count whole
+milliseconds and can fire up to one early, so the last part of the wait is spent spinning. Each client's
+first request sets where HAProxy's sliding periods start (``recording.FIRST_OFFSET``)."""
 HOST = "compare.test"
 
 
@@ -98,9 +102,13 @@ async def replay(
     tasks: set[asyncio.Task[None]] = set()
     try:
         for index, item in enumerate(requests):
-            delay = anchor + item.offset - time.perf_counter()
+            due = anchor + item.offset
+            delay = due - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if item.offset <= PRECISE_UNTIL:
+                while time.perf_counter() < due:
+                    pass
             task = asyncio.create_task(one(index))
             tasks.add(task)
             task.add_done_callback(tasks.discard)

@@ -7,7 +7,10 @@ One sample app (``stack/upstream.py``) answers behind every path:
   redis-server; the replay alternates each client's requests between the two Envoys, so
   the limit the two sidecars share is what is measured;
 * ``haproxy_fixed`` and ``haproxy_sliding``: the two frontends of one HAProxy 2.6 running
-  the comparison config (:mod:`compare_harness.haproxy_config`).
+  the comparison config (:mod:`compare_harness.haproxy_config`);
+* ``envoy_sliding``: one Envoy calling one sidecar, memory backend, whose per-address rule has
+  ``algorithm: sliding_window`` (``examples/config`` otherwise): HAProxy's estimate, enforced by
+  the sidecar, next to ``haproxy_sliding``.
 
 Envoys run with ``--concurrency 1`` and HAProxy with ``nbthread 1`` (the shipped config).
 """
@@ -38,13 +41,17 @@ LABELS = {
     "envoy_sync": "(b) 2 Envoys + 2 sidecars, sync, one Redis",
     "haproxy_fixed": "(c) HAProxy fixed windows",
     "haproxy_sliding": "(d) HAProxy sliding windows",
+    "envoy_sliding": "(e) Envoy + sidecar, sliding_window, memory",
 }
 SHORT = {
     "envoy_memory": "(a) Envoy+sidecar memory",
     "envoy_sync": "(b) 2x Envoy+sidecar sync",
     "haproxy_fixed": "(c) HAProxy fixed",
     "haproxy_sliding": "(d) HAProxy sliding",
+    "envoy_sliding": "(e) Envoy+sidecar sliding",
 }
+SLIDING_RULE_KEY = "remote_address"
+"""The top-level rule of ``examples/config/demo.yaml`` the ``envoy_sliding`` path turns into a sliding window."""
 REPLICAS_TIMEOUT = 10.0
 
 
@@ -88,6 +95,26 @@ def _sidecar_args(*extra: str) -> list[str]:
     return ["--config", str(EXAMPLE_CONFIG), "--log-level", "info", "--shutdown-grace", "5", *extra]
 
 
+def sliding_config(directory: Path) -> Path:
+    """``examples/config`` with ``algorithm: sliding_window`` on the per-address rule, in ``directory``."""
+    import yaml
+
+    target = directory / "sliding-config"
+    target.mkdir(parents=True, exist_ok=True)
+    for source in sorted(EXAMPLE_CONFIG.glob("*.yaml")):
+        document = yaml.safe_load(source.read_text())
+        changed = 0
+        for descriptor in document.get("descriptors", []):
+            if descriptor.get("key") == SLIDING_RULE_KEY and "value" not in descriptor and "rate_limit" in descriptor:
+                descriptor["rate_limit"]["algorithm"] = "sliding_window"
+                changed += 1
+        if document.get("domain") == "demo" and changed != 1:
+            raise RuntimeError(f"{source}: no single top-level {SLIDING_RULE_KEY} rule to make a sliding window")
+        header = f"# {source.name} with algorithm: sliding_window on the {SLIDING_RULE_KEY} rule (compare.py)\n"
+        (target / source.name).write_text(header + yaml.safe_dump(document, sort_keys=False))
+    return target
+
+
 def _wait_all(children: Sequence[Child]) -> None:
     for child in children:
         child.wait_ready()
@@ -128,29 +155,48 @@ def start(directory: Path, names: Sequence[str], *, redis_timeout: float | None 
     return bench
 
 
+def _single_sidecars(names: Sequence[str], directory: Path) -> dict[str, tuple[str, list[str]]]:
+    """The one-Envoy, one-memory-sidecar paths among ``names``: path -> (process name, serve arguments)."""
+    single: dict[str, tuple[str, list[str]]] = {}
+    if "envoy_memory" in names:
+        single["envoy_memory"] = ("memory", _sidecar_args("--backend", "memory"))
+    if "envoy_sliding" in names:
+        config = ["--config", str(sliding_config(directory))]
+        single["envoy_sliding"] = ("sliding", [*config, *_sidecar_args("--backend", "memory")[2:]])
+    return single
+
+
+def _start_sync(bench: Bench, directory: Path, redis_timeout: float | None) -> list[SidecarProcess]:
+    """redis-server and the two sync-mode sidecars (started, not yet waited for)."""
+    group = bench.group
+    bench.redis = group.start(RedisProcess(directory))
+    bench.redis.wait_ready()
+    sync = []
+    for index in (1, 2):
+        args = _sidecar_args("--backend", "redis", "--redis-url", bench.redis.url, "--mode", "sync")
+        if redis_timeout is not None:
+            args += ["--redis-timeout", f"{redis_timeout:g}"]
+        sync.append(group.start(SidecarProcess(f"sidecar-sync-{index}", args, directory)))
+    return sync
+
+
 def _start(bench: Bench, directory: Path, names: Sequence[str], redis_timeout: float | None) -> None:
     group = bench.group
     app = group.start(UpstreamProcess("app", directory))
     starting: list[Child] = [app]
-    memory: SidecarProcess | None = None
-    sync: list[SidecarProcess] = []
-    if "envoy_memory" in names:
-        memory = group.start(SidecarProcess("sidecar-memory", _sidecar_args("--backend", "memory"), directory))
-        starting.append(memory)
-    if "envoy_sync" in names:
-        bench.redis = group.start(RedisProcess(directory))
-        bench.redis.wait_ready()
-        for index in (1, 2):
-            args = _sidecar_args("--backend", "redis", "--redis-url", bench.redis.url, "--mode", "sync")
-            if redis_timeout is not None:
-                args += ["--redis-timeout", f"{redis_timeout:g}"]
-            sync.append(group.start(SidecarProcess(f"sidecar-sync-{index}", args, directory)))
-        starting += sync
+    single = {
+        path: group.start(SidecarProcess(f"sidecar-{label}", args, directory))
+        for path, (label, args) in _single_sidecars(names, directory).items()
+    }
+    starting += single.values()
+    sync = _start_sync(bench, directory, redis_timeout) if "envoy_sync" in names else []
+    starting += sync
     _wait_all(starting)
     envoys: dict[str, list[EnvoyProcess]] = {}
-    if memory is not None:
-        ports = EnvoyPorts.free(app.port, memory.port)
-        envoys["envoy_memory"] = [group.start(EnvoyProcess("envoy-memory", ENVOY_TEMPLATE, ports, directory))]
+    for path, sidecar in single.items():
+        ports = EnvoyPorts.free(app.port, sidecar.port)
+        label = path.replace("_", "-")
+        envoys[path] = [group.start(EnvoyProcess(label, ENVOY_TEMPLATE, ports, directory))]
     for index, sidecar in enumerate(sync, start=1):
         ports = EnvoyPorts.free(app.port, sidecar.port)
         envoy = group.start(EnvoyProcess(f"envoy-sync-{index}", ENVOY_TEMPLATE, ports, directory))
@@ -158,11 +204,9 @@ def _start(bench: Bench, directory: Path, names: Sequence[str], redis_timeout: f
     _wait_all([envoy for group_envoys in envoys.values() for envoy in group_envoys])
     if sync:
         wait_replicas(sync, len(sync))
-    if memory is not None:
-        (envoy,) = envoys["envoy_memory"]
-        bench.paths["envoy_memory"] = Contender(
-            "envoy_memory", [envoy.ports.listen], [envoy.pid, memory.pid], envoys["envoy_memory"], [memory]
-        )
+    for path, sidecar in single.items():
+        (envoy,) = envoys[path]
+        bench.paths[path] = Contender(path, [envoy.ports.listen], [envoy.pid, sidecar.pid], envoys[path], [sidecar])
     if sync:
         assert bench.redis is not None
         pids = [*(envoy.pid for envoy in envoys["envoy_sync"]), *(s.pid for s in sync), bench.redis.pid]

@@ -16,8 +16,9 @@ COLOURS = {
     "envoy_sync": "#2ca02c",
     "haproxy_fixed": "#ff7f0e",
     "haproxy_sliding": "#9467bd",
+    "envoy_sliding": "#e377c2",
 }
-STYLES = {"envoy_memory": "-", "envoy_sync": "--", "haproxy_fixed": "-.", "haproxy_sliding": "-"}
+STYLES = {"envoy_memory": "-", "envoy_sync": "--", "haproxy_fixed": "-.", "haproxy_sliding": "-", "envoy_sliding": "--"}
 
 
 def draw(runs: Sequence[dict[str, Any]], recording: Recording, path: Path, title: str) -> None:

@@ -8,7 +8,8 @@ Every client (an address in ``X-Forwarded-For``; ``GET /compare/...`` takes the 
 route, whose only descriptor is the client address, limited to ``limit`` per second):
 
 * ``steady``: ``steady_factor`` x the limit, evenly spaced with a random phase and jitter,
-  over ``[0, boundary - 1)`` and ``[boundary + burst_span, duration)``;
+  over ``[0, boundary - 1)`` and ``[boundary + burst_span, duration)``; the first request at most
+  :data:`FIRST_OFFSET` after second 0 (so HAProxy's sliding periods start on a clock second);
 * quiet over ``[boundary - 1, boundary - burst_span)``, so the burst finds that window empty;
 * ``burst``: ``burst_factor`` x the limit in the last ``burst_span`` seconds before the
   boundary and as many again in the first ``burst_span`` seconds after it. An exact fixed
@@ -25,6 +26,11 @@ STEADY = "steady"
 BURST = "burst"
 MIN_DURATION = 3.0
 """One steady second, the quiet second with the burst's first half, and one second after the boundary."""
+FIRST_OFFSET = 0.0002
+"""Each client's first request goes out at most this long after second 0 (and never before it:
+``client.PRECISE_UNTIL``). HAProxy starts a counter's sliding periods at its first hit, in whole
+milliseconds with the low bit cleared (``freq_ctr.h``), so a first hit read in [0, 2) ms puts its
+periods on the clock seconds the sidecar's windows use, and the two sliding estimates can be compared."""
 
 
 def client_address(index: int) -> str:
@@ -84,7 +90,8 @@ class Recording:
             f"{self.steady_factor:g}x the limit steady over [0, {self.boundary - 1}) and "
             f"[{self.boundary + self.burst_span:g}, {self.duration:g}) s, quiet then a burst of "
             f"{self.burst_factor:g}x the limit in each {self.burst_span * 1000:.0f} ms on both sides of second "
-            f"{self.boundary}; {len(self.requests)} requests ({per_client:.0f} per client), seed {self.seed}"
+            f"{self.boundary}; each client's first request {FIRST_OFFSET * 1000:g} ms after second 0; "
+            f"{len(self.requests)} requests ({per_client:.0f} per client), seed {self.seed}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -158,7 +165,10 @@ def record(
         headers = (("X-Forwarded-For", client_address(client)),)
         spans = [(0.0, boundary - 1.0), (boundary + burst_span, duration)]
         for start, end in spans:
-            for offset in _spaced(rng, start, end, round((end - start) * steady_rate)):
+            times = _spaced(rng, start, end, round((end - start) * steady_rate))
+            if start == 0.0 and times:
+                times[0] = min(times[0], FIRST_OFFSET)
+            for offset in times:
                 planned.append(Planned(offset, client, f"/compare/{STEADY}", headers))
         for start, end in ((boundary - burst_span, float(boundary)), (float(boundary), boundary + burst_span)):
             for offset in _spaced(rng, start, end, burst_count):
