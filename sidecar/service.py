@@ -21,7 +21,7 @@ from sidecar.config.match import Match, match_descriptor
 from sidecar.config.model import RateLimitConfig, RateLimitRule
 from sidecar.headers import HeaderNames, ResponseHeaders, closest_to_exhaustion
 from sidecar.limiter.keys import counter_key
-from sidecar.limiter.protocol import Check, Decision, Limiter, Role
+from sidecar.limiter.protocol import Check, Decision, Limiter
 from sidecar.limiter.windows import Clock, Unit, system_clock
 from sidecar.metrics import ServiceStats
 from sidecar.validate import request_problem
@@ -83,13 +83,6 @@ def override_rule(domain: str, descriptor: Any) -> Match:
         source="request override",
     )
     return Match(rule, counter_key(counter_id, entries))
-
-
-def role_of(rule: RateLimitRule) -> Role:
-    """Shadow mode wins over quota mode: a shadow rule never rejects anything."""
-    if rule.shadow_mode:
-        return Role.SHADOW
-    return Role.QUOTA if rule.quota_mode else Role.ENFORCED
 
 
 def drop_replaced(matches: list[Match | None]) -> list[Match | None]:
@@ -230,8 +223,21 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             stat_key = detailed_stat_key(rule.domain, descriptor) if rule.detailed_metric else rule.stat_key
             more = tuple(extra.rule for extra in match.more)
             applied.append(Applied(rule, len(checks), rule_stats.row(stat_key, rule.domain), more))
-            for limit in match.limits() if more else (match,):
-                checks.append(check_of(limit, hits))
+            if more:
+                checks.extend(check_of(limit, hits) for limit in match.limits())
+            else:  # check_of, inlined: this runs for every descriptor
+                checks.append(
+                    Check(
+                        match.key,
+                        rule.unit_seconds,
+                        rule.limit,
+                        hits,
+                        rule.role,
+                        rule.algorithm,
+                        rule.interval_us,
+                        rule.ban_seconds,
+                    )
+                )
         return checks, applied
 
     def _respond(
@@ -268,14 +274,7 @@ def check_of(match: Match, hits: int) -> Check:
     """The check one limit of a matched descriptor asks the backend for."""
     rule = match.rule
     return Check(
-        match.key,
-        rule.unit_seconds,
-        rule.limit,
-        hits,
-        role_of(rule),
-        rule.algorithm,
-        rule.interval_us,
-        rule.ban_seconds,
+        match.key, rule.unit_seconds, rule.limit, hits, rule.role, rule.algorithm, rule.interval_us, rule.ban_seconds
     )
 
 

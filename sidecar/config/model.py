@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from sidecar.limiter.algorithms import Algorithm
+from sidecar.limiter.protocol import Role
 from sidecar.limiter.windows import UNIT_SECONDS, Unit
 
 ValueMatcher = Callable[[str], bool]
@@ -50,11 +51,21 @@ class RateLimitRule:
     """``ban_duration``: how long a counter refuses everything once it went over."""
     where: str = ""
     """Path of the block inside its file (``descriptors[0].rate_limit``), for errors."""
+    unit_seconds: int = field(init=False, compare=False)
+    """Window length (unit times multiplier); 0 for unlimited rules, which have no window."""
+    limit: int = field(init=False, compare=False)
+    """What a check of this rule is compared with: the bucket size or the window's limit."""
+    role: Role = field(init=False, compare=False)
+    """How its verdict takes part in a request's: shadow mode wins over quota mode."""
 
-    @property
-    def unit_seconds(self) -> int:
-        """Window length (unit times multiplier); unlimited rules have no window."""
-        return self.unit.seconds * self.unit_multiplier if self.unit else 0
+    def __post_init__(self) -> None:
+        # Worked out once per (re)load: the request path reads them for every descriptor.
+        seconds = self.unit.seconds * self.unit_multiplier if self.unit else 0
+        limit = self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.requests_per_unit
+        role = Role.SHADOW if self.shadow_mode else Role.QUOTA if self.quota_mode else Role.ENFORCED
+        object.__setattr__(self, "unit_seconds", seconds)
+        object.__setattr__(self, "limit", limit)
+        object.__setattr__(self, "role", role)
 
     @property
     def source_file(self) -> str:
@@ -63,11 +74,6 @@ class RateLimitRule:
     @property
     def source_line(self) -> int:
         return int(self.source.rsplit(":", 1)[1])
-
-    @property
-    def limit(self) -> int:
-        """What a check of this rule is compared with: the bucket size or the window's limit."""
-        return self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.requests_per_unit
 
     @property
     def reported_unit(self) -> Unit | None:

@@ -15,6 +15,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from sidecar.limiter.algorithms import Algorithm, reset_seconds
+from sidecar.limiter.windows import seconds_until_reset
 
 if TYPE_CHECKING:
     from sidecar.metrics import LimiterSnapshot
@@ -79,6 +80,8 @@ class Decision(NamedTuple):
         """``duration_until_reset`` of check ``index``: its window's or bucket's
         (:func:`~sidecar.limiter.algorithms.reset_seconds`), or, while it is banned, the
         ban's end if that comes later (a client must wait for both)."""
+        if not self.ban_ends and check.algorithm is not Algorithm.TOKEN_BUCKET:
+            return seconds_until_reset(now, check.unit_seconds)  # the common case, kept cheap
         over = self.over[index]
         reset = reset_seconds(check, self.counts[index], self.limits[index], over, now)
         if over and self.ban_ends and self.ban_ends[index] > now:
