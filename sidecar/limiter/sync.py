@@ -30,6 +30,14 @@ so the admitted total per counter and window exceeds the limit by at most
 the request budget (otherwise the failure mode decides) and while the replicas agree
 on ``R`` (every flush reads the live count, so a new replica is seen within one
 flush of the others).
+
+Sliding windows decide on the same rule with the previous window's weighted total
+added to the count; that total is read back by every flush, so right after a
+boundary it may lack the other replicas' last unflushed hits of the previous window
+(at most ``Q`` each): the estimate's bound is ``2 x (R - 1) * Q`` until the first
+flush after the boundary, then ``(R - 1) * Q``. Bans are refused locally, written by
+the next flush (``SET NX`` with the end time) and learnt from the ban keys a flush
+reads back or an escalation answers with.
 """
 
 from __future__ import annotations
