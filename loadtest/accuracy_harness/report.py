@@ -432,11 +432,15 @@ def _false_pair(row: Mapping[str, Any]) -> str:
     return f"{acc['false_rejections_definite']} / {acc['rejected_in_unfilled_windows']}"
 
 
-README_COLUMNS = (
+LEAD_COLUMNS = (
     ("scenario ({replicas} replicas)", lambda r: r["scenario"]),
     ("mode", lambda r: r["mode"]),
     ("req/s", lambda r: f"{r['traffic']['rps']:.0f}"),
     ("p99 ms", lambda r: f"{r['traffic']['p99_ms']:.2f}"),
+)
+"""The first columns of every README table: what ran and how fast."""
+README_COLUMNS = (
+    *LEAD_COLUMNS,
     (
         "overshoot max % (hits)",
         lambda r: f"{r['accuracy']['overshoot_max_pct']:.2f} ({r['accuracy']['overshoot_max_hits']})",
@@ -447,10 +451,7 @@ README_COLUMNS = (
     ("Redis = admitted", _yes),
 )
 README_SLIDING_COLUMNS = (
-    ("scenario ({replicas} replicas)", lambda r: r["scenario"]),
-    ("mode", lambda r: r["mode"]),
-    ("req/s", lambda r: f"{r['traffic']['rps']:.0f}"),
-    ("p99 ms", lambda r: f"{r['traffic']['p99_ms']:.2f}"),
+    *LEAD_COLUMNS,
     (
         "exact sliding count: max % (p99 %)",
         lambda r: f"{_alg(r)['exact_max_pct']:.0f} ({_alg(r)['exact_p99_pct']:.0f})",
@@ -472,10 +473,7 @@ README_SLIDING_COLUMNS = (
     ("Redis = admitted", _yes),
 )
 README_BUCKET_COLUMNS = (
-    ("scenario ({replicas} replicas)", lambda r: r["scenario"]),
-    ("mode", lambda r: r["mode"]),
-    ("req/s", lambda r: f"{r['traffic']['rps']:.0f}"),
-    ("p99 ms", lambda r: f"{r['traffic']['p99_ms']:.2f}"),
+    *LEAD_COLUMNS,
     ("admitted (one exact bucket, same arrivals)", lambda r: f"{_alg(r)['admitted']} ({_alg(r)['ideal_admitted']})"),
     (
         "excess over burst + rate x d, hits: measured (definite)",

@@ -45,6 +45,7 @@ from stack.haproxy import (
     generated_part,
 )
 from stack.processes import REPO, ProcessGroup
+from tests.envoy_snippets import minimal_envoy_config
 
 DEMO = REPO / "examples" / "config"
 ENVOY = REPO / "envoy" / "sidecar.yaml"
@@ -645,27 +646,7 @@ EXTENSIONS = REPO / "examples" / "extensions"
 
 def envoy_yaml(domain: str, routes: str) -> str:
     """A minimal Envoy config: one listener, the rate-limit filter of ``domain``, ``routes`` (a YAML list)."""
-    indented = textwrap.indent(textwrap.dedent(routes).strip(), " " * 24)
-    return textwrap.dedent(
-        """\
-        static_resources:
-          listeners:
-            - name: ingress
-              filter_chains:
-                - filters:
-                    - name: envoy.filters.network.http_connection_manager
-                      typed_config:
-                        route_config:
-                          virtual_hosts:
-                            - name: app
-                              domains: ["*"]
-                              routes:
-        {routes}
-                        http_filters:
-                          - name: envoy.filters.http.ratelimit
-                            typed_config: {{domain: {domain}}}
-        """
-    ).format(routes=indented, domain=domain)
+    return minimal_envoy_config(routes, domain)
 
 
 EXTENSIONS_ENVOY = envoy_yaml(

@@ -118,6 +118,15 @@ def rate_request(domain: str, *descriptors: Any, hits: int = 0) -> Any:
     return rls_pb2.RateLimitRequest(domain=domain, descriptors=list(descriptors), hits_addend=hits)
 
 
+def memory_service(rules: str, clock: FakeClock, instances: int = 1, response_headers: bool = False) -> Any:
+    """A ``RateLimitService`` deciding ``rules`` (YAML text) with a fresh ``MemoryLimiter``."""
+    from sidecar.limiter.memory import MemoryLimiter
+    from sidecar.service import RateLimitService
+
+    limiter = MemoryLimiter(instances=instances)
+    return RateLimitService(config_of(rules), limiter, clock=clock, response_headers=response_headers)
+
+
 def asker(domain: str, service: Any) -> Callable[..., Awaitable[Any]]:
     """``await ask(("key", "value"), ..., hits=0, to=other_service)``: one request to a
     service's ``decide`` in ``domain``; tuples become descriptors, protos pass as they are."""
@@ -131,6 +140,7 @@ def asker(domain: str, service: Any) -> Callable[..., Awaitable[Any]]:
 
 HELPERS = SimpleNamespace(
     asker=asker,
+    memory_service=memory_service,
     Entry=Entry,
     FakeClock=FakeClock,
     TEST_FILE=TEST_FILE,

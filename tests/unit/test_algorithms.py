@@ -467,9 +467,7 @@ def clock(h):
 @pytest.fixture
 def make(h, clock):
     def build(instances: int = 1, response_headers: bool = False) -> RateLimitService:
-        return RateLimitService(
-            h.config_of(RULES), MemoryLimiter(instances=instances), clock=clock, response_headers=response_headers
-        )
+        return h.memory_service(RULES, clock, instances=instances, response_headers=response_headers)
 
     return build
 

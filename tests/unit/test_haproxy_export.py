@@ -36,6 +36,7 @@ from sidecar.haproxy import (
     sources_from_envoy,
     sources_from_flags,
 )
+from tests.envoy_snippets import minimal_envoy_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "config"
@@ -56,27 +57,7 @@ def rule_lines(text: str) -> list[str]:
 
 def envoy_config(routes: str, domain: str = "t") -> str:
     """A minimal Envoy config: one listener, the rate-limit filter, ``routes`` (YAML list text)."""
-    indented = textwrap.indent(textwrap.dedent(routes).strip(), " " * 24)
-    return textwrap.dedent(
-        """\
-        static_resources:
-          listeners:
-            - name: ingress
-              filter_chains:
-                - filters:
-                    - name: envoy.filters.network.http_connection_manager
-                      typed_config:
-                        route_config:
-                          virtual_hosts:
-                            - name: app
-                              domains: ["*"]
-                              routes:
-        {routes}
-                        http_filters:
-                          - name: envoy.filters.http.ratelimit
-                            typed_config: {{domain: {domain}}}
-        """
-    ).format(routes=indented, domain=domain)
+    return minimal_envoy_config(routes, domain)
 
 
 def run_cli(tmp_path: Path, config: str, *args: str, envoy: str | None = None) -> SimpleNamespace:

@@ -66,9 +66,7 @@ def clock(h):
 @pytest.fixture
 def make(h, clock):
     def build(response_headers: bool = False, instances: int = 1) -> RateLimitService:
-        return RateLimitService(
-            h.config_of(RULES), MemoryLimiter(instances=instances), clock=clock, response_headers=response_headers
-        )
+        return h.memory_service(RULES, clock, instances=instances, response_headers=response_headers)
 
     return build
 

@@ -1,0 +1,35 @@
+"""A minimal Envoy config around given routes, for the HAProxy exporter's tests (unit and integration).
+
+The exporter reads route ``rate_limits`` actions from an Envoy config to learn where
+each descriptor entry comes from; these tests need only a listener, the rate-limit
+filter of one domain and the routes under test.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+
+def minimal_envoy_config(routes: str, domain: str = "t") -> str:
+    """One listener, the rate-limit filter of ``domain``, and ``routes`` (YAML list text)."""
+    indented = textwrap.indent(textwrap.dedent(routes).strip(), " " * 24)
+    return textwrap.dedent(
+        """\
+        static_resources:
+          listeners:
+            - name: ingress
+              filter_chains:
+                - filters:
+                    - name: envoy.filters.network.http_connection_manager
+                      typed_config:
+                        route_config:
+                          virtual_hosts:
+                            - name: app
+                              domains: ["*"]
+                              routes:
+        {routes}
+                        http_filters:
+                          - name: envoy.filters.http.ratelimit
+                            typed_config: {{domain: {domain}}}
+        """
+    ).format(routes=indented, domain=domain)
