@@ -33,3 +33,25 @@ def minimal_envoy_config(routes: str, domain: str = "t") -> str:
                             typed_config: {{domain: {domain}}}
         """
     ).format(routes=indented, domain=domain)
+
+
+EXTENSIONS_ROUTES = """\
+- match: {prefix: "/login"}
+  route:
+    rate_limits:
+      - actions: [{remote_address: {}}]
+      - actions: [{request_headers: {header_name: x-user, descriptor_key: login_user}}]
+- match: {prefix: "/upload"}
+  route:
+    rate_limits:
+      - actions: [{remote_address: {}}]
+      - actions: [{generic_key: {descriptor_value: uploads}}]
+- match: {prefix: "/"}
+  route:
+    rate_limits:
+      - actions: [{remote_address: {}}]
+      - actions: [{request_headers: {header_name: x-api-key, descriptor_key: api_key}}]
+"""
+"""Envoy routes for ``examples/extensions``: a login route (address, user), an upload
+route (address, the uploads bucket) and the rest (address, API key), each within
+HAProxy's three trackers."""

@@ -45,7 +45,7 @@ from stack.haproxy import (
     generated_part,
 )
 from stack.processes import REPO, ProcessGroup
-from tests.envoy_snippets import minimal_envoy_config
+from tests.envoy_snippets import EXTENSIONS_ROUTES, minimal_envoy_config
 
 DEMO = REPO / "examples" / "config"
 ENVOY = REPO / "envoy" / "sidecar.yaml"
@@ -649,26 +649,7 @@ def envoy_yaml(domain: str, routes: str) -> str:
     return minimal_envoy_config(routes, domain)
 
 
-EXTENSIONS_ENVOY = envoy_yaml(
-    "extensions",
-    """\
-    - match: {prefix: "/login"}
-      route:
-        rate_limits:
-          - actions: [{remote_address: {}}]
-          - actions: [{request_headers: {header_name: x-user, descriptor_key: login_user}}]
-    - match: {prefix: "/upload"}
-      route:
-        rate_limits:
-          - actions: [{remote_address: {}}]
-          - actions: [{generic_key: {descriptor_value: uploads}}]
-    - match: {prefix: "/"}
-      route:
-        rate_limits:
-          - actions: [{remote_address: {}}]
-          - actions: [{request_headers: {header_name: x-api-key, descriptor_key: api_key}}]
-    """,
-)
+EXTENSIONS_ENVOY = envoy_yaml("extensions", EXTENSIONS_ROUTES)
 """Routes for examples/extensions that keep every route within HAProxy's three trackers."""
 EXTENSION_FLAGS = (
     "--fetch",

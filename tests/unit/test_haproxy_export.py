@@ -36,7 +36,7 @@ from sidecar.haproxy import (
     sources_from_envoy,
     sources_from_flags,
 )
-from tests.envoy_snippets import minimal_envoy_config
+from tests.envoy_snippets import EXTENSIONS_ROUTES, minimal_envoy_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "config"
@@ -622,25 +622,6 @@ def test_a_rule_reached_by_two_descriptors_of_a_route_is_noted(tmp_path: Path) -
 
 EXTENSIONS = REPO / "examples" / "extensions"
 EXTENSIONS_FILE = EXTENSIONS / "extensions.yaml"
-EXTENSIONS_ROUTES = """\
-- match: {prefix: "/login"}
-  route:
-    rate_limits:
-      - actions: [{remote_address: {}}]
-      - actions: [{request_headers: {header_name: x-user, descriptor_key: login_user}}]
-- match: {prefix: "/upload"}
-  route:
-    rate_limits:
-      - actions: [{remote_address: {}}]
-      - actions: [{generic_key: {descriptor_value: uploads}}]
-- match: {prefix: "/"}
-  route:
-    rate_limits:
-      - actions: [{remote_address: {}}]
-      - actions: [{request_headers: {header_name: x-api-key, descriptor_key: api_key}}]
-"""
-"""Envoy routes for examples/extensions: a login route (address, user), an upload route (address,
-the uploads key) and the rest (address, API key), so every route fits HAProxy's three trackers."""
 EXTENSION_FLAGS = (
     "--fetch",
     "api_key=req.fhdr(x-api-key,1)",
