@@ -55,3 +55,14 @@ EXTENSIONS_ROUTES = """\
 """Envoy routes for ``examples/extensions``: a login route (address, user), an upload
 route (address, the uploads bucket) and the rest (address, API key), each within
 HAProxy's three trackers."""
+EXTENSION_FLAGS = (
+    "--fetch",
+    "api_key=req.fhdr(x-api-key,1)",
+    "--fetch",
+    "login_user=req.fhdr(x-user,1)",
+    "--when",
+    "generic_key=uploads",
+    "path_beg /upload",
+)
+"""``export-haproxy`` flags for ``examples/extensions`` without an Envoy config: where
+each descriptor key's value comes from, and on which path the uploads bucket applies."""

@@ -45,7 +45,7 @@ from stack.haproxy import (
     generated_part,
 )
 from stack.processes import REPO, ProcessGroup
-from tests.envoy_snippets import EXTENSIONS_ROUTES, minimal_envoy_config
+from tests.envoy_snippets import EXTENSION_FLAGS, EXTENSIONS_ROUTES, minimal_envoy_config
 
 DEMO = REPO / "examples" / "config"
 ENVOY = REPO / "envoy" / "sidecar.yaml"
@@ -651,15 +651,6 @@ def envoy_yaml(domain: str, routes: str) -> str:
 
 EXTENSIONS_ENVOY = envoy_yaml("extensions", EXTENSIONS_ROUTES)
 """Routes for examples/extensions that keep every route within HAProxy's three trackers."""
-EXTENSION_FLAGS = (
-    "--fetch",
-    "api_key=req.fhdr(x-api-key,1)",
-    "--fetch",
-    "login_user=req.fhdr(x-user,1)",
-    "--when",
-    "generic_key=uploads",
-    "path_beg /upload",
-)
 
 
 @pytest.mark.parametrize("flavour", ["fixed", "sliding"])

@@ -36,7 +36,7 @@ from sidecar.haproxy import (
     sources_from_envoy,
     sources_from_flags,
 )
-from tests.envoy_snippets import EXTENSIONS_ROUTES, minimal_envoy_config
+from tests.envoy_snippets import EXTENSION_FLAGS, EXTENSIONS_ROUTES, minimal_envoy_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "config"
@@ -622,15 +622,6 @@ def test_a_rule_reached_by_two_descriptors_of_a_route_is_noted(tmp_path: Path) -
 
 EXTENSIONS = REPO / "examples" / "extensions"
 EXTENSIONS_FILE = EXTENSIONS / "extensions.yaml"
-EXTENSION_FLAGS = (
-    "--fetch",
-    "api_key=req.fhdr(x-api-key,1)",
-    "--fetch",
-    "login_user=req.fhdr(x-user,1)",
-    "--when",
-    "generic_key=uploads",
-    "path_beg /upload",
-)
 
 
 def extensions_export(tmp_path: Path, flavour: Flavour, *args: str, envoy: bool = True) -> SimpleNamespace:
