@@ -20,6 +20,8 @@ from sidecar_harness import OK, OVER_LIMIT, Sidecar, SidecarFactory, request, wr
 
 from sidecar.limiter.windows import Unit
 
+pytestmark = pytest.mark.slow
+
 CONFIG = textwrap.dedent(
     """\
     domain: ext

@@ -24,6 +24,8 @@ from sidecar.limiter.sync import SyncLimiter
 from sidecar.limiter.windows import window_start
 from sidecar.server import build_redis_limiter
 
+pytestmark = pytest.mark.slow
+
 UNIT = 2
 LIMIT = 20
 BOUND = math.floor(0.05 * LIMIT)
