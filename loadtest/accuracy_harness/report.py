@@ -144,12 +144,16 @@ def _difference(row: Mapping[str, Any]) -> str:
     return f"{found['p1']:+d} / {found['p50']:+d} / {found['p99']:+d} (min {found['min']:+d})"
 
 
-SLIDING_COLUMNS = (
+ALGORITHM_LEAD_COLUMNS = (
     ("scenario", lambda r: r["scenario"]),
     ("mode", lambda r: r["mode"]),
     ("req/s", lambda r: f"{r['traffic']['rps']:.0f}"),
     ("p99 ms", lambda r: f"{r['traffic']['p99_ms']:.2f}"),
     ("sent", lambda r: str(r["traffic"]["sent"])),
+)
+"""The first columns of the sliding-window and token-bucket tables."""
+SLIDING_COLUMNS = (
+    *ALGORITHM_LEAD_COLUMNS,
     (
         "admitted (reference / exact log)",
         lambda r: f"{_alg(r)['admitted']} ({_alg(r)['reference_admitted']} / {_alg(r)['exact_log_admitted']})",
@@ -184,11 +188,7 @@ SLIDING_COLUMNS = (
 )
 
 BUCKET_COLUMNS = (
-    ("scenario", lambda r: r["scenario"]),
-    ("mode", lambda r: r["mode"]),
-    ("req/s", lambda r: f"{r['traffic']['rps']:.0f}"),
-    ("p99 ms", lambda r: f"{r['traffic']['p99_ms']:.2f}"),
-    ("sent", lambda r: str(r["traffic"]["sent"])),
+    *ALGORITHM_LEAD_COLUMNS,
     ("admitted (ideal bucket)", lambda r: f"{_alg(r)['admitted']} ({_alg(r)['ideal_admitted']})"),
     (
         "excess over burst + rate x d: max hits (definite)",
