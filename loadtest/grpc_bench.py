@@ -21,7 +21,7 @@ Three subcommands, each bounded in time and request count and stopping by itself
     its cost under real load. Every child process is stopped at the end, also on
     Ctrl-C, SIGTERM or error.
 ``inproc``
-    CPU cost per call of ``RateLimitService.decide`` and of the other steps of the
+    CPU cost per call of ``RateLimitService.answer`` and of the other steps of the
     request path, in this process, without gRPC; ``--profile N`` adds a cProfile table,
     ``--response-headers`` prices the sidecar's ``--response-headers``.
 
@@ -1178,11 +1178,10 @@ async def measure_inproc(
         figures = {
             "parse request (FromString)": per_call(rls_pb2.RateLimitRequest.FromString, payloads),
             "validate (request_problem)": per_call(request_problem, requests),
-            "decide (match + limiter + response)": await per_await(
-                RateLimitService(config, MemoryLimiter(), response_headers=response_headers).decide, requests
+            "answer (match + limiter + response bytes)": await per_await(
+                RateLimitService(config, MemoryLimiter(), response_headers=response_headers).answer, requests
             ),
-            "serialize response": per_call(rls_pb2.RateLimitResponse.SerializeToString, responses),
-            "ShouldRateLimit handler (validate + decide)": await per_await(
+            "ShouldRateLimit handler (validate + answer)": await per_await(
                 functools.partial(
                     RateLimitService(config, MemoryLimiter(), response_headers=response_headers).ShouldRateLimit,
                     context=context,
@@ -1198,7 +1197,7 @@ async def measure_inproc(
             samples.setdefault(name, []).append(value)
     result = {name: statistics.median(values[1:]) for name, values in samples.items()}
     result["metrics recording (handler - without)"] = (
-        result["ShouldRateLimit handler (validate + decide)"] - result["handler without recording metrics"]
+        result["ShouldRateLimit handler (validate + answer)"] - result["handler without recording metrics"]
     )
     over = sum(1 for r in responses if r.overall_code == rls_pb2.RateLimitResponse.OVER_LIMIT)
     result["share OVER_LIMIT"] = over / len(requests)
@@ -1353,12 +1352,12 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--partial",
         metavar="WORK[,WORK...]",
-        help="also run bare servicers doing part of the sidecar's work: validate, decide, handler",
+        help="also run bare servicers doing part of the sidecar's work: validate, decide, handler, floor",
     )
     _add_load_arguments(compare)
     compare.set_defaults(handler=cmd_compare)
 
-    inproc = commands.add_parser("inproc", help="cost per call of decide(), without gRPC")
+    inproc = commands.add_parser("inproc", help="cost per call of answer(), without gRPC")
     inproc.add_argument("--pattern", choices=PATTERNS, default="mixed", help="request mix")
     inproc.add_argument("--calls", type=positive_int, default=100_000, help="calls per pass")
     inproc.add_argument("--repeat", type=positive_int, default=3, help="timed passes (median)")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from sidecar.config.model import RateLimitRule
@@ -178,16 +178,15 @@ def rate_text(rule: RateLimitRule) -> str:
 
 
 class ResponseHeaders:
-    """Adds the headers to a response; one per service, configured from the settings."""
+    """Works out the headers of a response; one per service, configured from the settings."""
 
     def __init__(self, names: HeaderNames, rate_limit_headers: bool) -> None:
         self.names = names
         self.rate_limit_headers = rate_limit_headers
         """``--response-headers``: warnings are sent whether or not this is on."""
 
-    def add(
+    def pairs(
         self,
-        response: Any,
         checks: Sequence[Check],
         applied: Sequence[Applied | None],
         decision: Decision,
@@ -195,20 +194,20 @@ class ResponseHeaders:
         *,
         warns: bool,
         stats: RuleStats,
-    ) -> None:
-        """Append to ``response.response_headers_to_add``; ``warns``: the domain has soft limits."""
-        add = response.response_headers_to_add.add
+    ) -> list[tuple[str, str]]:
+        """The ``(name, value)`` headers to add; ``warns``: the domain has soft limits."""
         names = self.names
+        headers: list[tuple[str, str]] = []
         if warns and decision.admitted:
-            for text in warnings(checks, applied, decision, stats):
-                add(key=names.warning, value=text)
+            headers.extend((names.warning, text) for text in warnings(checks, applied, decision, stats))
         if not self.rate_limit_headers:
-            return
+            return headers
         chosen = reported(applied, checks, decision, now)
         if chosen is None:
-            return
-        add(key=names.limit, value=str(chosen.limit))
-        add(key=names.remaining, value=str(chosen.remaining))
-        add(key=names.reset, value=str(chosen.reset))
+            return headers
+        headers.append((names.limit, str(chosen.limit)))
+        headers.append((names.remaining, str(chosen.remaining)))
+        headers.append((names.reset, str(chosen.reset)))
         if chosen.over and not decision.admitted:
-            add(key=RETRY_AFTER, value=str(chosen.reset))
+            headers.append((RETRY_AFTER, str(chosen.reset)))
+        return headers

@@ -1,8 +1,9 @@
 """The ``envoy.service.ratelimit.v3.RateLimitService`` servicer.
 
 The handler validates, matches every descriptor against the config tree, asks the
-limiter once for the whole request (so the request is all-or-nothing) and builds
-the response. It awaits only the limiter; everything else is plain computation.
+limiter once for the whole request (so the request is all-or-nothing) and writes
+the response's wire bytes (:mod:`sidecar.wire`). It awaits only the limiter;
+everything else is plain computation.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any, NamedTuple
 import grpc
 import structlog
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
 
 from sidecar.config.match import Match, match_descriptor
@@ -25,13 +25,19 @@ from sidecar.limiter.protocol import Check, Decision, Limiter
 from sidecar.limiter.windows import Clock, Unit, system_clock
 from sidecar.metrics import ServiceStats
 from sidecar.validate import request_problem
+from sidecar.wire import (
+    CODE_OK,
+    CODE_OVER_LIMIT,
+    PLAIN_OK_STATUS,
+    UNLIMITED_STATUS,
+    StatusParts,
+    headers_fields,
+    limited_status,
+    overall,
+)
 
 log = structlog.get_logger(__name__)
 
-OK = rls_pb2.RateLimitResponse.OK
-OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
-UNLIMITED_REMAINING = 2**32 - 1
-"""What envoyproxy/ratelimit reports as ``limit_remaining`` for unlimited rules."""
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 
 
@@ -124,7 +130,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         """Log one decision in this many at debug level; 0 logs none (and costs nothing)."""
         self.in_flight = 0
         """Valid calls being decided right now; the drain waits for them."""
-        self._messages = MessageCache()
+        self._parts = StatusParts()
         self.response_headers = response_headers
         """``--response-headers``: the one flag the request path checks (with the domain's soft limits)."""
         self.headers = ResponseHeaders(header_names or HeaderNames(), response_headers)
@@ -144,13 +150,13 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         started = perf_counter()
         self.in_flight += 1
         try:
-            response = await self.decide(request)
+            admitted, response = await self.answer(request)
         except Exception:
             log.exception("decision_failed", domain=request.domain)
         else:
             stats.latency.observe(perf_counter() - started)
             stats.requests += 1
-            if response.overall_code == OVER_LIMIT:
+            if not admitted:
                 stats.over_limit_requests += 1
             return response
         finally:
@@ -159,15 +165,17 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         await context.abort(grpc.StatusCode.INTERNAL, "internal error deciding the request; see sidecar logs")
 
     async def decide(self, request: Any) -> Any:
-        """The response to a valid request; callable without gRPC for tests and benchmarks."""
+        """The response to a valid request as a message: for tests and tools, not the request path."""
+        _, response = await self.answer(request)
+        return rls_pb2.RateLimitResponse.FromString(response)
+
+    async def answer(self, request: Any) -> tuple[bool, bytes]:
+        """Whether a valid request is admitted, and its response's wire bytes."""
         config = self.config
         domain = config.domains.get(request.domain)
         descriptors = request.descriptors
         if domain is None:
-            return rls_pb2.RateLimitResponse(
-                overall_code=OK,
-                statuses=[rls_pb2.RateLimitResponse.DescriptorStatus(code=OK)] * len(descriptors),
-            )
+            return True, overall(True) + PLAIN_OK_STATUS * len(descriptors)
         matches = drop_replaced(
             [
                 override_rule(domain.name, descriptor)
@@ -179,15 +187,17 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         now = self.clock()
         checks, applied = self._checks(request, matches)
         if not checks:
-            return self._respond([], applied, None, now, True)
+            return True, self._respond([], applied, None, now, True)
         decision = await self.limiter.check(checks, now)
         self._record(checks, applied, decision, now)
         if self.log_every and self.stats.requests % self.log_every == 0:
             log_decision(request, checks, decision)
-        response = self._respond(checks, applied, decision, now, decision.admitted)
+        admitted = decision.admitted
+        response = self._respond(checks, applied, decision, now, admitted)
         if self.response_headers or domain.warns:
-            self.headers.add(response, checks, applied, decision, now, warns=domain.warns, stats=self.stats.rules)
-        return response
+            headers = self.headers.pairs(checks, applied, decision, now, warns=domain.warns, stats=self.stats.rules)
+            response += headers_fields(headers)
+        return admitted, response
 
     def _record(
         self, checks: Sequence[Check], applied: Sequence[Applied | None], decision: Decision, now: float
@@ -247,27 +257,28 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         decision: Decision | None,
         now: float,
         admitted: bool,
-    ) -> Any:
-        response = rls_pb2.RateLimitResponse(overall_code=OK if admitted else OVER_LIMIT)
-        add = response.statuses.add
+    ) -> bytes:
+        parts = [overall(admitted)]
         for item in applied:
             if item is None:
-                add(code=OK)
+                parts.append(PLAIN_OK_STATUS)
             elif item.check is None or decision is None:
-                add(code=OK, limit_remaining=UNLIMITED_REMAINING)
+                parts.append(UNLIMITED_STATUS)
             else:
                 rule, index = item.rule, item.check
                 if item.more:
                     index = reported_index(item, checks, decision, now)
                     rule = item.rule if index == item.check else item.more[index - item.check - 1]
                 over = decision.over[index]
-                add(
-                    code=OVER_LIMIT if over and not rule.shadow_mode else OK,
-                    current_limit=self._messages.limit(rule),
-                    limit_remaining=decision.remaining(index),
-                    duration_until_reset=self._messages.duration(decision.reset(checks[index], index, now)),
+                parts.append(
+                    limited_status(
+                        CODE_OVER_LIMIT if over and not rule.shadow_mode else CODE_OK,
+                        self._parts.limit(rule),
+                        decision.remaining(index),
+                        decision.reset(checks[index], index, now),
+                    )
                 )
-        return response
+        return b"".join(parts)
 
 
 def check_of(match: Match, hits: int) -> Check:
@@ -297,42 +308,6 @@ def log_decision(request: Any, checks: Sequence[Check], decision: Decision) -> N
     )
 
 
-class MessageCache:
-    """Response sub-messages built once and reused: building them is half of a response's cost.
-
-    Protobuf copies a sub-message passed to a constructor, so sharing them is safe.
-    Both caches are bounded, since override limits and reset durations come from
-    clients and the clock.
-    """
-
-    MAX_ENTRIES = 10_000
-
-    def __init__(self) -> None:
-        self._limits: dict[tuple[str, int, str | None], Any] = {}
-        self._durations: dict[int, Any] = {}
-
-    def limit(self, rule: RateLimitRule) -> Any:
-        """The ``current_limit`` message of a rule."""
-        key = (rule.counter_id, rule.requests_per_unit, rule.name)
-        message = self._limits.get(key)
-        if message is None:
-            if len(self._limits) >= self.MAX_ENTRIES:
-                self._limits.clear()
-            message = self._limits[key] = rls_pb2.RateLimitResponse.RateLimit(
-                name=rule.name or "", requests_per_unit=rule.requests_per_unit, unit=rule.reported_unit
-            )
-        return message
-
-    def duration(self, seconds: int) -> Any:
-        """A ``Duration`` of whole seconds."""
-        message = self._durations.get(seconds)
-        if message is None:
-            if len(self._durations) >= self.MAX_ENTRIES:
-                self._durations.clear()
-            message = self._durations[seconds] = Duration(seconds=seconds)
-        return message
-
-
 def parse_request(data: bytes) -> Any | None:
     """Decode a request; None for bytes that are not a ``RateLimitRequest``.
 
@@ -350,6 +325,6 @@ def add_to_server(service: RateLimitService, server: grpc.aio.Server) -> None:
     method = grpc.unary_unary_rpc_method_handler(
         service.ShouldRateLimit,
         request_deserializer=parse_request,
-        response_serializer=rls_pb2.RateLimitResponse.SerializeToString,
+        response_serializer=None,  # the handler returns wire bytes (sidecar.wire)
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"ShouldRateLimit": method}),))

@@ -237,8 +237,9 @@ def bound_broken(request: Any) -> bool:
 
 
 def response_problems(request: Any, response: Any) -> Iterator[str]:
-    """What is wrong with an answer: one status per descriptor, codes and numbers in range."""
-    parsed = rls_pb2.RateLimitResponse.FromString(response.SerializeToString())
+    """What is wrong with an answer (the handler's wire bytes): one status per descriptor, codes
+    and numbers in range."""
+    parsed = rls_pb2.RateLimitResponse.FromString(response)
     if parsed.overall_code not in (OK, OVER_LIMIT):
         yield f"overall_code {parsed.overall_code}"
     if len(parsed.statuses) != len(request.descriptors):

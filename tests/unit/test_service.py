@@ -10,7 +10,8 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.config.match import match_descriptor
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.windows import Unit
-from sidecar.service import UNLIMITED_REMAINING, RateLimitService
+from sidecar.service import RateLimitService
+from sidecar.wire import UNLIMITED_REMAINING
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -344,7 +345,8 @@ class FakeContext:
 async def test_rpc_answers_a_valid_request(h, service):
     context = FakeContext()
     response = await service.ShouldRateLimit(h.rate_request("svc", h.descriptor(("user", "u"))), context)
-    assert codes(response) == (OK, [OK])
+    assert type(response) is bytes  # wire bytes: gRPC sends them as they are
+    assert codes(rls_pb2.RateLimitResponse.FromString(response)) == (OK, [OK])
     assert context.aborted is None
 
 
