@@ -1,8 +1,8 @@
 """A RateLimitService that does no work: the baseline the sidecar is compared against.
 
-Same stack as the sidecar (``grpc.aio`` on uvloop, the same server options, health
-and reflection registered), but ``ShouldRateLimit`` returns one prebuilt
-``RateLimitResponse(overall_code=OK)`` without reading the request. The
+Same stack as the sidecar (``grpc.aio`` on uvloop, the same server options and method
+registration, health and reflection registered), but ``ShouldRateLimit`` returns the
+prebuilt wire bytes of ``RateLimitResponse(overall_code=OK)`` without reading the request. The
 difference between this and the sidecar is therefore the cost of our own code
 (validation, matching, the limiter, building the response), not of gRPC.
 
@@ -14,11 +14,15 @@ amount of CPU (``--spin-us``):
 
 - ``none``      constant response (the default; the baseline);
 - ``validate``  ``request_problem(request)``, then the constant response;
-- ``decide``    validate and ``RateLimitService.decide`` (match, limiter, build the
-                response), then return the *constant* response: the cost of our
-                logic without serializing the larger real response;
+- ``decide``    validate and ``RateLimitService.answer`` (match, limiter, write the
+                response bytes), then return the *constant* response: the cost of
+                our logic without sending the larger real response;
 - ``handler``   the real ``RateLimitService.ShouldRateLimit``: the sidecar's request
-                path in this minimal process (a control for ``sidecar serve``).
+                path in this minimal process (a control for ``sidecar serve``);
+- ``floor``     a lower bound on any handler that answers these requests: match each
+                descriptor, count it in one dict and write its status with
+                ``sidecar.wire``; no validation, windows, all-or-nothing, metrics or
+                clean-up. Not a rate limiter, a yardstick for the ratio's goal.
 
 Stops on SIGTERM or SIGINT, and by itself after ``--max-seconds`` (default one
 hour) so a forgotten process cannot outlive a benchmark for long.
@@ -39,11 +43,14 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sidecar import wire
+from sidecar.config.match import match_descriptor
+from sidecar.limiter.windows import seconds_until_reset
 from sidecar.server import SERVER_OPTIONS
-from sidecar.service import SERVICE_NAME
+from sidecar.service import SERVICE_NAME, add_to_server
 
-CONSTANT_RESPONSE = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
-WORKS = ("none", "validate", "decide", "handler")
+CONSTANT_RESPONSE = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK).SerializeToString()
+WORKS = ("none", "validate", "decide", "handler", "floor")
 
 
 class BareRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
@@ -90,14 +97,49 @@ class PartialRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: i
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
         if self.validate(request) is None and self.work == "decide":
-            await self.service.decide(request)
+            await self.service.answer(request)
         return CONSTANT_RESPONSE
+
+
+class FloorRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    """The least work that still answers each descriptor from a count: see ``floor`` above."""
+
+    def __init__(self, config_path: str) -> None:
+        from sidecar.config import load_config
+
+        self.config = load_config(config_path)
+        self.parts = wire.StatusParts()
+        self.counts: dict[Any, int] = {}
+
+    async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Any:
+        domain = self.config.domains[request.domain]
+        counts = self.counts
+        statuses = []
+        admitted = True
+        now = time.time()
+        for descriptor in request.descriptors:
+            match = match_descriptor(domain, descriptor.entries)
+            if match is None or match.rule.unlimited:
+                statuses.append(wire.PLAIN_OK_STATUS)
+                continue
+            rule = match.rule
+            count = counts[match.key] = counts.get(match.key, 0) + 1
+            over = count > rule.limit
+            admitted = admitted and not over
+            code = wire.CODE_OVER_LIMIT if over else wire.CODE_OK
+            reset = seconds_until_reset(now, rule.unit_seconds)
+            statuses.append(wire.limited_status(code, self.parts.limit(rule), max(0, rule.limit - count), reset))
+        return wire.overall(admitted) + b"".join(statuses)
 
 
 def build_servicer(work: str, spin_us: float, config_path: str) -> Any:
     """The servicer asked for on the command line."""
     if spin_us > 0:
         return SpinningRateLimitService(spin_us / 1e6)
+    if work == "floor":
+        return FloorRateLimitService(config_path)
     if work == "none":
         return BareRateLimitService()
     if work == "handler":
@@ -112,7 +154,7 @@ def build_servicer(work: str, spin_us: float, config_path: str) -> Any:
 async def serve(address: str, max_seconds: float, servicer: Any) -> None:
     """Serve on ``address`` until a signal or ``max_seconds``, then stop at once."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
