@@ -13,6 +13,8 @@ handler can instead do part of the sidecar's work (``--work``) or burn a fixed
 amount of CPU (``--spin-us``):
 
 - ``none``      constant response (the default; the baseline);
+- ``sized``     a constant response the size of a typical real one (two limited
+                statuses, 60 bytes): what sending a real answer costs the stack;
 - ``validate``  ``request_problem(request)``, then the constant response;
 - ``decide``    validate and ``RateLimitService.answer`` (match, limiter, write the
                 response bytes), then return the *constant* response: the cost of
@@ -50,16 +52,29 @@ from sidecar.server import SERVER_OPTIONS
 from sidecar.service import SERVICE_NAME, add_to_server
 
 CONSTANT_RESPONSE = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK).SerializeToString()
-WORKS = ("none", "validate", "decide", "handler", "floor")
+WORKS = ("none", "sized", "validate", "decide", "handler", "floor")
 
 
 class BareRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     """Answers every call with the same OK response, touching nothing."""
 
+    def __init__(self, response: bytes = CONSTANT_RESPONSE) -> None:
+        self.response = response
+
     async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
-        return CONSTANT_RESPONSE
+        return self.response
+
+
+def typical_response() -> bytes:
+    """A real answer's bytes: OK, two descriptors under a 20/s limit (what ``sized`` returns)."""
+    response = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
+    limit = rls_pb2.RateLimitResponse.RateLimit(name="per_address", requests_per_unit=20, unit=1)
+    for _ in range(2):
+        status = response.statuses.add(code=rls_pb2.RateLimitResponse.OK, current_limit=limit, limit_remaining=17)
+        status.duration_until_reset.seconds = 1
+    return bytes(response.SerializeToString())
 
 
 class SpinningRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
@@ -138,6 +153,8 @@ def build_servicer(work: str, spin_us: float, config_path: str) -> Any:
     """The servicer asked for on the command line."""
     if spin_us > 0:
         return SpinningRateLimitService(spin_us / 1e6)
+    if work == "sized":
+        return BareRateLimitService(typical_response())
     if work == "floor":
         return FloorRateLimitService(config_path)
     if work == "none":
