@@ -27,7 +27,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 
 from sidecar.limiter.keys import per_hit, replicas_key
 from sidecar.limiter.protocol import Check, decide
-from sidecar.limiter.scripts import DECIDE, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
+from sidecar.limiter.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
 from sidecar.limiter.windows import Clock
 from sidecar.metrics import LimiterSnapshot
 from sidecar.settings import Settings
@@ -350,9 +350,11 @@ class RedisStore:
         other adds of the pipeline did land, so failing the whole call would make the
         caller send them twice.
 
-        ``once=(owner, sequence)`` makes the adds idempotent (``flush_once.lua``): a
-        retry with the same owner, sequence and hits adds nothing if the first attempt
-        landed, so a flush whose reply was lost can be sent again safely.
+        ``once=(owner, sequence)`` makes the adds idempotent: a retry with the same
+        owner, sequence and hits adds nothing if the first attempt landed, so a flush
+        whose reply was lost can be sent again safely. On plain Redis the adds and reads
+        are one ``flush_batch.lua`` call (a few hundred keys cost about a quarter of the
+        client CPU of one call per key); in Cluster, one ``flush_once.lua`` per key.
 
         ``live_since`` also counts the replicas that beat since then, in the same round
         trip, returned under :attr:`replicas_key`: a replica learns of a new peer within
@@ -370,9 +372,7 @@ class RedisStore:
         pipe = self.client.pipeline(transaction=False)
         for key, until in bans.items():
             pipe.set(key, until, exat=until, nx=True)
-        self._queue_adds(pipe, adds, once)
-        for key in read_keys:
-            pipe.get(key)
+        batched = self._queue_flush(pipe, adds, read_keys, once)
         if live_since is not None:
             pipe.zcount(self.replicas_key, live_since, "+inf")
         replies = await self._background(pipe.execute(raise_on_error=False))
@@ -385,6 +385,8 @@ class RedisStore:
             if not isinstance(live, BaseException):
                 totals[self.replicas_key] = int(live)
         del replies[: len(bans)]  # SET NX: nothing to learn (a failed one is retried with the batch)
+        if batched:
+            replies = self._batch_replies(replies, len(adds) + len(read_keys))
         stride = 2 if once is None else 1
         add_replies, read_replies = replies[: stride * len(adds) : stride], replies[stride * len(adds) :]
         for key, reply in zip([*adds, *read_keys], [*add_replies, *read_replies], strict=True):
@@ -395,6 +397,34 @@ class RedisStore:
             else:
                 totals[key] = int(reply or 0)
         return totals
+
+    def _queue_flush(self, pipe: Any, adds: Pending, reads: Sequence[str], once: tuple[str, int] | None) -> bool:
+        """Queue a flush's adds and reads; True when they went as one ``flush_batch.lua`` call."""
+        if once is None or self.cluster:
+            self._queue_adds(pipe, adds, once)
+            for key in reads:
+                pipe.get(key)
+            return False
+        owner, sequence = once
+        args: list[int] = [sequence, len(adds)]
+        for hits, expire_at in adds.values():
+            args += (hits, expire_at)
+        keys = [f"{self.prefix}:flushed:{owner}", *adds, *reads]
+        pipe.execute_command("EVALSHA", FLUSH_BATCH.sha, len(keys), *keys, *args)
+        return True
+
+    @staticmethod
+    def _batch_replies(replies: list[Any], keys: int) -> list[Any]:
+        """``flush_batch.lua``'s one reply as one reply per key, as the per-key calls give them.
+
+        -1 marks a key that holds something other than a number: a ResponseError, so
+        its hits are counted as refused (an add) or it is left out (a read).
+        """
+        (reply,) = replies
+        if isinstance(reply, BaseException):
+            return [reply] * keys
+        refused = ResponseError("not a counter")
+        return [refused if value == -1 else value for value in reply]
 
     @staticmethod
     def _queue_adds(pipe: Any, adds: Pending, once: tuple[str, int] | None) -> None:

@@ -43,7 +43,10 @@ DECIDE = load_script("decide.lua")
 FLUSH_ONCE = load_script("flush_once.lua")
 """An idempotent flush of one counter; see the header of ``lua/flush_once.lua``."""
 
-SCRIPTS: tuple[Script, ...] = (DECIDE, FLUSH_ONCE)
+FLUSH_BATCH = load_script("flush_batch.lua")
+"""A whole idempotent flush in one call (plain Redis); see the header of ``lua/flush_batch.lua``."""
+
+SCRIPTS: tuple[Script, ...] = (DECIDE, FLUSH_ONCE, FLUSH_BATCH)
 """Every script, loaded with ``SCRIPT LOAD`` when a connection is (re)established."""
 
 

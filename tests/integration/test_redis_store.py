@@ -11,6 +11,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -285,6 +286,48 @@ async def test_flush_skips_a_key_that_holds_no_counter_and_adds_the_others(
     assert totals == {good: 3}
     assert store.refused_hits == 2
     assert store.available
+
+
+async def test_an_idempotent_flush_is_one_script_call_that_lands_once(
+    store: RedisStore, redis_server: RedisServer
+) -> None:
+    """flush_batch.lua: adds and reads in one call; the same sequence again only reads."""
+    client = redis_server.client()
+    added, other, read = (f"{store.prefix}:{{{name}}}:0" for name in ("b-added", "b-other", "b-read"))
+    client.set(read, 7)
+    scripts_before = script_calls(client)
+    adds = {added: (3, FAR_FUTURE - 10), other: (2, FAR_FUTURE)}
+    first = await store.flush(adds, [read], once=("replica-a", 1))
+    assert first == {added: 3, other: 2, read: 7}
+    assert script_calls(client) == scripts_before + 1, "one script call for the whole flush"
+    assert await store.flush(adds, [read], once=("replica-a", 1)) == first, "a retry adds nothing"
+    assert await store.flush({added: (1, FAR_FUTURE)}, once=("replica-b", 1)) == {added: 4}, "another owner"
+    assert await store.flush({added: (1, FAR_FUTURE)}, once=("replica-a", 2)) == {added: 5}
+    assert client.execute_command("EXPIRETIME", added) == FAR_FUTURE - 10, "set by the add that created it"
+    marker = f"{store.prefix}:flushed:replica-a"
+    assert client.get(marker) == "2"
+    assert client.execute_command("EXPIRETIME", marker) == FAR_FUTURE, "lives as long as its batch's counters"
+
+
+async def test_an_idempotent_flush_refuses_a_key_that_holds_no_counter_and_adds_the_others(
+    store: RedisStore, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    text, hashed, good = (f"{store.prefix}:{{{name}}}:0" for name in ("b-text", "b-hash", "b-good"))
+    client.set(text, "not a number")
+    client.hset(hashed, "field", 1)
+    adds = {text: (2, FAR_FUTURE), hashed: (5, FAR_FUTURE), good: (3, FAR_FUTURE)}
+    totals = await store.flush(adds, [text, hashed, "absent"], once=("replica-a", 1))
+    assert totals == {good: 3, "absent": 0}
+    assert store.refused_hits == 7
+    assert client.get(text) == "not a number"
+    assert client.get(good) == "3"
+    assert store.available
+
+
+def script_calls(client: Any) -> int:
+    """EVALSHA calls Redis has run so far (INFO commandstats)."""
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 async def test_heartbeats_count_live_replicas_and_forget_silent_ones(store: RedisStore) -> None:
