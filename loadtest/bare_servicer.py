@@ -22,9 +22,9 @@ amount of CPU (``--spin-us``):
 - ``handler``   the real ``RateLimitService.ShouldRateLimit``: the sidecar's request
                 path in this minimal process (a control for ``sidecar serve``);
 - ``floor``     a lower bound on any handler that answers these requests: match each
-                descriptor, count it in one dict and write its status with
-                ``sidecar.wire``; no validation, windows, all-or-nothing, metrics or
-                clean-up. Not a rate limiter, a yardstick for the ratio's goal.
+                descriptor, count it in one dict (emptied every second) and write its
+                status with ``sidecar.wire``; no validation, windows, all-or-nothing
+                or metrics. Not a rate limiter, a yardstick for the ratio's goal.
 
 Stops on SIGTERM or SIGINT, and by itself after ``--max-seconds`` (default one
 hour) so a forgotten process cannot outlive a benchmark for long.
@@ -125,15 +125,19 @@ class FloorRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ign
         self.config = load_config(config_path)
         self.parts = wire.StatusParts()
         self.counts: dict[Any, int] = {}
+        self.second = 0
 
     async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
         domain = self.config.domains[request.domain]
+        now = time.time()
+        if int(now) != self.second:
+            self.second = int(now)
+            self.counts.clear()
         counts = self.counts
         statuses = []
         admitted = True
-        now = time.time()
         for descriptor in request.descriptors:
             match = match_descriptor(domain, descriptor.entries)
             if match is None or match.rule.unlimited:
