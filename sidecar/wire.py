@@ -31,7 +31,8 @@ SMALL_VARINTS = 1 << 14
 
 
 def encode_varint(value: int) -> bytes:
-    """A non-negative integer as a protobuf base-128 varint."""
+    """An integer as a protobuf base-128 varint (a negative one as its 64-bit two's complement, as int64)."""
+    value &= 0xFFFF_FFFF_FFFF_FFFF
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -45,7 +46,7 @@ _VARINTS = [encode_varint(value) for value in range(SMALL_VARINTS)]
 
 def varint(value: int) -> bytes:
     """:func:`encode_varint`, from a table for small values."""
-    return _VARINTS[value] if value < SMALL_VARINTS else encode_varint(value)
+    return _VARINTS[value] if 0 <= value < SMALL_VARINTS else encode_varint(value)
 
 
 def length_delimited(tag: bytes, payload: bytes) -> bytes:

@@ -48,9 +48,9 @@ def rule(name: str | None = "per_user", requests_per_unit: int = 20, unit: Unit 
     )
 
 
-@given(st.integers(min_value=0, max_value=2**64 - 1))
+@given(st.integers(min_value=-(2**63), max_value=2**64 - 1))
 def test_varints_decode_to_their_value(value):
-    """The table and the loop agree, and a varint reads back as its value (as a uint64 field)."""
+    """The table and the loop agree, and a varint reads back as its value (as an int64 field)."""
     assert varint(value) == encode_varint(value)
     assert Duration.FromString(b"\x08" + varint(value)).seconds == (value if value < 2**63 else value - 2**64)
 
@@ -72,7 +72,7 @@ def test_the_varint_table_ends_where_the_loop_takes_over():
                 UINT32,
                 st.sampled_from(list(Unit)),
                 UINT32,
-                st.integers(min_value=0, max_value=10**9),
+                st.integers(min_value=-(10**9), max_value=10**9),
             ),
         ),
         max_size=6,
