@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
+from sidecar.limiter.sentinel import SentinelUrlError, is_sentinel_url, parse_sentinel_url
 
 ENV_PREFIX = "RLS_"
-REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "unix://")
+REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://", "unix://")
 
 
 class SettingsError(ValueError):
@@ -163,7 +164,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "redis_url",
         str,
         "",
-        "redis://[user:password@]host:port[/db], rediss:// for TLS, redis+cluster:// for Redis Cluster",
+        "redis://[user:password@]host:port[/db], rediss:// for TLS, redis+cluster:// for Redis Cluster, "
+        "redis+sentinel://host:26379[,host:26379]/service[/db] for Sentinel",
     ),
     Option(
         "redis_cluster",
@@ -384,7 +386,24 @@ def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.envir
         raise SettingsError(
             f"--redis-url / RLS_REDIS_URL {settings.redis_url!r}: must start with one of {', '.join(REDIS_SCHEMES)}"
         )
+    if is_sentinel_url(settings.redis_url):
+        check_sentinel_url(settings)
     return settings
+
+
+def check_sentinel_url(settings: Settings) -> None:
+    """A Sentinel URL must parse and cannot also be a Cluster.
+
+    The message never repeats the URL: it may hold a password.
+    """
+    try:
+        parse_sentinel_url(settings.redis_url)
+    except SentinelUrlError as error:
+        raise SettingsError(f"--redis-url / RLS_REDIS_URL (Sentinel): {error}") from None
+    if settings.redis_cluster:
+        raise SettingsError(
+            "--redis-cluster cannot be combined with a redis+sentinel:// URL: Sentinel serves one master"
+        )
 
 
 def reference_table(options: Sequence[Option] = SERVE_OPTIONS) -> str:

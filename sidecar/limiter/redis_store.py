@@ -21,6 +21,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
@@ -28,6 +29,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 from sidecar.limiter.keys import per_hit, replicas_key
 from sidecar.limiter.protocol import Check, decide
 from sidecar.limiter.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
+from sidecar.limiter.sentinel import SentinelTarget, is_sentinel_url, parse_sentinel_url
 from sidecar.limiter.windows import Clock
 from sidecar.metrics import LimiterSnapshot
 from sidecar.settings import Settings
@@ -90,6 +92,22 @@ def client_url(url: str, cluster: bool) -> tuple[str, bool]:
     return url, cluster
 
 
+def sentinel_client(target: SentinelTarget, options: dict[str, Any]) -> Redis:
+    """A client of ``target.service``'s current master, found through the sentinels.
+
+    redis-py asks the sentinels on every new connection and drops its connections
+    when one fails or finds the old master turned replica, so after a failover the
+    store's reconnection lands on the new master.
+    """
+    sentinel_options = {key: options[key] for key in ("socket_timeout", "socket_connect_timeout")}
+    if target.sentinel_password:
+        sentinel_options |= {"username": target.sentinel_username, "password": target.sentinel_password}
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
+    return sentinel.master_for(  # type: ignore[no-any-return]
+        target.service, db=target.db, username=target.username, password=target.password, **options
+    )
+
+
 def background_timeout(request_timeout: float) -> float:
     """Socket timeout of every connection and budget of background calls."""
     return max(MIN_BACKGROUND_TIMEOUT, 2 * request_timeout)
@@ -149,7 +167,12 @@ class RedisStore:
             "driver_info": None,
         }
         client: Redis | RedisCluster
-        client = RedisCluster.from_url(url, **options) if cluster else Redis.from_url(url, **options)
+        if is_sentinel_url(url):
+            client = sentinel_client(parse_sentinel_url(url), options)
+        elif cluster:
+            client = RedisCluster.from_url(url, **options)
+        else:
+            client = Redis.from_url(url, **options)
         return cls(
             client,
             prefix=settings.redis_prefix,

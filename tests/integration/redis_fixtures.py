@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -208,6 +208,81 @@ class RedisCluster:
             node.kill()
 
 
+class RedisSentinel:
+    """A master, one replica and one sentinel watching them as ``mymaster`` (quorum 1).
+
+    The sentinel declares the master down after 1 s without answers, so killing the
+    master promotes the replica within a few seconds: enough to test a failover.
+    """
+
+    SERVICE = "mymaster"
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.master = RedisServer(directory / "master")
+        self.replica = RedisServer(directory / "replica")
+        self.replica.extra = ["--replicaof", "127.0.0.1", str(self.master.port)]
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.SERVICE}"
+
+    def start(self) -> RedisSentinel:
+        self.master.start()
+        self.replica.start()
+        conf = self.directory / "sentinel.conf"
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\n"
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+            f"sentinel failover-timeout {self.SERVICE} 5000\n"
+        )
+        log = (self.directory / "sentinel.log").open("ab")
+        self.process = subprocess.Popen([REDIS_SERVER, str(conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self._wait("the replica in sync and known to the sentinel", self._ready)
+        return self
+
+    def client(self) -> redis.Redis:
+        """A client of the sentinel itself."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, decode_responses=True)
+
+    def master_port(self) -> int:
+        """The port of the master the sentinel names now."""
+        _, port = self.client().execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
+        return int(port)
+
+    def fail_over(self) -> RedisServer:
+        """Kill the master and wait until the sentinel has promoted the replica; returns it."""
+        self.master.kill()
+        self._wait("the sentinel to promote the replica", lambda: self.master_port() == self.replica.port)
+        self._wait("the promoted replica to accept writes", lambda: self.replica.client().set("probe", 1))
+        return self.replica
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.replica.kill()
+        self.master.kill()
+
+    def _ready(self) -> bool:
+        replication = self.replica.client().info("replication")
+        replicas = self.client().execute_command("SENTINEL", "REPLICAS", self.SERVICE)
+        return replication.get("master_link_status") == "up" and len(replicas) == 1
+
+    def _wait(self, what: str, condition: Callable[[], object]) -> None:
+        deadline = time.monotonic() + CLUSTER_DEADLINE
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.RedisError, OSError):
+                if condition():
+                    return
+            time.sleep(0.1)
+        pytest.fail(f"timed out waiting for {what}:\n{(self.directory / 'sentinel.log').read_text()[-3000:]}")
+
+
 def make_tls_files(directory: Path) -> None:
     """A self-signed certificate for 127.0.0.1 (``cert.pem``, ``key.pem``) made with openssl."""
     if OPENSSL is None:
@@ -239,7 +314,7 @@ def make_tls_files(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def running(server: RedisServer | RedisCluster) -> Iterator[None]:
+def running(server: RedisServer | RedisCluster | RedisSentinel) -> Iterator[None]:
     """Start ``server`` and kill it when the block ends, whatever happened."""
     try:
         server.start()
@@ -300,6 +375,14 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
     with running(cluster):
         yield cluster
+
+
+@pytest.fixture
+def redis_sentinel(tmp_path: Path) -> Iterator[RedisSentinel]:
+    """A master, a replica and a sentinel for one test (failover tests kill the master)."""
+    setup = RedisSentinel(tmp_path / "sentinel")
+    with running(setup):
+        yield setup
 
 
 def fresh_prefix(letter: str = "t") -> str:

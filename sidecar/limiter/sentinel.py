@@ -1,0 +1,117 @@
+"""Redis Sentinel URLs: which sentinels to ask for which master.
+
+``redis+sentinel://[user:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...]``
+
+The sentinels are asked for the current master of ``service`` when a connection is
+made, and again after a connection fails, so a failover moves the sidecar to the new
+master on its next reconnect. The credentials in the URL are the master's (ACL user
+and password); ``sentinel_password`` (and ``sentinel_username``) in the query
+authenticate to the sentinels themselves when they require it.
+
+This module only reads the URL (settings validate it at startup without importing
+redis-py); :mod:`sidecar.limiter.redis_store` builds the client.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass
+
+SENTINEL_SCHEME = "redis+sentinel"
+DEFAULT_SENTINEL_PORT = 26379
+QUERY_KEYS = frozenset({"sentinel_password", "sentinel_username"})
+
+
+class SentinelUrlError(ValueError):
+    """The URL cannot be a Sentinel URL; the message names the part at fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelTarget:
+    """Where the sentinels are and what to ask them for."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+
+def is_sentinel_url(url: str) -> bool:
+    """Whether ``url`` uses the Sentinel scheme."""
+    return url.startswith(f"{SENTINEL_SCHEME}://")
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    """The :class:`SentinelTarget` of a ``redis+sentinel://`` URL; :class:`SentinelUrlError` otherwise."""
+    if not is_sentinel_url(url):
+        raise SentinelUrlError(f"must start with {SENTINEL_SCHEME}://")
+    rest = url[len(SENTINEL_SCHEME) + 3 :]
+    rest, _, query = rest.partition("?")
+    location, _, path = rest.partition("/")
+    userinfo, at, hosts = location.rpartition("@")
+    username, password = _credentials(userinfo) if at else (None, None)
+    service, db = _service_and_db(path)
+    sentinel_username, sentinel_password = _sentinel_credentials(query)
+    return SentinelTarget(
+        sentinels=tuple(_host_port(part) for part in _non_empty(hosts.split(","), "sentinel host")),
+        service=service,
+        db=db,
+        username=username,
+        password=password,
+        sentinel_username=sentinel_username,
+        sentinel_password=sentinel_password,
+    )
+
+
+def _credentials(userinfo: str) -> tuple[str | None, str | None]:
+    user, colon, password = userinfo.partition(":")
+    if not colon:  # redis://password@host is how redis-py reads a lone credential too
+        return None, urllib.parse.unquote(user) or None
+    return urllib.parse.unquote(user) or None, urllib.parse.unquote(password) or None
+
+
+def _service_and_db(path: str) -> tuple[str, int]:
+    service, _, db = path.partition("/")
+    service = urllib.parse.unquote(service)
+    if not service:
+        raise SentinelUrlError("needs the master's service name after the hosts: redis+sentinel://host:26379/mymaster")
+    if not db:
+        return service, 0
+    if not db.isdigit():
+        raise SentinelUrlError(f"database {db!r} after the service name must be a number")
+    return service, int(db)
+
+
+def _sentinel_credentials(query: str) -> tuple[str | None, str | None]:
+    values = urllib.parse.parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(values) - QUERY_KEYS)
+    if unknown:
+        raise SentinelUrlError(
+            f"unknown query parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(QUERY_KEYS))}"
+        )
+    username = values.get("sentinel_username", [""])[-1] or None
+    return username, values.get("sentinel_password", [""])[-1] or None
+
+
+def _host_port(part: str) -> tuple[str, int]:
+    if part.startswith("["):  # [IPv6]:port
+        host, _, tail = part[1:].partition("]")
+        port_text = tail[1:] if tail.startswith(":") else ""
+    else:
+        host, _, port_text = part.partition(":")
+    if not host:
+        raise SentinelUrlError(f"sentinel {part!r} has no host")
+    if not port_text:
+        return host, DEFAULT_SENTINEL_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise SentinelUrlError(f"sentinel {part!r}: port must be a number from 1 to 65535")
+    return host, int(port_text)
+
+
+def _non_empty(parts: list[str], what: str) -> list[str]:
+    if not all(parts):
+        raise SentinelUrlError(f"empty {what} in the list (two commas, or a comma at an end?)")
+    return parts
