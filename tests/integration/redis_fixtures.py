@@ -377,9 +377,17 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
 
 
+@pytest.fixture(scope="module")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinel]:
+    """A master, a replica and a sentinel shared by one test module (tests use their own prefixes)."""
+    setup = RedisSentinel(tmp_path_factory.mktemp("sentinel"))
+    with running(setup):
+        yield setup
+
+
 @pytest.fixture
-def redis_sentinel(tmp_path: Path) -> Iterator[RedisSentinel]:
-    """A master, a replica and a sentinel for one test (failover tests kill the master)."""
+def own_sentinel(tmp_path: Path) -> Iterator[RedisSentinel]:
+    """A master, a replica and a sentinel for one test: failover tests kill the master."""
     setup = RedisSentinel(tmp_path / "sentinel")
     with running(setup):
         yield setup

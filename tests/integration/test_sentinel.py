@@ -63,15 +63,16 @@ async def test_counts_land_on_the_master_the_sentinel_names(
     assert redis_sentinel.master.client().get(counter_key(prefix, check)) == "5"
 
 
+@pytest.mark.slow
 async def test_after_a_failover_the_sidecar_counts_on_the_new_master(
-    redis_sentinel: RedisSentinel, limiters: Build
+    own_sentinel: RedisSentinel, limiters: Build
 ) -> None:
     prefix = fresh_prefix()
-    limiter = await limiters(redis_sentinel.url, "strict", redis_prefix=prefix)
+    limiter = await limiters(own_sentinel.url, "strict", redis_prefix=prefix)
     check = Check((uuid.uuid4().hex,), 3600, 1_000, 1)
     for _ in range(3):
         assert (await limiter.check([check], time.time())).admitted
-    new_master = await asyncio.to_thread(redis_sentinel.fail_over)
+    new_master = await asyncio.to_thread(own_sentinel.fail_over)
 
     deadline = time.monotonic() + FAILOVER_DEADLINE
     admitted = 3
