@@ -18,7 +18,15 @@ from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.sentinel import SentinelUrlError, is_sentinel_url, parse_sentinel_url
 
 ENV_PREFIX = "RLS_"
-REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://", "unix://")
+REDIS_SCHEMES = (
+    "redis://",
+    "rediss://",
+    "redis+cluster://",
+    "rediss+cluster://",
+    "redis+sentinel://",
+    "rediss+sentinel://",
+    "unix://",
+)
 
 
 class SettingsError(ValueError):
@@ -165,7 +173,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         str,
         "",
         "redis://[user:password@]host:port[/db], rediss:// for TLS, redis+cluster:// for Redis Cluster, "
-        "redis+sentinel://host:26379[,host:26379]/service[/db] for Sentinel",
+        "redis+sentinel://host:26379[,host:26379]/service[/db] for Sentinel (rediss+sentinel:// with TLS)",
     ),
     Option(
         "redis_cluster",
@@ -401,9 +409,7 @@ def check_sentinel_url(settings: Settings) -> None:
     except SentinelUrlError as error:
         raise SettingsError(f"--redis-url / RLS_REDIS_URL (Sentinel): {error}") from None
     if settings.redis_cluster:
-        raise SettingsError(
-            "--redis-cluster cannot be combined with a redis+sentinel:// URL: Sentinel serves one master"
-        )
+        raise SettingsError("--redis-cluster cannot be combined with a Sentinel URL: Sentinel serves one master")
 
 
 def reference_table(options: Sequence[Option] = SERVE_OPTIONS) -> str:

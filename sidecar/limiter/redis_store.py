@@ -99,7 +99,9 @@ def sentinel_client(target: SentinelTarget, options: dict[str, Any]) -> Redis:
     when one fails or finds the old master turned replica, so after a failover the
     store's reconnection lands on the new master.
     """
-    sentinel_options = {key: options[key] for key in ("socket_timeout", "socket_connect_timeout")}
+    tls: dict[str, Any] = {"ssl": True, **dict(target.tls_options)} if target.tls else {}
+    options = options | tls
+    sentinel_options = {key: options[key] for key in ("socket_timeout", "socket_connect_timeout")} | tls
     if target.sentinel_password:
         sentinel_options |= {"username": target.sentinel_username, "password": target.sentinel_password}
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]

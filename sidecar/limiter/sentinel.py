@@ -1,12 +1,15 @@
 """Redis Sentinel URLs: which sentinels to ask for which master.
 
-``redis+sentinel://[user:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...]``
+``redis+sentinel://[user:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...]``,
+or ``rediss+sentinel://`` for TLS to the sentinels and the master alike.
 
 The sentinels are asked for the current master of ``service`` when a connection is
 made, and again after a connection fails, so a failover moves the sidecar to the new
 master on its next reconnect. The credentials in the URL are the master's (ACL user
 and password); ``sentinel_password`` (and ``sentinel_username``) in the query
-authenticate to the sentinels themselves when they require it.
+authenticate to the sentinels themselves when they require it. With TLS the query
+may also name ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` (paths) and
+``ssl_cert_reqs`` (``none``, ``optional``, ``required``), as for ``rediss://``.
 
 This module only reads the URL (settings validate it at startup without importing
 redis-py); :mod:`sidecar.limiter.redis_store` builds the client.
@@ -17,9 +20,12 @@ from __future__ import annotations
 import urllib.parse
 from dataclasses import dataclass
 
-SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
+"""Scheme and whether it means TLS."""
 DEFAULT_SENTINEL_PORT = 26379
-QUERY_KEYS = frozenset({"sentinel_password", "sentinel_username"})
+CREDENTIAL_KEYS = frozenset({"sentinel_password", "sentinel_username"})
+TLS_KEYS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"})
+CERT_REQS = frozenset({"none", "optional", "required"})
 
 
 class SentinelUrlError(ValueError):
@@ -37,32 +43,37 @@ class SentinelTarget:
     password: str | None = None
     sentinel_username: str | None = None
     sentinel_password: str | None = None
+    tls: bool = False
+    tls_options: tuple[tuple[str, str], ...] = ()
+    """redis-py ``ssl_*`` connection options from the query (TLS only)."""
 
 
 def is_sentinel_url(url: str) -> bool:
-    """Whether ``url`` uses the Sentinel scheme."""
-    return url.startswith(f"{SENTINEL_SCHEME}://")
+    """Whether ``url`` uses a Sentinel scheme."""
+    return url.partition("://")[0] in SENTINEL_SCHEMES
 
 
 def parse_sentinel_url(url: str) -> SentinelTarget:
     """The :class:`SentinelTarget` of a ``redis+sentinel://`` URL; :class:`SentinelUrlError` otherwise."""
-    if not is_sentinel_url(url):
-        raise SentinelUrlError(f"must start with {SENTINEL_SCHEME}://")
-    rest = url[len(SENTINEL_SCHEME) + 3 :]
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SENTINEL_SCHEMES:
+        raise SentinelUrlError(f"must start with {' or '.join(f'{name}://' for name in SENTINEL_SCHEMES)}")
     rest, _, query = rest.partition("?")
     location, _, path = rest.partition("/")
     userinfo, at, hosts = location.rpartition("@")
     username, password = _credentials(userinfo) if at else (None, None)
     service, db = _service_and_db(path)
-    sentinel_username, sentinel_password = _sentinel_credentials(query)
+    values = _query(query, SENTINEL_SCHEMES[scheme])
     return SentinelTarget(
         sentinels=tuple(_host_port(part) for part in _non_empty(hosts.split(","), "sentinel host")),
         service=service,
         db=db,
         username=username,
         password=password,
-        sentinel_username=sentinel_username,
-        sentinel_password=sentinel_password,
+        sentinel_username=values.pop("sentinel_username", None),
+        sentinel_password=values.pop("sentinel_password", None),
+        tls=SENTINEL_SCHEMES[scheme],
+        tls_options=tuple(sorted(values.items())),
     )
 
 
@@ -85,15 +96,19 @@ def _service_and_db(path: str) -> tuple[str, int]:
     return service, int(db)
 
 
-def _sentinel_credentials(query: str) -> tuple[str | None, str | None]:
-    values = urllib.parse.parse_qs(query, keep_blank_values=True)
-    unknown = sorted(set(values) - QUERY_KEYS)
+def _query(query: str, tls: bool) -> dict[str, str]:
+    """The query's parameters (the last of repeated ones), empty ones left out."""
+    known = CREDENTIAL_KEYS | TLS_KEYS if tls else CREDENTIAL_KEYS
+    values = {key: found[-1] for key, found in urllib.parse.parse_qs(query, keep_blank_values=True).items()}
+    unknown = sorted(set(values) - known)
     if unknown:
-        raise SentinelUrlError(
-            f"unknown query parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(QUERY_KEYS))}"
-        )
-    username = values.get("sentinel_username", [""])[-1] or None
-    return username, values.get("sentinel_password", [""])[-1] or None
+        hint = "" if tls else " (ssl_* options need rediss+sentinel://)"
+        listed = ", ".join(sorted(known))
+        raise SentinelUrlError(f"unknown query parameter(s) {', '.join(unknown)}; known: {listed}{hint}")
+    reqs = values.get("ssl_cert_reqs")
+    if reqs is not None and reqs not in CERT_REQS:
+        raise SentinelUrlError(f"ssl_cert_reqs {reqs!r} must be one of {', '.join(sorted(CERT_REQS))}")
+    return {key: value for key, value in values.items() if value}
 
 
 def _host_port(part: str) -> tuple[str, int]:

@@ -6,10 +6,28 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_fixtures import acl_redis, own_redis, own_sentinel, redis_cluster, redis_sentinel, redis_server, tls_redis
+from redis_fixtures import (
+    acl_redis,
+    own_redis,
+    own_sentinel,
+    redis_cluster,
+    redis_sentinel,
+    redis_server,
+    tls_redis,
+    tls_sentinel,
+)
 from sidecar_harness import Sidecar, SidecarFactory, sidecar_factory, write_config
 
-__all__ = ["acl_redis", "own_redis", "own_sentinel", "redis_cluster", "redis_sentinel", "redis_server", "tls_redis"]
+__all__ = [
+    "acl_redis",
+    "own_redis",
+    "own_sentinel",
+    "redis_cluster",
+    "redis_sentinel",
+    "redis_server",
+    "tls_redis",
+    "tls_sentinel",
+]
 """Real redis-server fixtures (see ``redis_fixtures``), offered to every integration test."""
 
 

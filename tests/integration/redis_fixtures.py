@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -213,28 +214,48 @@ class RedisSentinel:
 
     The sentinel declares the master down after 1 s without answers, so killing the
     master promotes the replica within a few seconds: enough to test a failover.
+    With ``tls``, all three listen on TLS only and replicate and watch over TLS.
     """
 
     SERVICE = "mymaster"
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, tls: bool = False) -> None:
         self.directory = directory
-        self.master = RedisServer(directory / "master")
-        self.replica = RedisServer(directory / "replica")
-        self.replica.extra = ["--replicaof", "127.0.0.1", str(self.master.port)]
+        self.tls = tls
+        self.master = RedisServer(directory / "master", self._tls_flags(), tls=tls)
+        self.replica = RedisServer(directory / "replica", self._tls_flags(), tls=tls)
+        self.replica.extra += ["--replicaof", "127.0.0.1", str(self.master.port)]
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis+sentinel://127.0.0.1:{self.port}/{self.SERVICE}"
+        if not self.tls:
+            return f"redis+sentinel://127.0.0.1:{self.port}/{self.SERVICE}"
+        ca = urllib.parse.quote(str(self.directory / "cert.pem"))
+        return f"rediss+sentinel://127.0.0.1:{self.port}/{self.SERVICE}?ssl_ca_certs={ca}"
+
+    def _tls_flags(self) -> list[str]:
+        if not self.tls:
+            return []
+        files = [("--tls-cert-file", "cert.pem"), ("--tls-key-file", "key.pem"), ("--tls-ca-cert-file", "cert.pem")]
+        flags = [part for flag, name in files for part in (flag, str(self.directory / name))]
+        return [*flags, "--tls-auth-clients", "no", "--tls-replication", "yes"]
 
     def start(self) -> RedisSentinel:
+        if self.tls:
+            make_tls_files(self.directory)
+            for server in (self.master, self.replica):
+                server.directory.mkdir(parents=True, exist_ok=True)
+                shutil.copy(self.directory / "cert.pem", server.directory / "cert.pem")
         self.master.start()
         self.replica.start()
         conf = self.directory / "sentinel.conf"
+        listen = f"port 0\ntls-port {self.port}\n" if self.tls else f"port {self.port}\n"
+        flags = self._tls_flags()  # the servers' --name value pairs, as sentinel.conf lines
+        tls_lines = "".join(f"{flags[i][2:]} {flags[i + 1]}\n" for i in range(0, len(flags), 2))
         conf.write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\n"
+            f"{listen}{tls_lines}bind 127.0.0.1\ndir {self.directory}\n"
             f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
             f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
             f"sentinel failover-timeout {self.SERVICE} 5000\n"
@@ -247,7 +268,8 @@ class RedisSentinel:
 
     def client(self) -> redis.Redis:
         """A client of the sentinel itself."""
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, decode_responses=True)
+        tls: dict[str, object] = {"ssl": True, "ssl_ca_certs": str(self.directory / "cert.pem")} if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, decode_responses=True, **tls)  # type: ignore[arg-type]
 
     def master_port(self) -> int:
         """The port of the master the sentinel names now."""
@@ -381,6 +403,14 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinel]:
     """A master, a replica and a sentinel shared by one test module (tests use their own prefixes)."""
     setup = RedisSentinel(tmp_path_factory.mktemp("sentinel"))
+    with running(setup):
+        yield setup
+
+
+@pytest.fixture
+def tls_sentinel(tmp_path: Path) -> Iterator[RedisSentinel]:
+    """A master, a replica and a sentinel reachable over TLS only."""
+    setup = RedisSentinel(tmp_path / "sentinel-tls", tls=True)
     with running(setup):
         yield setup
 

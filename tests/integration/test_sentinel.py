@@ -63,6 +63,18 @@ async def test_counts_land_on_the_master_the_sentinel_names(
     assert redis_sentinel.master.client().get(counter_key(prefix, check)) == "5"
 
 
+async def test_tls_to_the_sentinel_and_the_master(tls_sentinel: RedisSentinel, limiters: Build) -> None:
+    prefix = fresh_prefix()
+    limiter = await limiters(tls_sentinel.url, "strict", redis_prefix=prefix)
+    check = Check((uuid.uuid4().hex,), 3600, 2, 1)
+    admitted = [(await limiter.check([check], time.time())).admitted for _ in range(3)]
+    assert admitted == [True, True, False]
+    assert limiter.store.available
+    assert tls_sentinel.master.client().get(counter_key(prefix, check)) == "2"
+    plain = await limiters(tls_sentinel.url.replace("rediss+", "redis+").partition("?")[0], "strict")
+    assert not plain.store.available, "a plain-text client must not get through TLS ports"
+
+
 @pytest.mark.slow
 async def test_after_a_failover_the_sidecar_counts_on_the_new_master(
     own_sentinel: RedisSentinel, limiters: Build

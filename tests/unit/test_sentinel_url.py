@@ -29,7 +29,9 @@ def test_credentials_database_and_sentinel_credentials():
 @pytest.mark.parametrize(
     ("url", "message"),
     [
-        ("redis://s1:26379/mymaster", "must start with redis+sentinel://"),
+        ("redis://s1:26379/mymaster", "must start with redis+sentinel:// or rediss+sentinel://"),
+        ("redis+sentinel://s1/mymaster?ssl_ca_certs=/ca.pem", "ssl_* options need rediss+sentinel://"),
+        ("rediss+sentinel://s1/mymaster?ssl_cert_reqs=maybe", "ssl_cert_reqs 'maybe' must be one of"),
         ("redis+sentinel://s1:26379", "needs the master's service name"),
         ("redis+sentinel://s1:26379/", "needs the master's service name"),
         ("redis+sentinel://s1:26379/mymaster/x", "database 'x' after the service name must be a number"),
@@ -61,4 +63,11 @@ def test_settings_refuse_a_bad_sentinel_url_without_repeating_its_password():
 
 def test_settings_refuse_sentinel_with_cluster():
     message = settings_error("--redis-url", "redis+sentinel://s1/mymaster", "--redis-cluster")
-    assert "--redis-cluster cannot be combined with a redis+sentinel:// URL" in message
+    assert "--redis-cluster cannot be combined with a Sentinel URL" in message
+
+
+def test_tls_scheme_takes_the_ssl_options_for_sentinels_and_master():
+    target = parse_sentinel_url("rediss+sentinel://s1/cache?ssl_ca_certs=%2Fetc%2Fca.pem&ssl_cert_reqs=required")
+    assert target.tls
+    assert target.tls_options == (("ssl_ca_certs", "/etc/ca.pem"), ("ssl_cert_reqs", "required"))
+    assert not parse_sentinel_url("redis+sentinel://s1/cache").tls
