@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from redis_fixtures import RedisServer, fresh_prefix
-from sidecar_harness import OK, OVER_LIMIT, Sidecar, SidecarFactory, request, write_config
+from sidecar_harness import OK, OVER_LIMIT, Sidecar, SidecarFactory, free_port, request, write_config
 
 from sidecar.limiter.windows import Unit
 
@@ -46,7 +48,28 @@ def replicas(request: pytest.FixtureRequest, start_sidecar: SidecarFactory, tmp_
     redis: RedisServer = request.getfixturevalue("redis_server")
     flags = ["--backend", "redis", "--redis-url", redis.url, "--redis-prefix", fresh_prefix("ext"), "--mode", mode]
     flags += ["--redis-timeout", "0.5", "--heartbeat-interval", "0.2"]
-    return [start_sidecar(*flags, config=config) for _ in range(2)]
+    ports = [free_port() for _ in range(2)]
+    sidecars = [start_sidecar(*flags, "--metrics-address", f"127.0.0.1:{port}", config=config) for port in ports]
+    # Until a replica has seen the other's heartbeat it counts itself alone (and may decide
+    # locally with the whole limit, so its limit_remaining would not count the other's hits).
+    for port in ports:
+        wait_for_replicas(port, 2)
+    return sidecars
+
+
+def wait_for_replicas(port: int, live: int, timeout: float = 10.0) -> None:
+    """Poll a sidecar's /metrics until it counts ``live`` replicas."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
+            text = answer.read().decode()
+        samples = (s for f in text_string_to_metric_families(text) for s in f.samples)
+        seen = next((s.value for s in samples if s.name == "ratelimit_sidecar_replicas"), None)
+        if seen == live:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the sidecar on metrics port {port} counted {seen} replicas, not {live}, after {timeout} s")
 
 
 def ensure_left(unit: float, needed: float) -> None:
