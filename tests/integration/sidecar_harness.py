@@ -26,6 +26,7 @@ import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
@@ -155,6 +156,15 @@ def in_one_window(unit_seconds: int, attempt: Callable[[], T], tries: int = 4) -
         if window_of(before, unit_seconds) == window_of(time.time(), unit_seconds):
             return result
     pytest.fail(f"every attempt straddled a {unit_seconds}s window boundary")
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in Prometheus text (``/metrics``), or None when it is absent."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
 
 
 def log_events(stderr: str) -> list[dict[str, Any]]:

@@ -9,9 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from redis_fixtures import RedisServer, fresh_prefix
-from sidecar_harness import Sidecar, SidecarFactory, clean_env, free_port, request, run_cli
+from sidecar_harness import Sidecar, SidecarFactory, clean_env, free_port, metric, request, run_cli
 
 from sidecar.admin import AdminEndpoint
 
@@ -23,14 +22,6 @@ def get(port: int, path: str) -> tuple[int, str, str]:
             return reply.status, reply.headers["content-type"], reply.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.headers["content-type"], error.read().decode()
-
-
-def metric(text: str, name: str, **labels: str) -> float | None:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return None
 
 
 def with_admin(start_sidecar: SidecarFactory, config_dir: Path, *flags: str) -> tuple[Sidecar, int]:

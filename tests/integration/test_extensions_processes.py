@@ -16,9 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from redis_fixtures import RedisServer, fresh_prefix
-from sidecar_harness import OK, OVER_LIMIT, Sidecar, SidecarFactory, free_port, request, write_config
+from sidecar_harness import OK, OVER_LIMIT, Sidecar, SidecarFactory, free_port, metric, request, write_config
 
 from sidecar.limiter.windows import Unit
 
@@ -63,9 +62,7 @@ def wait_for_replicas(port: int, live: int, timeout: float = 10.0) -> None:
     seen = None
     while time.monotonic() < deadline:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
-            text = answer.read().decode()
-        samples = (s for f in text_string_to_metric_families(text) for s in f.samples)
-        seen = next((s.value for s in samples if s.name == "ratelimit_sidecar_replicas"), None)
+            seen = metric(answer.read().decode(), "ratelimit_sidecar_replicas")
         if seen == live:
             return
         time.sleep(0.05)
