@@ -27,7 +27,7 @@ import time
 from common import free_port, positive_int
 from redis.asyncio import Redis
 
-from sidecar.limiter.redis_store import RedisStore
+from sidecar.limiter.redis.store import RedisStore
 
 WAYS = ("batch", "per-counter")
 

@@ -1149,7 +1149,7 @@ class AbortingContext:
 def unmetered_service(config: Any, response_headers: bool = False) -> Any:
     """The service with metric recording switched off: prices what recording costs."""
     from sidecar.limiter.memory import MemoryLimiter
-    from sidecar.service import RateLimitService
+    from sidecar.service.servicer import RateLimitService
 
     class Unmetered(RateLimitService):  # type: ignore[misc]
         def _record(self, *_: Any) -> None:
@@ -1165,8 +1165,8 @@ async def measure_inproc(
 ) -> dict[str, float]:
     """Median over ``repeat`` passes of each step's cost, each pass on a fresh limiter."""
     from sidecar.limiter.memory import MemoryLimiter
-    from sidecar.service import RateLimitService
-    from sidecar.validate import request_problem
+    from sidecar.service.servicer import RateLimitService
+    from sidecar.service.validate import request_problem
 
     payloads = [request.SerializeToString() for request in requests]
     context = AbortingContext()
@@ -1210,7 +1210,7 @@ async def profile_inproc(config: Any, requests: Sequence[Any], top: int) -> None
     import pstats
 
     from sidecar.limiter.memory import MemoryLimiter
-    from sidecar.service import RateLimitService
+    from sidecar.service.servicer import RateLimitService
 
     service = RateLimitService(config, MemoryLimiter())
     context = AbortingContext()

@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -21,14 +22,18 @@ from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, RateLimitConfig, load_config
 from sidecar.config.reload import ConfigReloader, rule_count
 from sidecar.config.watch import ConfigWatcher
-from sidecar.headers import HeaderNames
-from sidecar.limiter.clock import SharedClock
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
+from sidecar.limiter.redis.clock import SharedClock
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import RuleStats, ServiceStats, SidecarCollector
-from sidecar.service import SERVICE_NAME, RateLimitService, add_to_server
+from sidecar.service.headers import HeaderNames
+from sidecar.service.servicer import SERVICE_NAME, RateLimitService, add_to_server
 from sidecar.settings import Settings
+
+if TYPE_CHECKING:
+    from sidecar.limiter.redis.store import RedisStore
+    from sidecar.limiter.strict import StrictLimiter
 
 log = structlog.get_logger(__name__)
 
@@ -80,21 +85,18 @@ def build_redis_limiter(settings: Settings, clock: SharedClock | None = None) ->
     Imported here, only when chosen: redis-py takes 0.1-0.2 s to import, which the
     memory backend should not pay, and ``sync`` is loaded only when asked for.
     """
-    from sidecar.limiter.redis_store import RedisStore  # noqa: PLC0415 - lazy, see docstring
-    from sidecar.limiter.replicas import Replicas  # noqa: PLC0415 - lazy, see docstring
-
     clock = clock or SharedClock(settings.clock_offset)
     # The heartbeats sample Redis TIME only when given the SharedClock itself.
     beat_clock: Clock = clock if settings.clock_source == "redis" else clock.local
     if settings.mode == "strict":
-        from sidecar.limiter.strict import StrictLimiter  # noqa: PLC0415 - lazy, see docstring
-
-        return StrictLimiter.from_settings(settings, beat_clock)
+        return build_strict_limiter(settings, beat_clock)
     try:
         from sidecar.limiter.sync import SyncLimiter  # noqa: PLC0415 - lazy, see docstring
     except ImportError as error:
         raise StartupError(f"--mode sync is not available in this build ({error}); use --mode strict") from None
-    store = RedisStore.from_settings(settings)
+    from sidecar.limiter.redis.replicas import Replicas  # noqa: PLC0415 - lazy, see docstring
+
+    store = build_redis_store(settings)
     return SyncLimiter(
         store,
         Replicas(store, settings.heartbeat_interval, clock=beat_clock),
@@ -107,6 +109,36 @@ def build_redis_limiter(settings: Settings, clock: SharedClock | None = None) ->
         max_counters=settings.max_counters,
         clock=clock,
     )
+
+
+def build_redis_store(settings: Settings) -> RedisStore:
+    """A store for ``settings.redis_url``; connects lazily (call ``start``)."""
+    from sidecar.limiter.redis.store import RedisStore  # noqa: PLC0415 - lazy, see build_redis_limiter
+
+    return RedisStore.for_url(
+        settings.redis_url,
+        cluster=settings.redis_cluster,
+        prefix=settings.redis_prefix,
+        request_timeout=settings.redis_timeout,
+    )
+
+
+def build_strict_limiter(settings: Settings, clock: Clock = system_clock) -> StrictLimiter:
+    """Store, heartbeats and failure policy as the settings say; ``clock`` times the
+    heartbeats (a :class:`~sidecar.limiter.redis.clock.SharedClock` also samples Redis TIME)."""
+    from sidecar.limiter.failure import FailurePolicy  # noqa: PLC0415 - lazy, see build_redis_limiter
+    from sidecar.limiter.redis.replicas import Replicas  # noqa: PLC0415
+    from sidecar.limiter.strict import StrictLimiter  # noqa: PLC0415
+
+    store = build_redis_store(settings)
+    replicas = Replicas(store, settings.heartbeat_interval, clock=clock)
+    policy = FailurePolicy(
+        settings.redis_failure_mode,
+        lambda: replicas.live,
+        admit_all=settings.shadow_mode,
+        max_counters=settings.max_counters,
+    )
+    return StrictLimiter(store, replicas, policy, prefix=settings.redis_prefix, admit_all=settings.shadow_mode)
 
 
 def read_pem(path: str, what: str) -> bytes:

@@ -136,7 +136,7 @@ HANG_SECONDS = 20.0
 def fuzz_case(rng: random.Random, tally: Tally) -> Any:
     """The next request: random messages half the time, else parsed from mutated bytes or
     from bytes with invalid UTF-8 in a string field (None: not a message)."""
-    from sidecar.service import parse_request
+    from sidecar.service.servicer import parse_request
 
     kind = tally.cases % 4
     if kind in (0, 1):
@@ -151,7 +151,7 @@ def fuzz_case(rng: random.Random, tally: Tally) -> Any:
 
 def request_fuzz(context: Context) -> Row:
     """Random and mutated requests through the handler, in this process."""
-    from sidecar.limiter.keys import MAX_INLINE_CHARS
+    from sidecar.limiter.counters import MAX_INLINE_CHARS
     from sidecar.metrics import MAX_STAT_KEY_LENGTH
 
     count, budget = (3_000, 10.0) if context.quick else (60_000, 30.0)

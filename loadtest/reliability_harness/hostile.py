@@ -141,7 +141,7 @@ class SteppingClock:
 def make_service(config: Any, max_counters: int = 1000, clock: SteppingClock | None = None) -> tuple[Any, Any]:
     """``(RateLimitService, MemoryLimiter)`` for ``config``."""
     from sidecar.limiter.memory import MemoryLimiter
-    from sidecar.service import RateLimitService
+    from sidecar.service.servicer import RateLimitService
 
     limiter = MemoryLimiter(max_counters=max_counters)
     return RateLimitService(config, limiter, clock=clock or SteppingClock()), limiter
@@ -221,7 +221,7 @@ REFUSAL_DETAILS = re.compile(r"(domain|descriptors|request)\b")
 
 
 def bound_broken(request: Any) -> bool:
-    """README "Request bounds", written independently of ``sidecar.validate``."""
+    """README "Request bounds", written independently of ``sidecar.service.validate``."""
     if not 1 <= len(request.domain) <= 256 or not 1 <= len(request.descriptors) <= 64:
         return True
     for descriptor in request.descriptors:

@@ -237,7 +237,7 @@ def redis_client(port: int, timeout: float = 10.0) -> Any:
 
 class CounterNames:
     """Redis digests of descriptors, computed as the sidecar does: the rule's counter key
-    from the match tree (``sidecar.config.match_descriptor``), hashed by ``sidecar.limiter.keys``."""
+    from the match tree (``sidecar.config.match_descriptor``), hashed by ``sidecar.limiter.redis.keys``."""
 
     def __init__(self, config_dir: Path, domain: str) -> None:
         from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
@@ -249,7 +249,7 @@ class CounterNames:
 
     def digest(self, entries: Sequence[tuple[str, str]]) -> str:
         from sidecar.config import match_descriptor
-        from sidecar.limiter.keys import counter_digest
+        from sidecar.limiter.redis.keys import counter_digest
 
         match = match_descriptor(self.domain, [self.entry(key=key, value=value) for key, value in entries])
         if match is None:

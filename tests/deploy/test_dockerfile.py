@@ -233,4 +233,4 @@ def test_dockerignore_sends_what_the_dockerfile_copies_and_nothing_else(stages: 
             assert in_context(relative) != cached, relative
     for kept_out in (".git/HEAD", ".venv/bin/python", "tests/deploy/test_dockerfile.py", "loadtest/grpc_bench.py"):
         assert not in_context(kept_out), kept_out
-    assert in_context("sidecar/limiter/lua/decide.lua")
+    assert in_context("sidecar/limiter/redis/lua/decide.lua")

@@ -37,9 +37,9 @@ from reliability_harness.hostile import (
 )
 
 from sidecar.config.model import wildcard_matcher
-from sidecar.limiter.keys import MAX_INLINE_CHARS
+from sidecar.limiter.counters import MAX_INLINE_CHARS
 from sidecar.metrics import MAX_STAT_KEY_LENGTH
-from sidecar.service import parse_request
+from sidecar.service.servicer import parse_request
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -109,7 +109,7 @@ def requests(draw: st.DrawFn, wild: bool | None = None) -> Any:
 
 def check_outcome(request: Any, response: Any, abort: Any) -> None:
     """INVALID_ARGUMENT exactly when the request breaks a README bound (``hostile.bound_broken``,
-    written independently of ``sidecar.validate``), else a valid answer."""
+    written independently of ``sidecar.service.validate``), else a valid answer."""
     event("refused" if abort is not None else "answered")
     problem = outcome_problem(request, response, abort)
     assert problem is None, problem

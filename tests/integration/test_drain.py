@@ -47,7 +47,7 @@ from redis_fixtures import RedisServer, fresh_prefix
 from sidecar_harness import OK, OVER_LIMIT, SERVICE_NAME, Sidecar, SidecarFactory, log_events, request, write_config
 
 from sidecar.config import load_config, match_descriptor
-from sidecar.limiter.keys import counter_digest, replicas_key
+from sidecar.limiter.redis.keys import counter_digest, replicas_key
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +150,7 @@ def redis_totals(server: RedisServer, prefix: str, config_dir: Path) -> dict[tup
     """Per counter, the sum of its window keys in Redis (every window: an hour boundary may split a run).
 
     The key is computed as the sidecar does: the rule's counter key from the match
-    tree, hashed by ``sidecar.limiter.keys``; flush markers (``...:flushed:<replica>``)
+    tree, hashed by ``sidecar.limiter.redis.keys``; flush markers (``...:flushed:<replica>``)
     are not counters and are skipped.
     """
     domain = load_config(config_dir).domains["drain"]

@@ -34,7 +34,7 @@ from sidecar_harness import OK, request
 
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
-from sidecar.service import RateLimitService
+from sidecar.service.servicer import RateLimitService
 from stack.components import UpstreamProcess
 from stack.haproxy import (
     SHIPPED_CONFIG,

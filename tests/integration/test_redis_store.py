@@ -24,11 +24,14 @@ from redis_fixtures import (
 )
 from sidecar_harness import free_port
 
-from sidecar.limiter.keys import counter_digest, counter_window, expire_at, window_key
 from sidecar.limiter.protocol import Check, Role, decide
-from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, client_url, same_slot
-from sidecar.limiter.scripts import DECIDE
+from sidecar.limiter.redis.availability import RedisUnavailable
+from sidecar.limiter.redis.connect import client_url
+from sidecar.limiter.redis.keys import counter_digest, counter_window, expire_at, window_key
+from sidecar.limiter.redis.scripts import DECIDE
+from sidecar.limiter.redis.store import RedisStore, same_slot
 from sidecar.limiter.windows import window_start
+from sidecar.server import build_redis_store
 from sidecar.settings import Settings
 
 GENEROUS = 2.0
@@ -52,7 +55,7 @@ def store_for(url: str, *, timeout: float = GENEROUS, prefix: str | None = None,
         redis_prefix=prefix or fresh_prefix(),
         redis_cluster=cluster,
     )
-    return RedisStore.from_settings(settings)
+    return build_redis_store(settings)
 
 
 @pytest.fixture

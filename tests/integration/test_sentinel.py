@@ -18,8 +18,8 @@ import pytest
 from redis_fixtures import RedisSentinel, fresh_prefix, redis_settings
 from sidecar_harness import OK, OVER_LIMIT, SidecarFactory, in_one_window, request
 
-from sidecar.limiter.keys import counter_window
 from sidecar.limiter.protocol import Check, Limiter
+from sidecar.limiter.redis.keys import counter_window
 from sidecar.server import build_redis_limiter
 
 Build = Callable[..., Limiter]

@@ -19,11 +19,12 @@ import pytest
 from redis_fixtures import RedisCluster, RedisServer, fresh_prefix, redis_settings
 
 from sidecar.limiter.algorithms import MICROSECONDS, Algorithm, emission_interval_us
-from sidecar.limiter.keys import ban_key, check_window, counter_digest
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check, Decision, Role
-from sidecar.limiter.redis_store import same_slot
+from sidecar.limiter.redis.keys import ban_key, check_window, counter_digest
+from sidecar.limiter.redis.store import same_slot
 from sidecar.limiter.strict import StrictLimiter
+from sidecar.server import build_strict_limiter
 
 GENEROUS = 2.0
 """Budget: a slow answer on a busy machine must not switch to the failure mode."""
@@ -42,7 +43,7 @@ async def limiters() -> AsyncIterator[Factory]:
 
     def build(url: str, *, redis_time: bool = False, **overrides: object) -> StrictLimiter:
         values: dict[str, object] = {"heartbeat_interval": 0.1, "redis_prefix": fresh_prefix(), **overrides}
-        limiter = StrictLimiter.from_settings(redis_settings(url, "strict", GENEROUS, **values))
+        limiter = build_strict_limiter(redis_settings(url, "strict", GENEROUS, **values))
         limiter.redis_time = redis_time
         built.append(limiter)
         return limiter
@@ -244,7 +245,7 @@ async def test_a_banned_check_refuses_the_whole_request(redis_server: RedisServe
 
 
 async def wait_reconciled(limiter: StrictLimiter) -> None:
-    while not (limiter.store.available and limiter.policy.reconciled()):
+    while not (limiter.store.available and limiter.ledger.reconciled()):
         await asyncio.sleep(0.01)
 
 
@@ -256,8 +257,8 @@ async def test_hits_owed_to_a_bucket_land_as_tat_increments(own_redis: RedisServ
     key, expires = check_window(limiter.prefix, item, start)
     assert (await limiter.check([item], start)).counts == (1,)
     # Owed as a late answer's correction would be: 2 hits, 2 intervals on the TAT.
-    assert limiter.policy.owe(key, 2, expires, item.interval_us)
-    assert limiter.policy.owed_hits == 2
+    assert limiter.ledger.owe(key, 2, expires, item.interval_us)
+    assert limiter.ledger.owed_hits == 2
     await asyncio.wait_for(wait_reconciled(limiter), 10.0)
     client = own_redis.client()
     assert int(client.get(key) or 0) == start * MICROSECONDS + 3 * TENTH
@@ -267,7 +268,7 @@ async def test_hits_owed_to_a_bucket_land_as_tat_increments(own_redis: RedisServ
     # Redis admitted 2 hits of this replica's; its local share (one live replica) is 5.
     during = [await limiter.check([item], start) for _ in range(4)]
     assert [decision.admitted for decision in during] == [True, True, True, False]
-    assert limiter.policy.owed_hits == 3, "reported in hits, owed as 3 intervals"
+    assert limiter.ledger.owed_hits == 3, "reported in hits, owed as 3 intervals"
     await asyncio.to_thread(own_redis.start)
     await asyncio.wait_for(wait_reconciled(limiter), 10.0)
     # The restarted Redis is empty: INCRBY leaves a TAT far in the past, a full bucket.

@@ -29,11 +29,12 @@ from redis_fixtures import (
 from sidecar_harness import OK, OVER_LIMIT, SidecarFactory, in_one_window, log_events, request
 
 from sidecar.limiter.failure import FailurePolicy
-from sidecar.limiter.keys import counter_window
 from sidecar.limiter.protocol import Check, Decision, Role
-from sidecar.limiter.redis_store import Pending, RedisStore
-from sidecar.limiter.replicas import Replicas
+from sidecar.limiter.redis.keys import counter_window
+from sidecar.limiter.redis.replicas import Replicas
+from sidecar.limiter.redis.store import Pending
 from sidecar.limiter.strict import StrictLimiter
+from sidecar.server import build_redis_store, build_strict_limiter
 from sidecar.settings import Settings
 
 GENEROUS = 2.0
@@ -56,7 +57,7 @@ async def limiters() -> AsyncIterator[Factory]:
     started: list[StrictLimiter] = []
 
     def build(url: str, **overrides: object) -> StrictLimiter:
-        limiter = StrictLimiter.from_settings(strict_settings(url, **overrides))
+        limiter = build_strict_limiter(strict_settings(url, **overrides))
         started.append(limiter)
         return limiter
 
@@ -208,7 +209,7 @@ async def test_local_mode_enforces_a_share_per_replica_within_budget(own_redis: 
     assert admitted_by == [5, 5]
     assert max(durations) < SLOW_CALL, durations
     assert all(replica.policy.degraded for replica in pair)
-    assert pair[0].policy.owed_hits == 5
+    assert pair[0].ledger.owed_hits == 5
 
 
 async def test_local_mode_counts_each_replicas_own_hits_against_its_share(
@@ -236,7 +237,7 @@ async def test_open_mode_admits_everything_and_owes_it(own_redis: RedisServer, l
     results = [await timed(pair[0], [one(2)]) for _ in range(6)]
     assert all(decision.admitted for decision, _ in results)
     assert max(took for _, took in results) < SLOW_CALL
-    assert pair[0].policy.owed_hits == 6
+    assert pair[0].ledger.owed_hits == 6
 
 
 async def test_closed_mode_rejects_enforced_and_lets_shadow_through(own_redis: RedisServer, limiters: Factory) -> None:
@@ -246,7 +247,7 @@ async def test_closed_mode_rejects_enforced_and_lets_shadow_through(own_redis: R
     assert took < SLOW_CALL
     shadow_only, _ = await timed(pair[0], [one(100, role=Role.SHADOW)])
     assert shadow_only.admitted
-    assert pair[0].policy.owed_hits == 1
+    assert pair[0].ledger.owed_hits == 1
 
 
 # -- pause and restart: budget and reconciliation ----------------------------------------------
@@ -275,7 +276,7 @@ async def test_paused_redis_answers_within_budget_and_reconciles(own_redis: Redi
 
 
 async def wait_reconciled(limiter: StrictLimiter) -> None:
-    while not (limiter.store.available and limiter.policy.owed_hits == 0 and limiter.policy.reconciled()):
+    while not (limiter.store.available and limiter.ledger.owed_hits == 0 and limiter.ledger.reconciled()):
         await asyncio.sleep(0.01)
 
 
@@ -290,7 +291,7 @@ async def test_hits_admitted_while_redis_was_down_are_reconciled_after_restart(
     own_redis.kill()
     during = [await limiter.check([item], now) for _ in range(4)]
     assert all(decision.admitted for decision in during)
-    assert limiter.policy.owed_hits == 4
+    assert limiter.ledger.owed_hits == 4
     await asyncio.to_thread(own_redis.start)
     await asyncio.wait_for(wait_reconciled(limiter), 10.0)
     key = key_of(limiter.prefix, item, now)
@@ -310,18 +311,18 @@ async def test_a_request_on_a_counter_with_owed_hits_waits_for_their_flush_and_s
     item = one(5, name="owed-first")
     now = time.time()
     key = key_of(limiter.prefix, item, now)
-    limiter.policy.restore({key: (3, int(now) + 120)})
-    assert not limiter.policy.settled([key])
+    limiter.ledger.restore({key: (3, int(now) + 120)})
+    assert not limiter.ledger.settled([key])
     # Owed hits never ride in a request's script (a timed-out script would leave them in
     # doubt): the request waits, within its budget, for the reconciler's flush.
     decision = await limiter.check([item], now)
     assert decision.counts == (4,)
     assert own_redis.client().get(key) == "4"
-    assert limiter.policy.owed_hits == 0
+    assert limiter.ledger.owed_hits == 0
 
 
 async def test_close_sends_what_is_still_owed(own_redis: RedisServer) -> None:
-    limiter = StrictLimiter.from_settings(strict_settings(own_redis.url))
+    limiter = build_strict_limiter(strict_settings(own_redis.url))
     await started(limiter)
     item = one(10, name="close")
     now = time.time()
@@ -331,7 +332,7 @@ async def test_close_sends_what_is_still_owed(own_redis: RedisServer) -> None:
     await asyncio.to_thread(own_redis.start)
     await limiter.close()
     assert own_redis.client().get(key_of(limiter.prefix, item, now)) == "3"
-    assert limiter.policy.owed_hits == 0
+    assert limiter.ledger.owed_hits == 0
 
 
 # -- one round trip per loop iteration; late answers ---------------------------------------
@@ -385,7 +386,7 @@ async def test_late_answers_leave_the_counter_equal_to_admitted_hits(
     settings = strict_settings(
         own_redis.url, redis_prefix=prefix, redis_failure_mode=mode, redis_timeout=0.005, heartbeat_interval=5
     )
-    pair = [StrictLimiter.from_settings(settings) for _ in range(2)]
+    pair = [build_strict_limiter(settings) for _ in range(2)]
     await started(*pair)
     limiter = pair[1]
     assert limiter.replicas.live == 2
@@ -405,8 +406,8 @@ async def test_late_answers_leave_the_counter_equal_to_admitted_hits(
         await replica.close()
     assert limiter.batcher.late_answers >= 6, "the scripts did run, after the budget"
     assert limiter.unreconciled_hits() == 0
-    assert limiter.policy.owed_give_backs == 0
-    assert limiter.policy.reconciled()
+    assert limiter.ledger.owed_give_backs == 0
+    assert limiter.ledger.reconciled()
     assert int(own_redis.client().get(key_of(prefix, item, now)) or 0) == admitted
 
 
@@ -459,7 +460,7 @@ async def test_a_flush_whose_reply_is_lost_is_resent_and_counted_once(
 
     limiter.store.flush = counting_flush  # type: ignore[method-assign]
     sleeper = own_redis.debug_sleep(1.5)
-    limiter.policy.restore({key: (3, int(now) + 120)})
+    limiter.ledger.restore({key: (3, int(now) + 120)})
     await asyncio.to_thread(sleeper.join)
     await asyncio.wait_for(wait_reconciled(limiter), 10.0)
     assert len(sent) >= 2, "sent, given up after 1 s, sent again"
@@ -474,7 +475,7 @@ async def test_replicas_count_heartbeats_and_keep_the_last_count_while_redis_is_
     own_redis: RedisServer,
 ) -> None:
     settings = strict_settings(own_redis.url, redis_prefix=fresh_prefix())
-    stores = [RedisStore.from_settings(settings) for _ in range(3)]
+    stores = [build_redis_store(settings) for _ in range(3)]
     for store in stores:
         await store.start()
     members = [Replicas(store, 0.05) for store in stores]
@@ -505,44 +506,44 @@ def test_failure_policy_local_share_follows_live_replicas() -> None:
     assert answers == [True, True, True, True, False], "ceil(10 / 3) = 4"
     live[0] = 1
     assert policy.check([one(10)], ["k"], [1_700_000_100], now).admitted
-    assert policy.drain_admitted() == {"k": (5, 1_700_000_100)}
-    assert policy.busy(["k"])
-    policy.restore({"k": (5, 1_700_000_100)})
-    assert not policy.busy(["k"])
-    assert policy.take(["k", "other"]) == {"k": (5, 1_700_000_100)}
-    policy.settle({"k": (5, 1_700_000_100)})
-    assert not policy.owes()
+    assert policy.ledger.drain_admitted() == {"k": (5, 1_700_000_100)}
+    assert policy.ledger.busy(["k"])
+    policy.ledger.restore({"k": (5, 1_700_000_100)})
+    assert not policy.ledger.busy(["k"])
+    assert policy.ledger.take(["k", "other"]) == {"k": (5, 1_700_000_100)}
+    policy.ledger.settle({"k": (5, 1_700_000_100)})
+    assert not policy.ledger.owes()
 
 
 def test_failure_policy_holds_decides_without_owing_and_merges_corrections() -> None:
     policy = FailurePolicy("open")
     deadline = 1_700_000_100
     now = 1_700_000_010.0
-    assert policy.settled(["k"])
+    assert policy.ledger.settled(["k"])
     decision, spent = policy.check_without_owing(
         [one(10, hits=2), one(10, name="s", hits=0)], ["k", "s"], [deadline] * 2, now
     )
     assert decision.admitted
     assert spent == (2, 0)
-    assert policy.reconciled(), "nothing owed: the caller decides once the script's fate is known"
-    policy.hold(["k"])
-    assert not policy.settled(["k", "x"])
-    assert policy.settled(["x"])
-    assert not policy.reconciled()
-    policy.release(["k"])
-    assert policy.settled(["k"])
-    policy.owe("k", 2, deadline)  # no answer came: the admitted hits are owed
-    policy.owe("k", -2, deadline)  # ... then the answer came after all: the script had counted them
-    assert policy.settled(["k"])
-    assert policy.reconciled()
-    policy.owe("k", -1, deadline)  # a late script consumed a refused hit: give it back
-    assert policy.owed_give_backs == 1
-    assert policy.owed_hits == 0
-    sent = policy.drain_admitted()
+    assert policy.ledger.reconciled(), "nothing owed: the caller decides once the script's fate is known"
+    policy.ledger.hold(["k"])
+    assert not policy.ledger.settled(["k", "x"])
+    assert policy.ledger.settled(["x"])
+    assert not policy.ledger.reconciled()
+    policy.ledger.release(["k"])
+    assert policy.ledger.settled(["k"])
+    policy.ledger.owe("k", 2, deadline)  # no answer came: the admitted hits are owed
+    policy.ledger.owe("k", -2, deadline)  # ... then the answer came after all: the script had counted them
+    assert policy.ledger.settled(["k"])
+    assert policy.ledger.reconciled()
+    policy.ledger.owe("k", -1, deadline)  # a late script consumed a refused hit: give it back
+    assert policy.ledger.owed_give_backs == 1
+    assert policy.ledger.owed_hits == 0
+    sent = policy.ledger.drain_admitted()
     assert sent == {"k": (-1, deadline)}
-    policy.owe("k", 1, deadline)
-    policy.restore(sent)
-    assert policy.reconciled(), "the failed give-back and the new debt cancel out"
+    policy.ledger.owe("k", 1, deadline)
+    policy.ledger.restore(sent)
+    assert policy.ledger.reconciled(), "the failed give-back and the new debt cancel out"
 
 
 def test_failure_policy_waiters_wake_when_owed_hits_land_or_a_hold_ends() -> None:
@@ -550,18 +551,18 @@ def test_failure_policy_waiters_wake_when_owed_hits_land_or_a_hold_ends() -> Non
     deadline = 1_700_000_100
 
     async def waiting() -> None:
-        policy.owe("k", 4, deadline)
-        policy.hold(["k"])
-        waiter = asyncio.ensure_future(policy.wait_settled(["k"]))
+        policy.ledger.owe("k", 4, deadline)
+        policy.ledger.hold(["k"])
+        waiter = asyncio.ensure_future(policy.ledger.wait_settled(["k"]))
         await asyncio.sleep(0)
         assert not waiter.done()
-        owed = policy.drain_admitted()
+        owed = policy.ledger.drain_admitted()
         await asyncio.sleep(0)
         assert not waiter.done(), "on its way is not settled yet"
-        policy.settle(owed)
+        policy.ledger.settle(owed)
         await asyncio.sleep(0)
         assert not waiter.done(), "still held"
-        policy.release(["k"])
+        policy.ledger.release(["k"])
         await asyncio.wait_for(waiter, 1.0)
 
     asyncio.run(waiting())
@@ -572,11 +573,11 @@ def test_failure_policy_counts_what_it_could_not_remember() -> None:
     now = time.time()
     deadline = int(now) + 120
     policy.check([one(10), one(10, name="b")], ["a", "b"], [deadline] * 2, now)
-    assert policy.dropped_hits == 1
-    assert not policy.owe("c", -1, deadline)
-    assert policy.dropped_give_backs == 1
-    assert policy.owe("a", -1, deadline), "merges with what is owed for a"
-    assert policy.reconciled()
+    assert policy.ledger.dropped_hits == 1
+    assert not policy.ledger.owe("c", -1, deadline)
+    assert policy.ledger.dropped_give_backs == 1
+    assert policy.ledger.owe("a", -1, deadline), "merges with what is owed for a"
+    assert policy.ledger.reconciled()
 
 
 def test_failure_policy_rejects_unknown_modes() -> None:

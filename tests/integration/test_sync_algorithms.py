@@ -18,8 +18,8 @@ from redis_fixtures import RedisServer, fresh_prefix, redis_settings
 from sidecar_harness import run_cli, write_config
 
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.keys import ban_key, counter_digest, window_key
 from sidecar.limiter.protocol import Check
+from sidecar.limiter.redis.keys import ban_key, counter_digest, window_key
 from sidecar.limiter.sync import SyncLimiter
 from sidecar.limiter.windows import window_start
 from sidecar.server import build_redis_limiter

@@ -29,8 +29,8 @@ from redis_fixtures import REDIS_CLI, RedisCluster, RedisServer, fresh_prefix, r
 from sidecar_harness import OK, OVER_LIMIT, SidecarFactory, log_events, request, write_config
 
 from sidecar.limiter import sync as sync_module
-from sidecar.limiter.keys import counter_window
 from sidecar.limiter.protocol import Check, Decision, Role
+from sidecar.limiter.redis.keys import counter_window
 from sidecar.limiter.sync import SyncLimiter
 from sidecar.limiter.windows import window_start
 from sidecar.server import build_redis_limiter

@@ -121,7 +121,7 @@ def rate_request(domain: str, *descriptors: Any, hits: int = 0) -> Any:
 def memory_service(rules: str, clock: FakeClock, instances: int = 1, response_headers: bool = False) -> Any:
     """A ``RateLimitService`` deciding ``rules`` (YAML text) with a fresh ``MemoryLimiter``."""
     from sidecar.limiter.memory import MemoryLimiter
-    from sidecar.service import RateLimitService
+    from sidecar.service.servicer import RateLimitService
 
     limiter = MemoryLimiter(instances=instances)
     return RateLimitService(config_of(rules), limiter, clock=clock, response_headers=response_headers)

@@ -12,7 +12,7 @@ from sidecar.admin import AdminEndpoint, config_json, rule_json
 from sidecar.client import describe
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
-from sidecar.service import RateLimitService
+from sidecar.service.servicer import RateLimitService
 
 EXTENSIONS = Path(__file__).resolve().parents[2] / "examples" / "extensions"
 

@@ -30,7 +30,7 @@ from sidecar.limiter.algorithms import (
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check, Role
 from sidecar.limiter.windows import Unit
-from sidecar.service import RateLimitService
+from sidecar.service.servicer import RateLimitService
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

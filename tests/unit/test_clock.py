@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.limiter.clock import MAX_SAMPLE_ROUND_TRIP, SharedClock
+from sidecar.limiter.redis.clock import MAX_SAMPLE_ROUND_TRIP, SharedClock
 
 
 def test_offset_and_correction_add_up() -> None:

@@ -15,10 +15,11 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.config.model import counter_id
 from sidecar.config.parse import MAX_REQUESTS_PER_UNIT, parse_duration
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.memory import Bans, MemoryLimiter
+from sidecar.limiter.bounds import Bans
+from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check
 from sidecar.limiter.windows import Unit
-from sidecar.service import RateLimitService
+from sidecar.service.servicer import RateLimitService
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

@@ -10,7 +10,8 @@ import re
 
 from sidecar.limiter.algorithms import Algorithm, emission_interval_us
 from sidecar.limiter.failure import FailurePolicy
-from sidecar.limiter.keys import (
+from sidecar.limiter.protocol import Check, Role
+from sidecar.limiter.redis.keys import (
     EXPIRY_GRACE_SECONDS,
     ban_key,
     bucket_key,
@@ -21,8 +22,7 @@ from sidecar.limiter.keys import (
     previous_window,
     window_key,
 )
-from sidecar.limiter.protocol import Check, Role
-from sidecar.limiter.scripts import DECIDE, decide_arguments
+from sidecar.limiter.redis.scripts import DECIDE, decide_arguments
 
 NOW = 1_700_000_045.25
 MINUTE = 1_700_000_040
@@ -121,18 +121,18 @@ def test_owed_bucket_hits_are_tat_microseconds_but_reported_as_hits() -> None:
     windows = [check_window("rls", check, NOW) for check in (FIXED, BUCKET)]
     decision = policy.check([FIXED, BUCKET], [key for key, _ in windows], [exp for _, exp in windows], NOW)
     assert decision.admitted
-    assert policy.owed_hits == 1 + 3
-    drained = policy.drain_admitted()
+    assert policy.ledger.owed_hits == 1 + 3
+    drained = policy.ledger.drain_admitted()
     assert drained == {
         windows[0][0]: (1, windows[0][1]),
         windows[1][0]: (3 * INTERVAL, windows[1][1]),  # INCRBY of the TAT: charging the bucket
     }
-    policy.restore(drained)
-    assert policy.owed_hits == 4, "a failed flush keeps the amounts and what a hit is worth"
-    assert policy.owe(windows[1][0], -1, windows[1][1], INTERVAL)  # a late answer: give one back
-    assert policy.owed_hits == 3
-    drained = policy.drain_admitted()
+    policy.ledger.restore(drained)
+    assert policy.ledger.owed_hits == 4, "a failed flush keeps the amounts and what a hit is worth"
+    assert policy.ledger.owe(windows[1][0], -1, windows[1][1], INTERVAL)  # a late answer: give one back
+    assert policy.ledger.owed_hits == 3
+    drained = policy.ledger.drain_admitted()
     assert drained[windows[1][0]] == (2 * INTERVAL, windows[1][1])
-    assert policy.hits_in(drained) == 3
-    policy.settle(drained)
-    assert policy.reconciled()
+    assert policy.ledger.hits_in(drained) == 3
+    policy.ledger.settle(drained)
+    assert policy.ledger.reconciled()

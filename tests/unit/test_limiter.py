@@ -394,7 +394,7 @@ def test_enforced_counters_never_pass_their_limit(steps):
 def test_eviction_bursts_are_logged_at_most_once_per_interval() -> None:
     from structlog.testing import capture_logs
 
-    from sidecar.limiter.memory import EvictionLog
+    from sidecar.limiter.bounds import EvictionLog
 
     eviction_log = EvictionLog(max_counters=10, interval=3600)
     with capture_logs() as logs:

@@ -22,7 +22,7 @@ from sidecar.metrics import (
     SidecarCollector,
     render,
 )
-from sidecar.service import RateLimitService
+from sidecar.service.servicer import RateLimitService
 
 NOW = 1_700_000_000.0
 CONFIG = textwrap.dedent(

@@ -16,7 +16,7 @@ from sidecar.config.match import Match, match_descriptor
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.windows import Unit
 from sidecar.metrics import OVER_LIMIT, TOTAL_HITS, WARNED, WITHIN_LIMIT
-from sidecar.service import RateLimitService, check_of
+from sidecar.service.servicer import RateLimitService, check_of
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

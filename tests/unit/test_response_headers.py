@@ -18,12 +18,12 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.admin import rule_json
 from sidecar.client import describe
 from sidecar.haproxy import Const, ExportOptions, Producer, Route, Sources, export
-from sidecar.headers import HeaderNames, header_text
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.windows import Unit
 from sidecar.metrics import RULE_STATS, WARNED
-from sidecar.service import RateLimitService
+from sidecar.service.headers import HeaderNames, header_text
+from sidecar.service.servicer import RateLimitService
 from sidecar.settings import SettingsError, add_serve_arguments, resolve
 
 OK = rls_pb2.RateLimitResponse.OK

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sidecar.limiter.sentinel import DEFAULT_SENTINEL_PORT, SentinelTarget, SentinelUrlError, parse_sentinel_url
+from sidecar.limiter.redis.connect import DEFAULT_SENTINEL_PORT, SentinelTarget, SentinelUrlError, parse_sentinel_url
 from sidecar.settings import SettingsError, add_serve_arguments, resolve
 
 

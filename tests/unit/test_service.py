@@ -10,8 +10,8 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.config.match import match_descriptor
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.windows import Unit
-from sidecar.service import RateLimitService
-from sidecar.wire import UNLIMITED_REMAINING
+from sidecar.service.servicer import RateLimitService
+from sidecar.service.wire import UNLIMITED_REMAINING
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -381,7 +381,7 @@ async def test_rpc_turns_a_backend_fault_into_internal(h, make_service):
 
 
 def test_undecodable_bytes_parse_to_none_so_the_handler_can_answer_invalid_argument():
-    from sidecar.service import parse_request
+    from sidecar.service.servicer import parse_request
 
     assert parse_request(b"\x0f") is None
     assert parse_request(b"\x0a\x02\xff\xfe") is None

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.limiter.protocol import Check, Role, decide
-from sidecar.limiter.redis_store import RedisUnavailable
+from sidecar.limiter.redis.availability import RedisUnavailable
 from sidecar.limiter.sync import SyncLimiter
 
 NOW = 1_000_000.25

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar.limiter.windows import Unit
-from sidecar.validate import (
+from sidecar.service.validate import (
     MAX_DESCRIPTORS,
     MAX_DOMAIN_LENGTH,
     MAX_ENTRIES,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from sidecar.config.model import RateLimitRule
 from sidecar.limiter.windows import Unit
-from sidecar.wire import (
+from sidecar.service.wire import (
     CODE_OK,
     CODE_OVER_LIMIT,
     OK,

@@ -2,7 +2,7 @@
 
 The handler validates, matches every descriptor against the config tree, asks the
 limiter once for the whole request (so the request is all-or-nothing) and writes
-the response's wire bytes (:mod:`sidecar.wire`). It awaits only the limiter;
+the response's wire bytes (:mod:`sidecar.service.wire`). It awaits only the limiter;
 everything else is plain computation.
 """
 
@@ -10,22 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from time import perf_counter
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 import structlog
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.message import DecodeError
 
-from sidecar.config.match import Match, match_descriptor
-from sidecar.config.model import RateLimitConfig, RateLimitRule
-from sidecar.headers import HeaderNames, ResponseHeaders, closest_to_exhaustion
-from sidecar.limiter.keys import counter_key
+from sidecar.config.match import Match, detailed_stat_key, drop_replaced, match_descriptor, override_rule
+from sidecar.config.model import RateLimitConfig
 from sidecar.limiter.protocol import Check, Decision, Limiter
-from sidecar.limiter.windows import Clock, Unit, system_clock
+from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import ServiceStats
-from sidecar.validate import request_problem
-from sidecar.wire import (
+from sidecar.service.headers import HeaderNames, ResponseHeaders
+from sidecar.service.reported import Applied, reported_index
+from sidecar.service.validate import request_problem
+from sidecar.service.wire import (
     CODE_OK,
     CODE_OVER_LIMIT,
     PLAIN_OK_STATUS,
@@ -39,72 +39,6 @@ from sidecar.wire import (
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
-
-
-class Applied(NamedTuple):
-    """A descriptor's rule after overrides and ``replaces``, with its check index."""
-
-    rule: RateLimitRule
-    check: int | None
-    """Index into the request's checks; None for unlimited rules, which count nothing."""
-    stats: list[int] | None = None
-    """The rule's metric counts (per request values with ``detailed_metric``)."""
-    more: tuple[RateLimitRule, ...] = ()
-    """Further limits of the descriptor (``rate_limits``), checked at the next indices."""
-
-    def limits(self) -> list[tuple[RateLimitRule, int]]:
-        """``(rule, check index)`` of every limit of the descriptor (none when unlimited)."""
-        if self.check is None:
-            return []
-        return [(self.rule, self.check), *((rule, self.check + 1 + n) for n, rule in enumerate(self.more))]
-
-
-def detailed_stat_key(domain: str, descriptor: Any) -> str:
-    """``domain.key_value...`` with the request's own values, for ``detailed_metric`` rules."""
-    return ".".join([domain, *(f"{e.key}_{e.value}" if e.value else e.key for e in descriptor.entries)])
-
-
-def override_rule(domain: str, descriptor: Any) -> Match:
-    """The limit a request carries itself (``descriptor.limit``): wins over the config.
-
-    Its counter is keyed by the descriptor's entries and unit, like envoyproxy/ratelimit,
-    so requests overriding with different numbers share one count.
-    """
-    unit = Unit(descriptor.limit.unit)
-    entries = [part for entry in descriptor.entries for part in (entry.key, entry.value)]
-    stat = detailed_stat_key(domain, descriptor)
-    counter_id = f"override\0{domain}\0{unit.seconds}"
-    rule = RateLimitRule(
-        domain=domain,
-        requests_per_unit=descriptor.limit.requests_per_unit,
-        unit=unit,
-        unlimited=False,
-        name=None,
-        replaces=frozenset(),
-        shadow_mode=False,
-        quota_mode=False,
-        detailed_metric=False,
-        stat_key=stat,
-        counter_id=counter_id,
-        source="request override",
-    )
-    return Match(rule, counter_key(counter_id, entries))
-
-
-def drop_replaced(matches: list[Match | None]) -> list[Match | None]:
-    """Remove limits named in another matched limit's ``replaces`` (same request only)."""
-    replaced = {name for match in matches if match for limit in match.limits() for name in limit.rule.replaces}
-    if not replaced:
-        return matches
-    return [unreplaced(match, replaced) if match else None for match in matches]
-
-
-def unreplaced(match: Match, replaced: set[str]) -> Match | None:
-    """``match`` without its limits named in ``replaces``; None when none is left."""
-    kept = [limit for limit in match.limits() if limit.rule.name not in replaced]
-    if len(kept) == len(match.limits()):
-        return match
-    return kept[0]._replace(more=tuple(kept[1:])) if kept else None
 
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
@@ -289,12 +223,6 @@ def check_of(match: Match, hits: int) -> Check:
     )
 
 
-def reported_index(item: Applied, checks: Sequence[Check], decision: Decision, now: float) -> int:
-    """Which of a descriptor's several limits its status reports: the one closest to exhaustion."""
-    chosen = closest_to_exhaustion(item.limits(), checks, decision, now)
-    return chosen.check if chosen is not None else item.check or 0
-
-
 def log_decision(request: Any, checks: Sequence[Check], decision: Decision) -> None:
     """One sampled request at debug level: enough to see what a client sends and gets."""
     log.debug(
@@ -325,6 +253,6 @@ def add_to_server(service: RateLimitService, server: grpc.aio.Server) -> None:
     method = grpc.unary_unary_rpc_method_handler(
         service.ShouldRateLimit,
         request_deserializer=parse_request,
-        response_serializer=None,  # the handler returns wire bytes (sidecar.wire)
+        response_serializer=None,  # the handler returns wire bytes (sidecar.service.wire)
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"ShouldRateLimit": method}),))

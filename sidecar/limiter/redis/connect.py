@@ -1,4 +1,8 @@
-"""Redis Sentinel URLs: which sentinels to ask for which master.
+"""A Redis client for any URL we accept: plain, TLS, Cluster and Sentinel.
+
+``redis://`` and ``rediss://`` (TLS) are redis-py's own; ``redis+cluster://`` and
+``rediss+cluster://`` name a Cluster seed node (as does ``--redis-cluster``);
+Sentinel URLs name the sentinels to ask for a master:
 
 ``redis+sentinel://[user:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...]``,
 or ``rediss+sentinel://`` for TLS to the sentinels and the master alike.
@@ -11,14 +15,19 @@ authenticate to the sentinels themselves when they require it. With TLS the quer
 may also name ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` (paths) and
 ``ssl_cert_reqs`` (``none``, ``optional``, ``required``), as for ``rediss://``.
 
-This module only reads the URL (settings validate it at startup without importing
-redis-py); :mod:`sidecar.limiter.redis_store` builds the client.
+Settings validate URLs at startup with this module without importing redis-py, so
+redis-py is imported only inside :func:`connect`, once a Redis backend is chosen.
 """
 
 from __future__ import annotations
 
 import urllib.parse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
 """Scheme and whether it means TLS."""
@@ -26,6 +35,9 @@ DEFAULT_SENTINEL_PORT = 26379
 CREDENTIAL_KEYS = frozenset({"sentinel_password", "sentinel_username"})
 TLS_KEYS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"})
 CERT_REQS = frozenset({"none", "optional", "required"})
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+MIN_BACKGROUND_TIMEOUT = 1.0
+"""Background calls (flush, heartbeat, probe) may wait this long: they hold no request."""
 
 
 class SentinelUrlError(ValueError):
@@ -130,3 +142,64 @@ def _non_empty(parts: list[str], what: str) -> list[str]:
     if not all(parts):
         raise SentinelUrlError(f"empty {what} in the list (two commas, or a comma at an end?)")
     return parts
+
+
+def background_timeout(request_timeout: float) -> float:
+    """Socket timeout of every connection and budget of background calls."""
+    return max(MIN_BACKGROUND_TIMEOUT, 2 * request_timeout)
+
+
+def client_url(url: str, cluster: bool) -> tuple[str, bool]:
+    """The URL redis-py understands and whether it names a Cluster.
+
+    ``redis+cluster://`` and ``rediss+cluster://`` are our spelling for "this is a
+    Cluster seed node"; redis-py only knows ``redis://`` and ``rediss://``.
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in CLUSTER_SCHEMES:
+        return f"{CLUSTER_SCHEMES[scheme]}://{rest}", True
+    return url, cluster
+
+
+def connect(url: str, cluster: bool, request_timeout: float) -> Redis | RedisCluster:
+    """A lazily connecting client for ``url`` (``cluster``: ``--redis-cluster``)."""
+    from redis.asyncio import Redis  # noqa: PLC0415 - see the module docstring
+    from redis.asyncio.cluster import RedisCluster  # noqa: PLC0415
+    from redis.asyncio.retry import Retry  # noqa: PLC0415
+    from redis.backoff import NoBackoff  # noqa: PLC0415
+
+    url, cluster = client_url(url, cluster)
+    timeout = background_timeout(request_timeout)
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        # We decide what a failure means; redis-py's retries would eat the budget.
+        "retry": Retry(NoBackoff(), 0),
+        # No CLIENT SETINFO on connect: one round trip less per new connection.
+        "driver_info": None,
+    }
+    if is_sentinel_url(url):
+        return sentinel_client(parse_sentinel_url(url), options)
+    if cluster:
+        return RedisCluster.from_url(url, **options)
+    return Redis.from_url(url, **options)
+
+
+def sentinel_client(target: SentinelTarget, options: dict[str, Any]) -> Redis:
+    """A client of ``target.service``'s current master, found through the sentinels.
+
+    redis-py asks the sentinels on every new connection and drops its connections
+    when one fails or finds the old master turned replica, so after a failover the
+    store's reconnection lands on the new master.
+    """
+    from redis.asyncio.sentinel import Sentinel  # noqa: PLC0415 - see the module docstring
+
+    tls: dict[str, Any] = {"ssl": True, **dict(target.tls_options)} if target.tls else {}
+    options = options | tls
+    sentinel_options = {key: options[key] for key in ("socket_timeout", "socket_connect_timeout")} | tls
+    if target.sentinel_password:
+        sentinel_options |= {"username": target.sentinel_username, "password": target.sentinel_password}
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
+    return sentinel.master_for(  # type: ignore[no-any-return]
+        target.service, db=target.db, username=target.username, password=target.password, **options
+    )

@@ -2,52 +2,31 @@
 
 Every public call is one network round trip (a script or a pipeline) so its cost is
 predictable and countable: the accuracy harness reports ``round_trips_*`` per request.
-Every failure (refused connection, timeout, Redis error, Cluster error) surfaces as
-:class:`RedisUnavailable`, so callers apply their failure mode in one ``except``.
-
-While Redis is unavailable, calls fail at once instead of waiting for a timeout: the
-request path must never wait on a Redis that is known to be down. A background probe
-retries with exponential backoff (capped at one second) and flips the store back to
-available, telling the listeners (the failure policy logs it, limiters reconcile).
+Every failure surfaces as :class:`~sidecar.limiter.redis.availability.RedisUnavailable`,
+and while Redis is known to be down calls fail at once
+(:mod:`sidecar.limiter.redis.availability`); the client comes from
+:func:`sidecar.limiter.redis.connect.connect`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
-from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from sidecar.limiter.keys import per_hit, replicas_key
 from sidecar.limiter.protocol import Check, decide
-from sidecar.limiter.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
-from sidecar.limiter.sentinel import SentinelTarget, is_sentinel_url, parse_sentinel_url
+from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnavailable, StateListener
+from sidecar.limiter.redis.connect import MIN_BACKGROUND_TIMEOUT, background_timeout, connect
+from sidecar.limiter.redis.keys import per_hit, replicas_key
+from sidecar.limiter.redis.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
 from sidecar.limiter.windows import Clock
 from sidecar.metrics import LimiterSnapshot
-from sidecar.settings import Settings
-
-FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
-"""What a Redis call can raise when Redis is away or refuses; ``TimeoutError`` is an ``OSError``."""
-
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-MIN_BACKGROUND_TIMEOUT = 1.0
-"""Background calls (flush, heartbeat, probe) may wait this long: they hold no request."""
-FIRST_BACKOFF = 0.01
-MAX_BACKOFF = 1.0
-TIMEOUTS_BEFORE_DOWN = 3
-"""Request-path timeouts in a row that mark Redis unavailable.
-
-One late answer on a busy machine should not switch every request to the failure
-mode; a refused or broken connection does at once.
-"""
 
 Pending = Mapping[str, tuple[int, int]]
 
@@ -72,47 +51,6 @@ def counts_of(reply: Sequence[Any], checks: int, pending: int = 0) -> Counts:
 """Hits to add unconditionally: ``{window_key: (hits, expire_at)}``."""
 DecideRequest = tuple[Sequence[str], Sequence[Check], Sequence[int]]
 """One request for :meth:`RedisStore.decide_batch`: window keys, checks, expiry times."""
-StateListener = Callable[[bool, str], None]
-"""Called with ``(available, reason)`` each time the store changes state."""
-
-
-class RedisUnavailable(Exception):  # noqa: N818 - a state, not an error in our code; name fixed by the callers
-    """Redis could not answer (down, slow, refusing); apply the failure mode."""
-
-
-def client_url(url: str, cluster: bool) -> tuple[str, bool]:
-    """The URL redis-py understands and whether it names a Cluster.
-
-    ``redis+cluster://`` and ``rediss+cluster://`` are our spelling for "this is a
-    Cluster seed node"; redis-py only knows ``redis://`` and ``rediss://``.
-    """
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme in CLUSTER_SCHEMES:
-        return f"{CLUSTER_SCHEMES[scheme]}://{rest}", True
-    return url, cluster
-
-
-def sentinel_client(target: SentinelTarget, options: dict[str, Any]) -> Redis:
-    """A client of ``target.service``'s current master, found through the sentinels.
-
-    redis-py asks the sentinels on every new connection and drops its connections
-    when one fails or finds the old master turned replica, so after a failover the
-    store's reconnection lands on the new master.
-    """
-    tls: dict[str, Any] = {"ssl": True, **dict(target.tls_options)} if target.tls else {}
-    options = options | tls
-    sentinel_options = {key: options[key] for key in ("socket_timeout", "socket_connect_timeout")} | tls
-    if target.sentinel_password:
-        sentinel_options |= {"username": target.sentinel_username, "password": target.sentinel_password}
-    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
-    return sentinel.master_for(  # type: ignore[no-any-return]
-        target.service, db=target.db, username=target.username, password=target.password, **options
-    )
-
-
-def background_timeout(request_timeout: float) -> float:
-    """Socket timeout of every connection and budget of background calls."""
-    return max(MIN_BACKGROUND_TIMEOUT, 2 * request_timeout)
 
 
 def same_slot(keys: Sequence[str]) -> bool:
@@ -139,54 +77,43 @@ class RedisStore:
         self.request_timeout = request_timeout
         self.background_timeout = background_timeout
         self.cluster = isinstance(client, RedisCluster)
-        self.available = False
-        self.last_error = "not started"
+        self.availability = Availability(self._probe_once, request_timeout)
+        """Up/down state and the probe back; its listeners hear of every change."""
         self.round_trips_request_path = 0
         self.round_trips_background = 0
         self.give_back_failures = 0
         self.refused_hits = 0
         """Hits :meth:`flush` could not add because their key does not hold a counter."""
-        self._timeouts_in_a_row = 0
-        self._reported: bool | None = None
-        """The state listeners last heard of (None before the first outage or success)."""
-        self._listeners: list[StateListener] = []
-        self._ready = asyncio.Event()
-        self._probe: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._closed = False
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> RedisStore:
-        """A store for ``settings.redis_url``; connects lazily (call :meth:`start`)."""
-        url, cluster = client_url(settings.redis_url, settings.redis_cluster)
-        timeout = background_timeout(settings.redis_timeout)
-        options: dict[str, Any] = {
-            "socket_timeout": timeout,
-            "socket_connect_timeout": timeout,
-            # We decide what a failure means; redis-py's retries would eat the budget.
-            "retry": Retry(NoBackoff(), 0),
-            # No CLIENT SETINFO on connect: one round trip less per new connection.
-            "driver_info": None,
-        }
-        client: Redis | RedisCluster
-        if is_sentinel_url(url):
-            client = sentinel_client(parse_sentinel_url(url), options)
-        elif cluster:
-            client = RedisCluster.from_url(url, **options)
-        else:
-            client = Redis.from_url(url, **options)
+    def for_url(
+        cls, url: str, *, cluster: bool = False, prefix: str = "rls", request_timeout: float = 0.005
+    ) -> RedisStore:
+        """A store for ``url`` (any scheme :func:`~sidecar.limiter.redis.connect.connect` takes);
+        connects lazily (call :meth:`start`)."""
         return cls(
-            client,
-            prefix=settings.redis_prefix,
-            request_timeout=settings.redis_timeout,
-            background_timeout=timeout,
+            connect(url, cluster, request_timeout),
+            prefix=prefix,
+            request_timeout=request_timeout,
+            background_timeout=background_timeout(request_timeout),
         )
 
     # -- life cycle -----------------------------------------------------------------
 
+    @property
+    def available(self) -> bool:
+        """Whether Redis is taking calls (False from the first outage until a probe succeeds)."""
+        return self.availability.available
+
+    @property
+    def last_error(self) -> str:
+        """Why Redis was last found unavailable."""
+        return self.availability.last_error
+
     def add_listener(self, listener: StateListener) -> None:
         """Be told ``(available, reason)`` on every change of state."""
-        self._listeners.append(listener)
+        self.availability.add_listener(listener)
 
     async def start(self) -> None:
         """Connect and load the scripts; if Redis is down, start probing and return anyway.
@@ -194,36 +121,32 @@ class RedisStore:
         A sidecar whose Redis is down at boot still serves (in its failure mode)
         rather than crash-looping, and switches to Redis when the probe succeeds.
         """
-        try:
-            await self._probe_once()
-        except FAILURES as error:
-            self._mark_down(describe(error))
-        else:
-            self._mark_up()
+        await self.availability.start()
 
     async def probe(self) -> bool:
         """Try Redis once, now, instead of waiting for the backoff; returns :attr:`available`.
 
         For shutdown: hits still owed to Redis should not be lost to a backoff sleep.
         """
-        if not self.available:
-            try:
-                await self._probe_once()
-            except FAILURES as error:
-                self.last_error = describe(error)
-            else:
-                self._mark_up()
-        return self.available
+        return await self.availability.probe()
 
     async def wait_available(self) -> None:
         """Return once Redis is available (at once if it already is)."""
-        await self._ready.wait()
+        await self.availability.wait_available()
+
+    def note_request_timeout(self) -> None:
+        """A caller stopped waiting for a call still on the wire (its budget ran out).
+
+        Counts as a request-path timeout of :meth:`decide` does: enough of them in a
+        row mark Redis unavailable, so later requests stop waiting on it.
+        """
+        self.availability.failed(
+            TimeoutError(f"no answer within {self.request_timeout * 1000:g} ms"), request_path=True
+        )
 
     async def close(self) -> None:
         """Stop probing, let give-backs finish, close the connections."""
-        self._closed = True
-        if self._probe is not None:
-            await stop_task(self._probe)
+        await self.availability.close()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.background_timeout)
         await self.client.aclose()
@@ -246,13 +169,13 @@ class RedisStore:
         Returns ``(admitted, counts, totals)``: each check's would-be count (see
         ``lua/decide.lua``; repeated counters see earlier checks) and each pending key's
         value afterwards (including hits this request consumed). ``keys`` holds one key
-        per check (:func:`~sidecar.limiter.keys.check_window`); ``now_us`` is the
+        per check (:func:`~sidecar.limiter.redis.keys.check_window`); ``now_us`` is the
         script's clock, 0 for Redis ``TIME``. One round trip. In Cluster mode, keys
         spread over several slots cannot share a script; see :meth:`_decide_per_check`
         for what that costs in atomicity.
         """
         pending = pending or {}
-        self._ensure_available()
+        self.availability.ensure_available()
         if not keys and not pending:
             return True, [], {}
         try:
@@ -266,8 +189,8 @@ class RedisStore:
                         keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path
                     )
         except FAILURES as error:
-            raise self._failed(error, request_path) from error
-        self._timeouts_in_a_row = 0
+            raise self.availability.failed(error, request_path) from error
+        self.availability.answered()
         return result
 
     async def decide_batch(
@@ -287,7 +210,7 @@ class RedisStore:
         when they span slots) each, under that same background timeout, not the request
         budget (a call cut off at the budget may still run, and nobody would hear of it).
         """
-        self._ensure_available()
+        self.availability.ensure_available()
         clocks = list(nows) if nows is not None else [0] * len(requests)
         if self.cluster:
             answers = await asyncio.gather(
@@ -312,14 +235,16 @@ class RedisStore:
             try:
                 await self._probe_once()  # reloads the scripts; NOSCRIPT means the call did not run
             except FAILURES as error:
-                raise self._failed(error, request_path=False) from error
+                raise self.availability.failed(error, request_path=False) from error
             retried = await self._decide_pipeline(
                 [requests[index] for index in missing], admit_all, [clocks[index] for index in missing]
             )
             for index, reply in zip(missing, retried, strict=True):
                 replies[index] = reply
         return [
-            self._failed(reply, request_path=True) if isinstance(reply, Exception) else counts_of(reply, len(checks))
+            self.availability.failed(reply, request_path=True)
+            if isinstance(reply, Exception)
+            else counts_of(reply, len(checks))
             for reply, (_, checks, _) in zip(replies, requests, strict=True)
         ]
 
@@ -334,8 +259,8 @@ class RedisStore:
                 decide_one = self._decide_script if same_slot(keys) else self._decide_per_check
                 decided = await decide_one(keys, checks, expire_ats, admit_all, {}, now_us=now_us, request_path=True)
         except FAILURES as error:
-            raise self._failed(error, request_path=False) from error
-        self._timeouts_in_a_row = 0
+            raise self.availability.failed(error, request_path=False) from error
+        self.availability.answered()
         return decided[1]
 
     async def _decide_pipeline(
@@ -351,8 +276,8 @@ class RedisStore:
             async with asyncio.timeout(self.background_timeout):
                 replies: list[Any] = await pipe.execute(raise_on_error=False)
         except FAILURES as error:
-            raise self._failed(error, request_path=False) from error
-        self._timeouts_in_a_row = 0
+            raise self.availability.failed(error, request_path=False) from error
+        self.availability.answered()
         return replies
 
     async def flush(
@@ -389,7 +314,7 @@ class RedisStore:
         a ban already running is neither extended nor shortened, and the ban keys among
         ``reads`` then tell when the ban in force ends.
         """
-        self._ensure_available()
+        self.availability.ensure_available()
         bans = bans or {}
         read_keys = [key for key in dict.fromkeys(reads) if key not in adds]
         if not adds and not read_keys and not bans:
@@ -418,7 +343,7 @@ class RedisStore:
             if type(reply) is ResponseError:
                 self.refused_hits += adds[key][0] if key in adds else 0
             elif isinstance(reply, BaseException):
-                raise self._failed(reply, request_path=False) from reply
+                raise self.availability.failed(reply, request_path=False) from reply
             else:
                 totals[key] = int(reply or 0)
         return totals
@@ -482,7 +407,7 @@ class RedisStore:
 
     async def heartbeat(self, replica_id: str, now: float, ttl: float) -> int:
         """Mark this replica alive, forget replicas silent for ``ttl``; returns live replicas (>= 1)."""
-        self._ensure_available()
+        self.availability.ensure_available()
         key = self.replicas_key
         pipe = self.client.pipeline(transaction=False)
         pipe.zadd(key, {replica_id: now})
@@ -495,7 +420,7 @@ class RedisStore:
 
     async def server_time(self, local: Clock) -> tuple[float, float, float]:
         """``(redis TIME, sent, received)``: Redis's clock, read between two ``local`` readings."""
-        self._ensure_available()
+        self.availability.ensure_available()
         sent = local()
         reply = await self._background(self.client.time())
         if isinstance(reply, dict):  # Redis Cluster asks one node per key slot holder: take one
@@ -505,7 +430,7 @@ class RedisStore:
 
     async def leave(self, replica_id: str) -> None:
         """Remove this replica from the live set (clean shutdown)."""
-        self._ensure_available()
+        self.availability.ensure_available()
         await self._background(self.client.zrem(self.replicas_key, replica_id))
 
     # -- decide, two ways: one script, or one per check -----------------------------
@@ -637,7 +562,16 @@ class RedisStore:
             self._count(request_path)
             return await self.client.eval(script.source, len(keys), *keys, *args)
 
-    # -- failures and recovery ---------------------------------------------------------
+    def _spawn(self, call: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(call)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _count(self, request_path: bool) -> None:
+        if request_path:
+            self.round_trips_request_path += 1
+        else:
+            self.round_trips_background += 1
 
     async def _background(self, call: Any) -> Any:
         """Await one background round trip with the background timeout; failures -> RedisUnavailable."""
@@ -646,78 +580,7 @@ class RedisStore:
             async with asyncio.timeout(self.background_timeout):
                 return await call
         except FAILURES as error:
-            raise self._failed(error, request_path=False) from error
-
-    def note_request_timeout(self) -> None:
-        """A caller stopped waiting for a call still on the wire (its budget ran out).
-
-        Counts as a request-path timeout of :meth:`decide` does: enough of them in a
-        row mark Redis unavailable, so later requests stop waiting on it.
-        """
-        self._failed(TimeoutError(f"no answer within {self.request_timeout * 1000:g} ms"), request_path=True)
-
-    def _count(self, request_path: bool) -> None:
-        if request_path:
-            self.round_trips_request_path += 1
-        else:
-            self.round_trips_background += 1
-
-    def _ensure_available(self) -> None:
-        if not self.available:
-            raise RedisUnavailable(f"redis unavailable: {self.last_error}")
-
-    def _failed(self, error: BaseException, request_path: bool) -> RedisUnavailable:
-        """Record a failed call; returns the exception for the caller to raise."""
-        reason = describe(error)
-        if type(error) is ResponseError:
-            # A reply about this call (a key holding a non-integer, a busy script), not about
-            # the server: fail this call only, or one bad key would switch every request over.
-            return RedisUnavailable(f"redis refused the call: {reason}")
-        if request_path and isinstance(error, TimeoutError):
-            self._timeouts_in_a_row += 1
-            if self._timeouts_in_a_row < TIMEOUTS_BEFORE_DOWN:
-                return RedisUnavailable(f"redis did not answer within {self.request_timeout * 1000:g} ms")
-        self._mark_down(reason)
-        return RedisUnavailable(f"redis unavailable: {reason}")
-
-    def _mark_down(self, reason: str) -> None:
-        """Fail fast from now on, probe in the background, tell listeners once per outage."""
-        self.available = False
-        self._ready.clear()
-        self.last_error = reason
-        self._timeouts_in_a_row = 0
-        if not self._closed and (self._probe is None or self._probe.done()):
-            self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
-        if self._reported is not False:
-            self._reported = False
-            self._notify(False, reason)
-
-    def _mark_up(self) -> None:
-        """Serve calls again; listeners hear of it only if they heard of the outage."""
-        self.available = True
-        self._ready.set()
-        self._timeouts_in_a_row = 0
-        if self._reported is False:
-            self._notify(True, "")
-        self._reported = True
-
-    def _notify(self, available: bool, reason: str) -> None:
-        for listener in self._listeners:
-            listener(available, reason)
-
-    async def _probe_until_up(self) -> None:
-        """Retry PING + SCRIPT LOAD with exponential backoff until Redis answers."""
-        delay = FIRST_BACKOFF
-        while not self._closed:
-            await asyncio.sleep(delay)
-            try:
-                await self._probe_once()
-            except FAILURES as error:
-                self.last_error = describe(error)
-                delay = min(delay * 2, MAX_BACKOFF)
-                continue
-            self._mark_up()
-            return
+            raise self.availability.failed(error, request_path=False) from error
 
     async def _probe_once(self) -> None:
         """One PING and the script loads; the scripts are loaded again after every outage."""
@@ -729,28 +592,3 @@ class RedisStore:
                 sha = await self.client.script_load(script.source)
                 if sha != script.sha:
                     raise RedisError(f"SCRIPT LOAD of {script.name} returned {sha}, expected {script.sha}")
-
-    def _spawn(self, call: Any) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(call)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-
-async def stop_task(task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` and wait until it has ended, cancelling again if needed.
-
-    One ``cancel()`` is not always enough: on Python 3.11, ``asyncio.wait_for`` (which
-    redis-py uses to send commands) swallows a cancellation that arrives just as the
-    send completes, and the task carries on (a heartbeat loop would then run forever).
-    """
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.1)
-    if not task.cancelled():
-        task.exception()  # retrieved, so asyncio does not log it as never retrieved
-
-
-def describe(error: BaseException) -> str:
-    """One line naming an error, for logs and messages."""
-    text = str(error)
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -17,8 +17,9 @@ import time
 
 import structlog
 
-from sidecar.limiter.clock import SharedClock
-from sidecar.limiter.redis_store import RedisStore, RedisUnavailable, stop_task
+from sidecar.limiter.redis.availability import RedisUnavailable, stop_task
+from sidecar.limiter.redis.clock import SharedClock
+from sidecar.limiter.redis.store import RedisStore
 from sidecar.limiter.windows import Clock
 
 log = structlog.get_logger(__name__)

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sidecar.limiter.protocol import Check
-from sidecar.limiter.redis_store import RedisStore, RedisUnavailable
+from sidecar.limiter.redis.availability import RedisUnavailable
+from sidecar.limiter.redis.store import RedisStore
 
 LateAnswer = Callable[[list[int]], None]
 """Receives the would-be counts of a decision that arrived after its budget."""

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.keys import EXPIRY_GRACE_SECONDS, previous_window, sibling_ban_key
 from sidecar.limiter.protocol import Check, Role
+from sidecar.limiter.redis.keys import EXPIRY_GRACE_SECONDS, previous_window, sibling_ban_key
 
 ROLE_CODES: Mapping[Role, int] = {Role.ENFORCED: 0, Role.SHADOW: 1, Role.QUOTA: 2}
 """How ``decide.lua`` spells each role (ARGV carries strings, numbers are cheapest)."""
@@ -33,7 +33,7 @@ class Script:
 
 def load_script(name: str) -> Script:
     """Read ``lua/<name>`` from the package and compute its SHA1 (as ``SCRIPT LOAD`` does)."""
-    source = resources.files("sidecar.limiter").joinpath("lua", name).read_text(encoding="utf-8")
+    source = resources.files("sidecar.limiter.redis").joinpath("lua", name).read_text(encoding="utf-8")
     return Script(name, source, hashlib.sha1(source.encode("utf-8"), usedforsecurity=False).hexdigest())
 
 
@@ -61,7 +61,7 @@ def decide_arguments(
 ) -> tuple[list[str], list[int | str]]:
     """``KEYS`` and ``ARGV`` of ``decide.lua``: checks first, then pending adds.
 
-    ``keys`` holds one key per check (see :func:`~sidecar.limiter.keys.check_window`);
+    ``keys`` holds one key per check (see :func:`~sidecar.limiter.redis.keys.check_window`);
     the other keys a check needs (a sliding window's previous window, a ban) are
     derived from it here, so callers need not know them. Every check gets three keys,
     its own key standing in for those it does not need, so the script indexes them

@@ -1,0 +1,1 @@
+"""Quota mode (Envoy's Rate Limit Quota Service): reserved for the RLQS service."""
