@@ -2,7 +2,7 @@
 
 Shared by the bad-input scenario of the reliability report (``bad_input.py``: seeded
 ``random``, bounded in time) and the tests (``tests/fuzz``: Hypothesis strategies drawing
-the edit lists these functions take; ``tests/integration/test_bad_input.py``: the raw
+the edit lists these functions take; ``tests/tools/test_bad_input.py``: the raw
 payloads). Plain data and functions only:
 
 * the fuzz config (``examples/config`` plus :data:`FUZZ_RULES`) and the handler driven

@@ -16,7 +16,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from deploy_support import (
+
+from sidecar.__main__ import _parser
+from sidecar.settings import SERVE_OPTIONS
+from tests.support.deploy import (
     DOCKERFILE,
     DOCKERIGNORE,
     REPO,
@@ -27,9 +30,6 @@ from deploy_support import (
     stage_chain,
     tool,
 )
-
-from sidecar.__main__ import _parser
-from sidecar.settings import SERVE_OPTIONS
 
 BASE_IMAGE = "python:3.11-slim-bookworm"
 BUILD_TOOLS = re.compile(

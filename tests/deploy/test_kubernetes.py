@@ -18,11 +18,11 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from deploy_support import COMPOSE_FILE, KUBERNETES, REPO, effective, read_dockerfile, stage_chain, tool
 
 from sidecar.__main__ import _parser
 from sidecar.config import load_config
 from sidecar.settings import resolve
+from tests.support.deploy import COMPOSE_FILE, KUBERNETES, REPO, effective, read_dockerfile, stage_chain, tool
 
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 COPIES = {

@@ -7,7 +7,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from docs_support import DOCS, ROOT, anchors, is_relative, links, pages
+
+from tests.docs.docs_support import DOCS, ROOT, anchors, is_relative, links, pages
 
 
 def update_docs() -> ModuleType:

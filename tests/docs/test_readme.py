@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from docs_support import DOCS, README, ROOT, section
+from tests.docs.docs_support import DOCS, README, ROOT, section
 
 MAX_README_LINES = 300
 DOCS_MAP = "The docs"

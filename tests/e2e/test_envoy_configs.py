@@ -10,6 +10,8 @@ import yaml
 
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, envoy_binary, ingress_manager, ratelimit_filter, render
 
+pytestmark = [pytest.mark.envoy]
+
 SHIPPED = sorted(ENVOY_CONFIGS.glob("*.yaml"))
 
 
