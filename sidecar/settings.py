@@ -9,6 +9,7 @@ default.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
@@ -48,8 +49,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_float(text: str) -> float:
+def _finite_float(text: str) -> float:
+    """A float that is a number: ``nan`` and the infinities (``inf``, ``1e999``) are refused,
+    since every float setting is a duration, an offset or a fraction, and comparisons with
+    NaN are all false (``--clock-offset nan`` made every window NaN)."""
     value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _finite_float(text)
     if value < 0:
         raise ValueError("must not be negative")
     return value
@@ -70,14 +81,14 @@ def _key_prefix(text: str) -> str:
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value = _finite_float(text)
     if not value > 0:
         raise ValueError("must be greater than 0")
     return value
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    value = _finite_float(text)
     if not 0 <= value <= 1:
         raise ValueError("must be between 0 and 1")
     return value
@@ -225,7 +236,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "clock_offset",
-        float,
+        _finite_float,
         "seconds added to this host's clock: a deliberate skew, for testing what skew does",
     ),
     Option(
