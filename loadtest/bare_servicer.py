@@ -6,7 +6,7 @@ prebuilt wire bytes of ``RateLimitResponse(overall_code=OK)`` without reading th
 difference between this and the sidecar is therefore the cost of our own code
 (validation, matching, the limiter, building the response), not of gRPC.
 
-    python loadtest/bare_servicer.py --grpc-address 127.0.0.1:50051
+    python -m loadtest.bare_servicer --grpc-address 127.0.0.1:50051
 
 For calibration and for splitting the sidecar's cost under real gRPC load, the
 handler can instead do part of the sidecar's work (``--work``) or burn a fixed
@@ -45,10 +45,10 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sidecar import wire
 from sidecar.config.match import match_descriptor
 from sidecar.limiter.windows import seconds_until_reset
 from sidecar.server import SERVER_OPTIONS
+from sidecar.service import wire
 from sidecar.service.servicer import SERVICE_NAME, add_to_server
 
 CONSTANT_RESPONSE = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK).SerializeToString()

@@ -27,9 +27,9 @@ Three subcommands, each bounded in time and request count and stopping by itself
 
 Examples::
 
-    python loadtest/grpc_bench.py compare --duration 5 --concurrency 32 --rounds 3
-    python loadtest/grpc_bench.py run --target 127.0.0.1:8081 --duration 10 --pattern mixed
-    python loadtest/grpc_bench.py inproc --pattern mixed --calls 100000
+    python -m loadtest.grpc_bench compare --duration 5 --concurrency 32 --rounds 3
+    python -m loadtest.grpc_bench run --target 127.0.0.1:8081 --duration 10 --pattern mixed
+    python -m loadtest.grpc_bench inproc --pattern mixed --calls 100000
 
 Reading the figures. Each run reports the server's CPU per call ("srv us/call"),
 the generator's CPU ("gen cpu", in cores) and what everything else on the machine
@@ -68,7 +68,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from common import (
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2
+
+from loadtest.common import (
     METHOD,
     Worker,
     cpu_seconds,
@@ -87,8 +90,6 @@ from common import (
     stop_workers,
     worker_answer,
 )
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -721,7 +722,7 @@ def environment(client_cpus: Any = None, server_cpus: Any = None) -> dict[str, A
 
 def command_line(arguments: argparse.Namespace) -> str:
     """The command that reproduces the figures, every option spelled out."""
-    words = ["python", "loadtest/grpc_bench.py", arguments.command]
+    words = ["python", "-m", "loadtest.grpc_bench", arguments.command]
     return reproduce_command(words, arguments, skip={"command", "handler", "json"})
 
 
@@ -1309,7 +1310,7 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="grpc_bench.py",
+        prog="python -m loadtest.grpc_bench",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import uvloop
 
-from reliability_harness.support import (
+from loadtest.reliability_harness.support import (
     CHANNEL_OPTIONS,
     METHOD,
     MIB,

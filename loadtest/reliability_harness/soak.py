@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 import uvloop
 
-from reliability_harness.support import (
+from loadtest.reliability_harness.support import (
     CHANNEL_OPTIONS,
     CODE_ERROR,
     METHOD,
@@ -135,7 +135,7 @@ class SoakResult:
 
 def request_payloads() -> list[bytes]:
     """``grpc_bench``'s Envoy-like ``mixed`` pool for domain ``demo`` (``examples/config``)."""
-    import grpc_bench
+    from loadtest import grpc_bench
 
     return [request.SerializeToString() for request in grpc_bench.request_pool("mixed", POOL, seed=7, salt="soak")]
 

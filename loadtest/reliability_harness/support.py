@@ -1,8 +1,7 @@
 """Pieces the reliability scenarios share: children, metrics, memory, requests, rows.
 
-Importing this module puts the repository and ``loadtest/`` on ``sys.path`` (so the
-scenarios run as ``python -m reliability_harness.<name>`` from ``loadtest/`` too) and
-re-exports what the scenarios use from ``stack`` and ``common``.
+It re-exports what the scenarios use from ``stack`` and ``loadtest.common``; each scenario
+also runs alone as ``python -m loadtest.reliability_harness.<name>`` from the checkout.
 """
 
 from __future__ import annotations
@@ -25,19 +24,15 @@ from typing import Any
 
 import grpc
 
+from loadtest.accuracy_harness.redis_watch import parse_key
+from loadtest.common import METHOD, cpu_seconds, overall_code, percentile
+from loadtest.reliability_harness import Context, Row
+from stack.components import REDIS_SERVER, RedisProcess, SidecarProcess
+from stack.processes import Child, ProcessGroup, StartError, free_port, process_group
+
 HERE = Path(__file__).resolve().parent
 LOADTEST = HERE.parent
 REPO = LOADTEST.parent
-for _entry in (str(REPO), str(LOADTEST)):
-    if _entry not in sys.path:
-        sys.path.append(_entry)
-
-from accuracy_harness.redis_watch import parse_key  # noqa: E402
-from common import METHOD, cpu_seconds, overall_code, percentile  # noqa: E402
-
-from reliability_harness import Context, Row  # noqa: E402
-from stack.components import REDIS_SERVER, RedisProcess, SidecarProcess  # noqa: E402
-from stack.processes import Child, ProcessGroup, StartError, free_port, process_group  # noqa: E402
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -317,7 +312,7 @@ def rss(pid: int) -> int:
 
 def core_busy_seconds() -> dict[int, float]:
     """Busy seconds of each core since boot (``grpc_bench``'s reading of /proc/stat)."""
-    import grpc_bench
+    from loadtest import grpc_bench
 
     return dict(grpc_bench.core_busy_seconds())
 
@@ -462,7 +457,7 @@ def print_rows(rows: Sequence[Row]) -> None:
 
 
 def main(run: Callable[[Context], list[Row]], argv: Sequence[str] | None = None) -> int:
-    """``python -m reliability_harness.<module> [--full] [--directory DIR]``."""
+    """``python -m loadtest.reliability_harness.<module> [--full] [--directory DIR]``."""
     import argparse
     import tempfile
 

@@ -13,23 +13,16 @@ figures computed from recorded calls must flag a violation and only a violation:
 from __future__ import annotations
 
 import random
-import sys
 from array import array
-from pathlib import Path
 
 import pytest
 
+from loadtest.accuracy_harness import algorithms
+from loadtest.accuracy_harness.analysis import OK, OVER_LIMIT, Calls
+from loadtest.compare_harness import sliding
 from sidecar.limiter.algorithms import Algorithm, emission_interval_us
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check
-
-LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
-if str(LOADTEST) not in sys.path:
-    sys.path.insert(0, str(LOADTEST))
-
-from accuracy_harness import algorithms  # noqa: E402
-from accuracy_harness.analysis import OK, OVER_LIMIT, Calls  # noqa: E402
-from compare_harness import sliding  # noqa: E402
 
 BASE = 1_800_000_000.0
 """An epoch second: every test's arrivals start on it."""

@@ -1,6 +1,6 @@
 """The accuracy harness in quick mode: real redis-server, four real sidecars per mode.
 
-Runs ``loadtest/accuracy.py --quick`` for balanced 5x and the low limit in every mode,
+Runs ``python -m loadtest.accuracy --quick`` for balanced 5x and the low limit in every mode,
 then checks the invariants each mode promises:
 
 * ``strict``: no overshoot, no false rejection, Redis counters == admitted hits;
@@ -47,7 +47,6 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-HARNESS = REPO / "loadtest" / "accuracy.py"
 REPLICAS = 4
 SCENARIOS = ("balanced_5x", "low_limit")
 MODES = ("local", "sync", "strict")
@@ -83,7 +82,8 @@ def run_harness(output: Path, scenarios: tuple[str, ...]) -> dict[str, Any]:
     """``accuracy.py --quick`` on ``scenarios`` in every mode; its JSON document."""
     command = [
         sys.executable,
-        str(HARNESS),
+        "-m",
+        "loadtest.accuracy",
         "--quick",
         "--scenario",
         ",".join(scenarios),
@@ -100,7 +100,7 @@ def run_harness(output: Path, scenarios: tuple[str, ...]) -> dict[str, Any]:
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=REPO, check=False)
     assert done.returncode == 0, f"harness failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
-    assert "reproduce: python loadtest/accuracy.py" in done.stdout
+    assert "reproduce: python -m loadtest.accuracy" in done.stdout
     document: dict[str, Any] = json.loads(output.read_text())
     document["stdout"] = done.stdout
     return document
@@ -184,7 +184,7 @@ def test_local_enforces_each_replicas_share(figures: dict[str, Any], scenario: s
 
 def test_report_lists_goals_and_environment(figures: dict[str, Any]) -> None:
     assert figures["environment"]["cores"] >= 1
-    assert figures["command"].startswith("python loadtest/accuracy.py")
+    assert figures["command"].startswith("python -m loadtest.accuracy")
     assert {goal["verdict"] for goal in figures["goals"]} <= {"met", "MISSED", "not measured"}
     for name in SCENARIOS:
         assert figures["scenarios"][name]["planned_calls"] > 0
@@ -273,7 +273,7 @@ def test_the_readme_block_carries_the_algorithm_tables(algorithm_figures: dict[s
     block = algorithm_figures["readme_block"]
     assert block.startswith("<!-- accuracy:start -->") and block.endswith("<!-- accuracy:end -->")
     assert "`algorithm: sliding_window`" in block and "`algorithm: token_bucket`" in block
-    assert "Reproduce: `python loadtest/accuracy.py" in block
+    assert "Reproduce: `python -m loadtest.accuracy" in block
     goals = [goal for goal in algorithm_figures["goals"] if goal["goal"].startswith(ALGORITHM_SCENARIOS)]
     assert len(goals) == 8, goals  # 2 sliding scenarios x 3 modes, token buckets in 2 modes
     assert {goal["verdict"] for goal in goals} == {"met"}, goals

@@ -1,6 +1,6 @@
 """Raw bytes to a real sidecar's ``ShouldRateLimit``: OK or INVALID_ARGUMENT, and it survives.
 
-The payloads (``loadtest/reliability_harness/hostile.py``, seeded, those of the reliability
+The payloads (``loadtest/reliability_harness/hostile_requests.py``, seeded, those of the reliability
 report) are random bytes, mutated valid requests, invalid UTF-8 in string fields (upb
 refuses it at parse time), hand-made wire formats (huge length prefixes, endless varints,
 100,000 nested unknown groups, tens of thousands of descriptors) and one message over the
@@ -9,7 +9,6 @@ refuses it at parse time), hand-made wire formats (huge length prefixes, endless
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,15 +17,11 @@ from typing import Any
 import pytest
 from grpc_health.v1 import health_pb2
 
+from loadtest.reliability_harness.hostile_requests import RSS_GROWTH_LIMIT, expected_codes, raw_payloads, send_raw
+from loadtest.reliability_harness.support import rss
 from tests.support.sidecars import METHOD
 
 REPO = Path(__file__).resolve().parents[2]
-LOADTEST = REPO / "loadtest"
-if str(LOADTEST) not in sys.path:
-    sys.path.insert(0, str(LOADTEST))
-
-from reliability_harness.hostile import RSS_GROWTH_LIMIT, expected_codes, raw_payloads, send_raw  # noqa: E402
-from reliability_harness.support import rss  # noqa: E402
 
 CALLS = 3_000
 WARM_UP = 300

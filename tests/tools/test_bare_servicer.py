@@ -1,6 +1,6 @@
 """The benchmark's reference servers answer over real gRPC as their docstrings say.
 
-``loadtest/grpc_bench.py compare`` divides the sidecar's throughput by these servers';
+``python -m loadtest.grpc_bench compare`` divides the sidecar's throughput by these servers';
 a reference that answered wrongly (or errored fast) would make the ratio meaningless.
 """
 
@@ -29,7 +29,7 @@ def start_bare() -> Iterator[Any]:
 
     def start(*arguments: str) -> Any:
         address = f"127.0.0.1:{free_port()}"
-        command = [sys.executable, str(REPO / "loadtest" / "bare_servicer.py"), "--grpc-address", address]
+        command = [sys.executable, "-m", "loadtest.bare_servicer", "--grpc-address", address]
         command += ["--max-seconds", "60", "--config", str(EXAMPLE_CONFIG), *arguments]
         processes.append(subprocess.Popen(command, cwd=REPO, stderr=subprocess.DEVNULL))
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -1,4 +1,4 @@
-"""``loadtest/compare.py``: the same recording through Envoy + sidecar and through HAProxy stick tables.
+"""``python -m loadtest.compare``: the same recording through Envoy + sidecar and through HAProxy stick tables.
 
 The slow test runs the tool in quick mode (a ~4 s recording, one round, 1 s throughput
 phases) through real Envoys, sidecars, redis-server, HAProxy and the sample app, and checks
@@ -43,14 +43,10 @@ from typing import Any
 
 import pytest
 
+from loadtest.compare_harness.analysis import Decided, attribute, most_in_one_second
 from sidecar.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
-TOOL = REPO / "loadtest" / "compare.py"
-if str(TOOL.parent) not in sys.path:
-    sys.path.insert(0, str(TOOL.parent))
-
-from compare_harness.analysis import Decided, attribute, most_in_one_second  # noqa: E402
 
 pytestmark = [pytest.mark.haproxy, pytest.mark.redis]
 
@@ -68,7 +64,7 @@ machine then rarely pushes a decision into the failure mode, where the bound doe
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("compare")
     outputs = {"json": directory / "compare.json", "md": directory / "compare.md", "png": directory / "compare.png"}
-    argv = [sys.executable, str(TOOL), "--quick", "--redis-timeout", str(REDIS_TIMEOUT)]
+    argv = [sys.executable, "-m", "loadtest.compare", "--quick", "--redis-timeout", str(REDIS_TIMEOUT)]
     for flag, path in outputs.items():
         argv += [f"--{flag}", str(path)]
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
@@ -109,8 +105,8 @@ def test_every_path_ran_and_the_outputs_exist(quick_run: dict[str, Any]) -> None
     table = quick_run["md"].read_text()
     for row in summary.values():
         assert f"| {row['label']} |" in table, table
-    assert "Reproduce: `python loadtest/compare.py --quick" in table
-    assert "reproduce: python loadtest/compare.py --quick" in quick_run["stdout"]
+    assert "Reproduce: `python -m loadtest.compare --quick" in table
+    assert "reproduce: python -m loadtest.compare --quick" in quick_run["stdout"]
     image = quick_run["png"].read_bytes()
     assert len(image) > 10_000 and image.startswith(PNG_SIGNATURE)
 
@@ -220,7 +216,7 @@ def test_certain_overshoot_and_shortfall_are_counted() -> None:
 
 
 def test_the_recordings_first_requests_start_haproxys_periods_on_second_0() -> None:
-    from compare_harness.recording import FIRST_OFFSET, record
+    from loadtest.compare_harness.recording import FIRST_OFFSET, record
 
     recording = record(1, clients=4, limit=20, duration=4.0)
     for client in range(4):
@@ -229,8 +225,7 @@ def test_the_recordings_first_requests_start_haproxys_periods_on_second_0() -> N
 
 
 def test_the_sliding_path_config_changes_only_the_per_address_rule(tmp_path: Path) -> None:
-    from compare_harness.paths import sliding_config
-
+    from loadtest.compare_harness.paths import sliding_config
     from sidecar.config.load import load_config
 
     rules = {rule.stat_key: rule for rule in load_config(sliding_config(tmp_path)).domains["demo"].rules}

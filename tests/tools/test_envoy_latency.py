@@ -1,4 +1,4 @@
-"""``loadtest/envoy_latency.py`` runs all three variants for real and reports sane figures.
+"""``python -m loadtest.envoy_latency`` runs all three variants for real and reports sane figures.
 
 A tiny run (one round, one second per variant, 50 requests/s) through real Envoys, sidecars,
 redis-server and the sample app. Nothing about speed is asserted: only that the table has every
@@ -19,14 +19,13 @@ import pytest
 pytestmark = [pytest.mark.envoy, pytest.mark.redis]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "loadtest" / "envoy_latency.py"
 
 
 @pytest.mark.slow
 def test_envoy_latency_reports_every_variant(tmp_path: Path) -> None:
     report = tmp_path / "latency.json"
     argv = [
-        sys.executable, str(SCRIPT),
+        sys.executable, "-m", "loadtest.envoy_latency",
         "--rate", "50", "--duration", "1", "--warmup", "0.5", "--rounds", "1",
         "--json", str(report),
     ]  # fmt: skip
@@ -42,7 +41,7 @@ def test_envoy_latency_reports_every_variant(tmp_path: Path) -> None:
         "(b) Envoy + filter + sidecar (memory)",
         "(c) Envoy + filter + sidecar (sync, Redis)",
     ], output
-    assert "Reproduce: `python loadtest/envoy_latency.py --rate 50.0 --duration 1.0 --warmup 0.5" in result.stdout
+    assert "Reproduce: `python -m loadtest.envoy_latency --rate 50.0 --duration 1.0 --warmup 0.5" in result.stdout
 
     document = json.loads(report.read_text())
     summary = document["summary"]

@@ -1,4 +1,4 @@
-"""``loadtest/flush_bench.py`` runs against a real redis-server and prints both ways of flushing."""
+"""``python -m loadtest.flush_bench`` runs against a real redis-server and prints both ways of flushing."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_flush_bench_prints_both_ways_and_their_ratio() -> None:
-    command = [sys.executable, "loadtest/flush_bench.py", "--counters", "5", "--flushes", "3", "--rounds", "2"]
+    command = [sys.executable, "-m", "loadtest.flush_bench", "--counters", "5", "--flushes", "3", "--rounds", "2"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     for way in ("batch", "per-counter"):

@@ -6,17 +6,12 @@ on Redis's clock (the default) they admit exactly the limit per second.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
-if str(LOADTEST) not in sys.path:
-    sys.path.insert(0, str(LOADTEST))
-
-from reliability_harness import Context  # noqa: E402
-from reliability_harness.clock_skew import run  # noqa: E402
+from loadtest.reliability_harness import Context
+from loadtest.reliability_harness.clock_skew import run
 
 
 @pytest.mark.slow

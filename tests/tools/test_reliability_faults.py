@@ -18,23 +18,18 @@ timeout, slow, unreachable), then a replica SIGKILLed. It checks what the rows p
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
-
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def faults_module() -> Any:
-    """``loadtest/reliability_harness/faults.py`` (``loadtest/`` goes on ``sys.path``, as the tools run from there)."""
-    if str(LOADTEST) not in sys.path:
-        sys.path.insert(0, str(LOADTEST))
-    from reliability_harness import faults
+    """``loadtest.reliability_harness.faults``, imported when a test needs it."""
+    from loadtest.reliability_harness import faults
 
     return faults
 
@@ -48,7 +43,7 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     if not Path("/usr/bin/redis-server").exists() and shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     faults = faults_module()
-    from reliability_harness import Context
+    from loadtest.reliability_harness import Context
 
     yield faults.run(Context(tmp_path_factory.mktemp("faults"), quick=True))
 

@@ -17,23 +17,18 @@ checks the invariants their rows promise:
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
-
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def harness() -> Any:
-    """``loadtest/reliability_harness`` (``loadtest/`` goes on ``sys.path``, as the tools run from there)."""
-    if str(LOADTEST) not in sys.path:
-        sys.path.insert(0, str(LOADTEST))
-    import reliability_harness
+    """``loadtest.reliability_harness``, imported when a test needs it."""
+    from loadtest import reliability_harness
 
     return reliability_harness
 
@@ -55,7 +50,7 @@ def explain(row: Any) -> str:
 @pytest.fixture(scope="module")
 def flood_rows(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     package = harness()
-    from reliability_harness import flood
+    from loadtest.reliability_harness import flood
 
     yield flood.run(package.Context(tmp_path_factory.mktemp("flood"), quick=True))
 
@@ -65,7 +60,7 @@ def soak_rows(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     if not has_redis():
         pytest.skip("redis-server is not installed")
     package = harness()
-    from reliability_harness import soak
+    from loadtest.reliability_harness import soak
 
     yield soak.run(package.Context(tmp_path_factory.mktemp("soak"), quick=True))
 
