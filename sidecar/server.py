@@ -28,6 +28,7 @@ from sidecar.limiter.redis.clock import SharedClock
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import RuleStats, ServiceStats, SidecarCollector
 from sidecar.service.headers import HeaderNames
+from sidecar.service.json_api import JsonEndpoint
 from sidecar.service.servicer import SERVICE_NAME, RateLimitService, add_to_server
 from sidecar.settings import Settings
 
@@ -235,6 +236,8 @@ class Sidecar:
             lambda: config_json(self.service.config, self.stats.config_loaded_at),
             lambda: self.serving,
         )
+        self.json = JsonEndpoint(self.service)
+        """``POST /json`` (``--json-address``): the same request path as gRPC, as JSON over HTTP."""
         self.watcher: ConfigWatcher | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self.reloader = ConfigReloader(
@@ -278,6 +281,8 @@ class Sidecar:
                 await self.admin.start(self.settings.metrics_address)
             except OSError as error:
                 raise StartupError(f"cannot listen on {self.settings.metrics_address}: {error.strerror}") from None
+        if self.settings.json_address:
+            await self._start_json(self.settings.json_address)
         await self.service.limiter.start()
         await self.server.start()
         for name in ("", SERVICE_NAME):
@@ -285,6 +290,18 @@ class Sidecar:
         self.serving = True
         if self.settings.watch_config:
             await self._watch_config()
+
+    async def _start_json(self, address: str) -> None:
+        if not is_loopback(address):
+            log.warning(
+                "json_exposed",
+                address=address,
+                hint="plain HTTP without TLS: anything that reaches this address can spend every limit",
+            )
+        try:
+            await self.json.start(address)
+        except OSError as error:
+            raise StartupError(f"cannot listen on {address}: {error.strerror}") from None
 
     async def _watch_config(self) -> None:
         """Reload on every change under the config path, from now on."""
@@ -314,6 +331,7 @@ class Sidecar:
         deadline = time.monotonic() + self.settings.shutdown_grace
         await self._wait_until_quiet(deadline)
         await self.server.stop(0)
+        await self.json.close()
         await self.service.limiter.close()
         await self.admin.close()
 
@@ -360,6 +378,7 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
         address=settings.grpc_address,
         port=sidecar.port,
         metrics_address=settings.metrics_address or None,
+        json_address=settings.json_address or None,
         backend=settings.backend,
         mode=settings.mode if settings.backend == "redis" else None,
         instances=settings.instances,
@@ -388,6 +407,8 @@ def serve(settings: Settings) -> None:
     ensure_bindable(settings.grpc_address)
     if settings.metrics_address:
         ensure_bindable(settings.metrics_address)
+    if settings.json_address:
+        ensure_bindable(settings.json_address)
     try:
         config = load_config(settings.config, enforcing_mode(settings))
     except ConfigError as error:

@@ -271,6 +271,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "plain HTTP for /metrics (Prometheus), /config and /healthz; empty turns it off",
     ),
     Option(
+        "json_address",
+        _optional_address,
+        "plain HTTP POST /json: ShouldRateLimit as JSON for apps that do not speak gRPC (no TLS: keep it on "
+        "loopback, for example 127.0.0.1:8082); empty turns it off",
+    ),
+    Option(
         "near_limit_ratio",
         _fraction,
         "a hit counts as near_limit in the metrics once its counter reaches this fraction of the limit",
@@ -339,6 +345,7 @@ class Settings:
     tls_client_ca: str = ""
     watch_config: bool = True
     metrics_address: str = "127.0.0.1:9090"
+    json_address: str = ""
     near_limit_ratio: float = 0.8
     response_headers: bool = False
     limit_header: str = "RateLimit-Limit"

@@ -9,6 +9,7 @@ everything else is plain computation.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
@@ -39,6 +40,18 @@ from sidecar.service.wire import (
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request the service does not decide: the gRPC status to answer, and its message."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+UNDECODABLE = Refusal(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid RateLimitRequest message")
+INTERNAL = Refusal(grpc.StatusCode.INTERNAL, "internal error deciding the request; see sidecar logs")
 
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
@@ -73,14 +86,22 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
         """The RPC: INVALID_ARGUMENT for bad input, INTERNAL (logged) for our own faults."""
+        outcome = await self.handle(request)
+        if isinstance(outcome, Refusal):
+            await context.abort(outcome.code, outcome.message)
+        return outcome
+
+    async def handle(self, request: Any | None) -> bytes | Refusal:
+        """The request path every transport shares (gRPC here, JSON in :mod:`sidecar.service.json_api`):
+        validation, the decision and its metrics; the response's wire bytes, or why it is refused."""
         stats = self.stats
         if request is None:
             stats.error("undecodable")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid RateLimitRequest message")
+            return UNDECODABLE
         problem = request_problem(request)
         if problem is not None:
             stats.error("invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            return Refusal(grpc.StatusCode.INVALID_ARGUMENT, problem)
         started = perf_counter()
         self.in_flight += 1
         try:
@@ -96,7 +117,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         finally:
             self.in_flight -= 1
         stats.error("internal")
-        await context.abort(grpc.StatusCode.INTERNAL, "internal error deciding the request; see sidecar logs")
+        return INTERNAL
 
     async def decide(self, request: Any) -> Any:
         """The response to a valid request as a message: for tests and tools, not the request path."""
