@@ -26,7 +26,7 @@ from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
 from sidecar.limiter.redis.clock import SharedClock
 from sidecar.limiter.windows import Clock, system_clock
-from sidecar.metrics import RuleStats, ServiceStats, SidecarCollector
+from sidecar.metrics import EXPIRE_EVERY_SECONDS, RuleStats, Scrape, ServiceStats, SidecarCollector
 from sidecar.service.headers import HeaderNames
 from sidecar.service.json_api import JsonEndpoint
 from sidecar.service.servicer import SERVICE_NAME, RateLimitService, add_to_server
@@ -228,14 +228,19 @@ class Sidecar:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.port = 0
         self.serving = False
+        self.collector = SidecarCollector(self.stats, self.service.limiter.snapshot)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SidecarCollector(self.stats, self.service.limiter.snapshot))
-        ProcessCollector(registry=self.registry)
+        self.registry.register(self.collector)
+        process = ProcessCollector(registry=self.registry)
         self.admin = AdminEndpoint(
-            self.registry,
+            # Called on the event loop: copies the numbers; the text is made in a thread.
+            lambda: Scrape(self.collector.frozen(), process),
             lambda: config_json(self.service.config, self.stats.config_loaded_at),
             lambda: self.serving,
+            write_timeout=settings.admin_write_timeout,
+            max_connections=settings.admin_max_connections,
         )
+        self._expire_task: asyncio.Task[None] | None = None
         self.json = JsonEndpoint(self.service)
         """``POST /json`` (``--json-address``): the same request path as gRPC, as JSON over HTTP."""
         self.watcher: ConfigWatcher | None = None
@@ -288,8 +293,18 @@ class Sidecar:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
+        self._expire_task = asyncio.get_running_loop().create_task(self._expire_rows(), name="expire-rows")
         if self.settings.watch_config:
             await self._watch_config()
+
+    async def _expire_rows(self) -> None:
+        """Drop idle per-rule rows minted from request values, every minute."""
+        rules = self.stats.rules
+        while True:
+            await asyncio.sleep(EXPIRE_EVERY_SECONDS)
+            dropped = rules.expire(time.monotonic())
+            if dropped:
+                log.info("metric_rows_expired", rows=dropped, left=len(rules.rows))
 
     async def _start_json(self, address: str) -> None:
         if not is_loopback(address):
@@ -324,6 +339,8 @@ class Sidecar:
         ``--shutdown-grace``; only then does it stop, cutting what is left (streams).
         """
         self.serving = False
+        if self._expire_task is not None:
+            self._expire_task.cancel()
         await self.health.enter_graceful_shutdown()
         if self.watcher is not None and self._watch_task is not None:
             self.watcher.stop()

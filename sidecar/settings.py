@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal, get_args
 
+from sidecar import admin
 from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.redis.connect import SentinelUrlError, is_sentinel_url, parse_sentinel_url
@@ -277,6 +278,17 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "loopback, for example 127.0.0.1:8082); empty turns it off",
     ),
     Option(
+        "admin_write_timeout",
+        _positive_float,
+        "seconds an admin client (/metrics, /config, /healthz) gets to read its whole answer; "
+        "slower readers are dropped",
+    ),
+    Option(
+        "admin_max_connections",
+        _positive_int,
+        "admin connections open at once; more get a short 503",
+    ),
+    Option(
         "near_limit_ratio",
         _fraction,
         "a hit counts as near_limit in the metrics once its counter reaches this fraction of the limit",
@@ -345,6 +357,8 @@ class Settings:
     tls_client_ca: str = ""
     watch_config: bool = True
     metrics_address: str = "127.0.0.1:9090"
+    admin_write_timeout: float = admin.WRITE_TIMEOUT
+    admin_max_connections: int = admin.MAX_CONNECTIONS
     json_address: str = ""
     near_limit_ratio: float = 0.8
     response_headers: bool = False

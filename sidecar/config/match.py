@@ -99,15 +99,29 @@ def detailed_stat_key(domain: str, descriptor: Any) -> str:
     return ".".join([domain, *(f"{e.key}_{e.value}" if e.value else e.key for e in descriptor.entries)])
 
 
+OVERRIDE_SOURCE = "request override"
+
+
+def override_stat_key(domain: str, descriptor: Any) -> str:
+    """``domain.key1.key2...``: the stat key of a request override, its entries' keys only.
+
+    envoyproxy/ratelimit names an override's stats ``domain.key_value...`` with the
+    request's values, one series per value; any client could then mint a series per call.
+    Here every override of one domain and key shape shares one row (the values still get
+    counters of their own)."""
+    return ".".join([domain, *(entry.key for entry in descriptor.entries)])
+
+
 def override_rule(domain: str, descriptor: Any) -> Match:
     """The limit a request carries itself (``descriptor.limit``): wins over the config.
 
     Its counter is keyed by the descriptor's entries and unit, like envoyproxy/ratelimit,
-    so requests overriding with different numbers share one count.
+    so requests overriding with different numbers share one count; its metrics row by
+    the keys only (:func:`override_stat_key`).
     """
     unit = Unit(descriptor.limit.unit)
     entries = [part for entry in descriptor.entries for part in (entry.key, entry.value)]
-    stat = detailed_stat_key(domain, descriptor)
+    stat = override_stat_key(domain, descriptor)
     counter_id = f"override\0{domain}\0{unit.seconds}"
     rule = RateLimitRule(
         domain=domain,
@@ -121,7 +135,7 @@ def override_rule(domain: str, descriptor: Any) -> Match:
         detailed_metric=False,
         stat_key=stat,
         counter_id=counter_id,
-        source="request override",
+        source=OVERRIDE_SOURCE,
     )
     return Match(rule, counter_key(counter_id, entries))
 

@@ -18,7 +18,14 @@ import structlog
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.message import DecodeError
 
-from sidecar.config.match import Match, detailed_stat_key, drop_replaced, match_descriptor, override_rule
+from sidecar.config.match import (
+    OVERRIDE_SOURCE,
+    Match,
+    detailed_stat_key,
+    drop_replaced,
+    match_descriptor,
+    override_rule,
+)
 from sidecar.config.model import RateLimitConfig
 from sidecar.limiter.protocol import Check, Decision, Limiter
 from sidecar.limiter.windows import Clock, system_clock
@@ -185,9 +192,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 applied.append(Applied(rule, None))
                 continue
             hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
-            stat_key = detailed_stat_key(rule.domain, descriptor) if rule.detailed_metric else rule.stat_key
+            if rule.detailed_metric:  # request values in the key: the row expires when idle
+                row = rule_stats.row(detailed_stat_key(rule.domain, descriptor), rule.domain, minted=True)
+            else:  # request overrides (keys chosen by the client) expire too
+                row = rule_stats.row(rule.stat_key, rule.domain, minted=rule.source == OVERRIDE_SOURCE)
             more = tuple(extra.rule for extra in match.more)
-            applied.append(Applied(rule, len(checks), rule_stats.row(stat_key, rule.domain), more))
+            applied.append(Applied(rule, len(checks), row, more))
             if more:
                 checks.extend(check_of(limit, hits) for limit in match.limits())
             else:  # check_of, inlined: this runs for every descriptor
