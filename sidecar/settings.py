@@ -272,12 +272,6 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "plain HTTP for /metrics (Prometheus), /config and /healthz; empty turns it off",
     ),
     Option(
-        "json_address",
-        _optional_address,
-        "plain HTTP POST /json: ShouldRateLimit as JSON for apps that do not speak gRPC (no TLS: keep it on "
-        "loopback, for example 127.0.0.1:8082); empty turns it off",
-    ),
-    Option(
         "admin_write_timeout",
         _positive_float,
         "seconds an admin client (/metrics, /config, /healthz) gets to read its whole answer; "
@@ -287,6 +281,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "admin_max_connections",
         _positive_int,
         "admin connections open at once; more get a short 503",
+    ),
+    Option(
+        "json_address",
+        _optional_address,
+        "plain HTTP POST /json: ShouldRateLimit as JSON for apps that do not speak gRPC (no TLS: keep it on "
+        "loopback, for example 127.0.0.1:8082); empty turns it off",
     ),
     Option(
         "near_limit_ratio",
