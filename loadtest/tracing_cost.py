@@ -22,7 +22,6 @@ Bounded: ``--calls`` x ``--repeat`` per variant, and the receiver exits with thi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import secrets
 import statistics
@@ -80,9 +79,7 @@ def requests(count: int) -> list[Any]:
 
 def contexts(count: int) -> list[Context]:
     """A fresh sampled trace per call, as Envoy's tracer sends them."""
-    return [
-        Context((("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"),)) for _ in range(count)
-    ]
+    return [Context((("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"),)) for _ in range(count)]
 
 
 def tracing(sampler: str, ratio: float, endpoint: str) -> Any:

@@ -31,6 +31,7 @@ from sidecar.service.headers import HeaderNames
 from sidecar.service.json_api import JsonEndpoint
 from sidecar.service.servicer import SERVICE_NAME, RateLimitService, add_to_server
 from sidecar.settings import Settings
+from sidecar.tracing import start_tracing
 
 if TYPE_CHECKING:
     from sidecar.limiter.redis.store import RedisStore
@@ -381,6 +382,11 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     stop = asyncio.Event()
     clock = SharedClock(settings.clock_offset)
     sidecar = Sidecar(settings, config, build_limiter(settings, clock), clock)
+    # OpenTelemetry: only the OTEL_* variables turn it on (sidecar/tracing.py); off, nothing is imported.
+    tracing = start_tracing(enforcing_mode(settings) or "memory")
+    if tracing is not None:
+        sidecar.service.tracing = tracing
+        tracing.hook(sidecar.service.limiter)
     reloads: set[asyncio.Task[bool]] = set()
 
     def reload_on_sighup() -> None:
@@ -409,6 +415,8 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
         await stop.wait()
         log.info("sidecar_draining", grace_seconds=settings.shutdown_grace)
         await sidecar.drain()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.close)  # the last spans, the final flush's included
     finally:
         remove_handlers()
     log.info("sidecar_stopped")

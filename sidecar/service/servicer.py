@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -43,6 +43,9 @@ from sidecar.service.wire import (
     limited_status,
     overall,
 )
+
+if TYPE_CHECKING:
+    from sidecar.tracing import Tracing
 
 log = structlog.get_logger(__name__)
 
@@ -88,12 +91,18 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self.response_headers = response_headers
         """``--response-headers``: the one flag the request path checks (with the domain's soft limits)."""
         self.headers = ResponseHeaders(header_names or HeaderNames(), response_headers)
+        self.tracing: Tracing | None = None
+        """OpenTelemetry spans (sidecar.tracing), set by the server when OTEL_* turns them on;
+        with it None the request path pays this one attribute check."""
 
     async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
         """The RPC: INVALID_ARGUMENT for bad input, INTERNAL (logged) for our own faults."""
-        outcome = await self.handle(request)
+        if self.tracing is None:
+            outcome = await self.handle(request)
+        else:
+            outcome = await self.tracing.traced(self.handle, request, context.invocation_metadata())
         if isinstance(outcome, Refusal):
             await context.abort(outcome.code, outcome.message)
         return outcome
