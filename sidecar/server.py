@@ -115,14 +115,25 @@ def build_redis_limiter(settings: Settings, clock: SharedClock | None = None) ->
 
 def build_redis_store(settings: Settings) -> RedisStore:
     """A store for ``settings.redis_url``; connects lazily (call ``start``)."""
-    from sidecar.limiter.redis.store import RedisStore  # noqa: PLC0415 - lazy, see build_redis_limiter
+    from redis.exceptions import RedisClusterException, RedisError  # noqa: PLC0415 - lazy, see build_redis_limiter
 
-    return RedisStore.for_url(
-        settings.redis_url,
-        cluster=settings.redis_cluster,
-        prefix=settings.redis_prefix,
-        request_timeout=settings.redis_timeout,
-    )
+    from sidecar.limiter.redis.connect import ENCODE_HINT, secrets_of  # noqa: PLC0415
+    from sidecar.limiter.redis.store import RedisStore  # noqa: PLC0415
+
+    try:
+        return RedisStore.for_url(
+            settings.redis_url,
+            cluster=settings.redis_cluster,
+            prefix=settings.redis_prefix,
+            request_timeout=settings.redis_timeout,
+        )
+    except (ValueError, TypeError, RedisError, RedisClusterException) as error:
+        # Settings checked the URL; what redis-py still refuses is told in one line, and its
+        # own words only if they hold no credential.
+        text = str(error)
+        if not text or any(secret in text for secret in secrets_of(settings.redis_url)):
+            text = f"{type(error).__name__} (check the query options; {ENCODE_HINT})"
+        raise StartupError(f"--redis-url / RLS_REDIS_URL: redis-py cannot use it: {text}") from None
 
 
 def build_strict_limiter(settings: Settings, clock: Clock = system_clock) -> StrictLimiter:
@@ -432,6 +443,8 @@ def serve(settings: Settings) -> None:
     ensure_bindable(settings.grpc_address)
     if settings.metrics_address:
         ensure_bindable(settings.metrics_address)
+    if settings.backend == "redis":
+        build_redis_store(settings)  # a client redis-py refuses ends startup here, before any log line
     if settings.json_address:
         ensure_bindable(settings.json_address)
     try:

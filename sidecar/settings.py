@@ -9,6 +9,7 @@ default.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +19,7 @@ from typing import Any, Literal, get_args
 from sidecar import admin
 from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
-from sidecar.limiter.redis.connect import SentinelUrlError, is_sentinel_url, parse_sentinel_url
+from sidecar.limiter.redis.connect import SCHEME, RedisUrlError, SentinelUrlError, check_url, is_sentinel_url
 
 ENV_PREFIX = "RLS_"
 REDIS_SCHEMES = (
@@ -411,25 +412,36 @@ def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.envir
         )
     if settings.backend == "redis" and not settings.redis_url:
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")
-    if settings.redis_url and not settings.redis_url.startswith(REDIS_SCHEMES):
-        raise SettingsError(
-            f"--redis-url / RLS_REDIS_URL {settings.redis_url!r}: must start with one of {', '.join(REDIS_SCHEMES)}"
-        )
-    if is_sentinel_url(settings.redis_url):
-        check_sentinel_url(settings)
+    if settings.redis_url:
+        check_redis_url(settings)
     return settings
 
 
-def check_sentinel_url(settings: Settings) -> None:
-    """A Sentinel URL must parse and cannot also be a Cluster.
+def check_redis_url(settings: Settings) -> None:
+    """The Redis URL must have a scheme we know and parse as redis-py will read it; a
+    Sentinel URL cannot also be a Cluster.
 
-    The message never repeats the URL: it may hold a password.
+    Messages never repeat the URL, nor any piece of it that may belong to a password
+    (only a scheme is shown, when it looks like one).
     """
+    url = settings.redis_url
+    if not url.startswith(REDIS_SCHEMES):
+        scheme, sep, _ = url.partition("://")
+        named = f" {scheme!r}" if sep and SCHEME.fullmatch(scheme) else ""
+        known = [option.removesuffix("://") for option in REDIS_SCHEMES]
+        close = difflib.get_close_matches(scheme.lower(), known, n=1) if named else []
+        hint = f" (did you mean {close[0]}://?)" if close else ""
+        raise SettingsError(
+            f"--redis-url / RLS_REDIS_URL: unknown scheme{named}{hint}; "
+            f"must start with one of {', '.join(REDIS_SCHEMES)}"
+        )
     try:
-        parse_sentinel_url(settings.redis_url)
+        check_url(url)
     except SentinelUrlError as error:
         raise SettingsError(f"--redis-url / RLS_REDIS_URL (Sentinel): {error}") from None
-    if settings.redis_cluster:
+    except RedisUrlError as error:
+        raise SettingsError(f"--redis-url / RLS_REDIS_URL: {error}") from None
+    if is_sentinel_url(url) and settings.redis_cluster:
         raise SettingsError("--redis-cluster cannot be combined with a Sentinel URL: Sentinel serves one master")
 
 

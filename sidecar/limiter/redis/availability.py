@@ -16,6 +16,8 @@ from typing import Any
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
+from sidecar.limiter.redis.connect import scrub
+
 FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 """What a Redis call can raise when Redis is away or refuses; ``TimeoutError`` is an ``OSError``."""
 FIRST_BACKOFF = 0.01
@@ -38,8 +40,12 @@ class RedisUnavailable(Exception):  # noqa: N818 - a state, not an error in our 
 class Availability:
     """Up/down state of one Redis, its listeners, and the probe that brings it back up."""
 
-    def __init__(self, probe: Callable[[], Awaitable[None]], request_timeout: float) -> None:
+    def __init__(
+        self, probe: Callable[[], Awaitable[None]], request_timeout: float, secrets: tuple[str, ...] = ()
+    ) -> None:
         self._probe_once = probe
+        self._secrets = secrets
+        """Credentials of the URL: scrubbed from every reason this reports or logs."""
         """One PING (and script loads); raises one of :data:`FAILURES` if Redis is not there."""
         self.request_timeout = request_timeout
         self.available = False
@@ -61,7 +67,7 @@ class Availability:
         try:
             await self._probe_once()
         except FAILURES as error:
-            self.mark_down(describe(error))
+            self.mark_down(self.describe(error))
         else:
             self.mark_up()
 
@@ -71,7 +77,7 @@ class Availability:
             try:
                 await self._probe_once()
             except FAILURES as error:
-                self.last_error = describe(error)
+                self.last_error = self.describe(error)
             else:
                 self.mark_up()
         return self.available
@@ -97,7 +103,7 @@ class Availability:
 
     def failed(self, error: BaseException, request_path: bool) -> RedisUnavailable:
         """Record a failed call; returns the exception for the caller to raise."""
-        reason = describe(error)
+        reason = self.describe(error)
         if type(error) is ResponseError:
             # A reply about this call (a key holding a non-integer, a busy script), not about
             # the server: fail this call only, or one bad key would switch every request over.
@@ -111,6 +117,7 @@ class Availability:
 
     def mark_down(self, reason: str) -> None:
         """Fail fast from now on, probe in the background, tell listeners once per outage."""
+        reason = scrub(reason, self._secrets)
         self.available = False
         self._ready.clear()
         self.last_error = reason
@@ -130,6 +137,10 @@ class Availability:
             self._notify(True, "")
         self._reported = True
 
+    def describe(self, error: BaseException) -> str:
+        """:func:`describe` without the URL's credentials (redis-py's messages may quote parts of it)."""
+        return scrub(describe(error), self._secrets)
+
     def _notify(self, available: bool, reason: str) -> None:
         for listener in self._listeners:
             listener(available, reason)
@@ -142,7 +153,7 @@ class Availability:
             try:
                 await self._probe_once()
             except FAILURES as error:
-                self.last_error = describe(error)
+                self.last_error = self.describe(error)
                 delay = min(delay * 2, MAX_BACKOFF)
                 continue
             self.mark_up()

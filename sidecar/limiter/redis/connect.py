@@ -21,6 +21,7 @@ redis-py is imported only inside :func:`connect`, once a Redis backend is chosen
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,8 +41,89 @@ MIN_BACKGROUND_TIMEOUT = 1.0
 """Background calls (flush, heartbeat, probe) may wait this long: they hold no request."""
 
 
-class SentinelUrlError(ValueError):
+ENCODE_HINT = "percent-encode '@', ':', '/', '?' and '#' in the user name and password (%40, %3A, %2F, %3F, %23)"
+SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+
+
+class RedisUrlError(ValueError):
+    """A Redis URL we cannot use; the message names the part at fault and never quotes
+    the URL's credentials (nor anything that may be a piece of them)."""
+
+
+class SentinelUrlError(RedisUrlError):
     """The URL cannot be a Sentinel URL; the message names the part at fault."""
+
+
+def check_url(url: str) -> None:
+    """Refuse a URL that redis-py would misread, before anything connects.
+
+    A password with an unencoded ``#``, ``/`` or ``?`` makes ``urllib`` end the host
+    part early: redis-py then reads a piece of the password as the port (a traceback
+    quoting it) or as the host (connection errors naming it). So an ``@`` after the
+    host part, or any ``#``, is refused here with a hint, and so is a port or database
+    that is not a number. The scheme is checked by the caller. Sentinel URLs go
+    through :func:`parse_sentinel_url`.
+    """
+    if is_sentinel_url(url):
+        parse_sentinel_url(url)
+        return
+    scheme, _, rest = url.partition("://")
+    if "#" in rest:
+        raise RedisUrlError(f"holds a '#', which would cut the URL short: {ENCODE_HINT}")
+    try:
+        parts = urllib.parse.urlsplit(client_url(url, False)[0])
+    except ValueError:
+        raise RedisUrlError(f"the host part cannot be read (an unclosed '['?); {ENCODE_HINT}") from None
+    if "@" in parts.path or "@" in parts.query:
+        raise RedisUrlError(f"has an '@' after the host part: {ENCODE_HINT}")
+    if scheme == "unix":
+        return
+    try:
+        parts.port  # noqa: B018 - urllib checks the port when it is read
+    except ValueError:
+        raise RedisUrlError(f"the port must be a number from 0 to 65535 (in a password, {ENCODE_HINT})") from None
+    database = urllib.parse.unquote(parts.path).strip("/")
+    if database and not database.isdigit():
+        raise RedisUrlError("the database after the host must be a number, as in redis://host:6379/0")
+
+
+def redact(url: str) -> str:
+    """``url`` fit to be shown: everything before the last ``@`` (the user name and
+    password, however mistyped) and the values of ``*password*`` query parameters
+    become ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not SCHEME.fullmatch(scheme):
+        return "***"
+    _, at, rest = rest.rpartition("@")
+    location, question, query = rest.partition("?")
+    if question:
+        hidden = []
+        for parameter in query.split("&"):
+            name, equals, _ = parameter.partition("=")
+            hidden.append(f"{name}=***" if equals and "password" in name.lower() else parameter)
+        query = "&".join(hidden)
+    return f"{scheme}://{'***@' if at else ''}{location}{question}{query}"
+
+
+def secrets_of(url: str) -> tuple[str, ...]:
+    """The credentials in ``url`` (as written and decoded), longest first: what must
+    never appear in a message or log line about this Redis."""
+    _, _, rest = url.partition("://")
+    location = re.split(r"[/?]", rest, maxsplit=1)[0]
+    userinfo = location.rpartition("@")[0]
+    found = {userinfo, *userinfo.split(":", 1)}
+    for name, value in urllib.parse.parse_qsl(rest.partition("?")[2], keep_blank_values=True):
+        if "password" in name.lower():
+            found.add(value)
+    found |= {urllib.parse.unquote(secret) for secret in found}
+    return tuple(sorted((secret for secret in found if secret), key=len, reverse=True))
+
+
+def scrub(text: str, secrets: tuple[str, ...]) -> str:
+    """``text`` with every one of ``secrets`` replaced by ``***``."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +154,8 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
         raise SentinelUrlError(f"must start with {' or '.join(f'{name}://' for name in SENTINEL_SCHEMES)}")
     rest, _, query = rest.partition("?")
     location, _, path = rest.partition("/")
+    if "@" in path or "@" in query:
+        raise SentinelUrlError(f"has an '@' after the hosts: {ENCODE_HINT}")
     userinfo, at, hosts = location.rpartition("@")
     username, password = _credentials(userinfo) if at else (None, None)
     service, db = _service_and_db(path)
@@ -116,7 +200,10 @@ def _query(query: str, tls: bool) -> dict[str, str]:
     if unknown:
         hint = "" if tls else " (ssl_* options need rediss+sentinel://)"
         listed = ", ".join(sorted(known))
-        raise SentinelUrlError(f"unknown query parameter(s) {', '.join(unknown)}; known: {listed}{hint}")
+        # A password holding an unencoded '&' splits into a parameter named by its second
+        # half: the names are not repeated when the query carries a password.
+        named = "" if "sentinel_password" in values else f" {', '.join(unknown)}"
+        raise SentinelUrlError(f"unknown query parameter(s){named}; known: {listed}{hint}")
     reqs = values.get("ssl_cert_reqs")
     if reqs is not None and reqs not in CERT_REQS:
         raise SentinelUrlError(f"ssl_cert_reqs {reqs!r} must be one of {', '.join(sorted(CERT_REQS))}")

@@ -22,7 +22,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from sidecar.limiter.protocol import Check, decide
 from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnavailable, StateListener
-from sidecar.limiter.redis.connect import MIN_BACKGROUND_TIMEOUT, background_timeout, connect
+from sidecar.limiter.redis.connect import MIN_BACKGROUND_TIMEOUT, background_timeout, connect, secrets_of
 from sidecar.limiter.redis.keys import per_hit, replicas_key
 from sidecar.limiter.redis.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
 from sidecar.limiter.windows import Clock
@@ -69,6 +69,7 @@ class RedisStore:
         prefix: str = "rls",
         request_timeout: float = 0.005,
         background_timeout: float = MIN_BACKGROUND_TIMEOUT,
+        secrets: tuple[str, ...] = (),
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -77,7 +78,7 @@ class RedisStore:
         self.request_timeout = request_timeout
         self.background_timeout = background_timeout
         self.cluster = isinstance(client, RedisCluster)
-        self.availability = Availability(self._probe_once, request_timeout)
+        self.availability = Availability(self._probe_once, request_timeout, secrets)
         """Up/down state and the probe back; its listeners hear of every change."""
         self.round_trips_request_path = 0
         self.round_trips_background = 0
@@ -97,6 +98,7 @@ class RedisStore:
             prefix=prefix,
             request_timeout=request_timeout,
             background_timeout=background_timeout(request_timeout),
+            secrets=secrets_of(url),
         )
 
     # -- life cycle -----------------------------------------------------------------
