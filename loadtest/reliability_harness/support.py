@@ -312,9 +312,9 @@ def rss(pid: int) -> int:
 
 def core_busy_seconds() -> dict[int, float]:
     """Busy seconds of each core since boot (``grpc_bench``'s reading of /proc/stat)."""
-    from loadtest import grpc_bench
+    from loadtest.grpc_bench import drive
 
-    return dict(grpc_bench.core_busy_seconds())
+    return dict(drive.core_busy_seconds())
 
 
 @dataclass

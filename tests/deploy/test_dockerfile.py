@@ -231,6 +231,6 @@ def test_dockerignore_sends_what_the_dockerfile_copies_and_nothing_else(stages: 
             relative = file.relative_to(REPO).as_posix()
             cached = "__pycache__" in relative or file.suffix in {".pyc", ".pyo"}
             assert in_context(relative) != cached, relative
-    for kept_out in (".git/HEAD", ".venv/bin/python", "tests/deploy/test_dockerfile.py", "loadtest/grpc_bench.py"):
+    for kept_out in (".git/HEAD", ".venv/bin/python", "tests/deploy/test_dockerfile.py", "loadtest/grpc_bench/cli.py"):
         assert not in_context(kept_out), kept_out
     assert in_context("sidecar/limiter/redis/lua/decide.lua")
