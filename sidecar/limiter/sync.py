@@ -229,11 +229,16 @@ class SyncLimiter:
                 return None
         counts = self._would_be(checks, counters, now=now)
         limits = tuple(check.limit for check in checks)
+        spent: dict[int, int] = {}
+        """Per counter, the hits this request puts on it up to this check: a counter named
+        twice holds both checks' hits unflushed, and the blind cap bounds their sum."""
         for check, counter, count in zip(checks, counters, counts, strict=True):
+            blind = spent.get(id(counter), 0) + check.hits
+            spent[id(counter)] = blind
             if count > check.limit:
                 continue  # certain: our own knowledge already leaves no room
             cap = self.blind_cap(check.limit, replicas)
-            if counter.unflushed + check.hits > cap or count + self.reserve(counter, cap, replicas) > check.limit:
+            if counter.unflushed + blind > cap or count + self.reserve(counter, cap, replicas) > check.limit:
                 return None
         return self._apply(checks, counters, counts, limits)
 
