@@ -99,6 +99,17 @@ class SyncLimiter:
         self.max_counters = max_counters
         self.evictions = 0
         self._eviction_log = EvictionLog(max_counters)
+        self._room_wait = 0
+        """New counters to refuse room without looking, after a scan that could not free
+        enough (every counter held hits Redis lacks): one scan per as many new counters
+        as it read, or per flush that lands, so a flood at the cap costs O(1) per counter."""
+        self.dropped_hits = 0
+        """Hits a failure mode admitted on counters that could not be remembered (at
+        ``max_counters``, every counter holding hits Redis lacks): never sent to Redis."""
+        self.expired_hits = 0
+        """Unflushed hits forgotten with their counter after its Redis key expired (sending
+        them would add to a key that expires at once)."""
+        self._drop_logged = False
         self.clock = clock
         self._windows: dict[int, dict[tuple[CounterKey, int], WindowCounter]] = {}
         """Counters by window end, then by (counter key, unit): ended windows are dropped
@@ -148,6 +159,8 @@ class SyncLimiter:
         log.info(
             "sync_closed",
             unflushed_hits=lost,
+            dropped_hits=self.dropped_hits,
+            expired_hits=self.expired_hits,
             escalations=self.escalations,
             late_answers=self.batcher.late_answers,
             local_decisions=self.local_decisions,
@@ -165,6 +178,7 @@ class SyncLimiter:
             log.info("redis_recovered", mode="sync", unflushed_hits=unflushed)
             self._wake.set()
         else:
+            self._drop_logged = False  # log the next drop again: once per outage
             log.warning("redis_unavailable", mode="sync", reason=reason, failure_mode=self.failure_mode)
 
     # -------------------------------------------------------------- the decision
@@ -233,6 +247,8 @@ class SyncLimiter:
         """Per counter, the hits this request puts on it up to this check: a counter named
         twice holds both checks' hits unflushed, and the blind cap bounds their sum."""
         for check, counter, count in zip(checks, counters, counts, strict=True):
+            if not counter.remembered:
+                return None  # nothing would flush hits admitted here: only Redis may admit them
             blind = spent.get(id(counter), 0) + check.hits
             spent[id(counter)] = blind
             if count > check.limit:
@@ -344,7 +360,16 @@ class SyncLimiter:
         """
         self.failure_decisions += 1
         counts = self._would_be(checks, counters, own=self.failure_mode == "local", now=now)
-        limits = failure_limits(self.failure_mode, checks, counts, self.replicas.live)
+        live = self.replicas.live
+        limits = failure_limits(self.failure_mode, checks, counts, live)
+        if self.failure_mode == "local" and not all(counter.remembered for counter in counters):
+            # A counter with no room to be remembered cannot be held to a share (nothing
+            # counts its hits) and could not keep them for Redis: refused, as ``closed``.
+            closed = failure_limits("closed", checks, counts, live)
+            limits = tuple(
+                limit if counter.remembered else refused
+                for limit, refused, counter in zip(limits, closed, counters, strict=True)
+            )
         return self._apply(checks, counters, counts, limits)
 
     def _apply(
@@ -358,7 +383,9 @@ class SyncLimiter:
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
         if admitted:
             for check, counter, spend in zip(checks, counters, consume, strict=True):
-                if spend and check.hits:
+                if spend and check.hits and not counter.remembered:
+                    self._drop(check.hits)
+                elif spend and check.hits:
                     counter.pending += check.hits
                     counter.own += check.hits
                     if counter.pending * 2 >= self.blind_cap(check.limit, self.replicas.live):
@@ -424,12 +451,13 @@ class SyncLimiter:
                 self._follow_previous(counter, slot, start, check.unit_seconds)
             if check.ban_seconds:
                 counter.ban_key = ban_key(self.prefix, digest)
-            window[slot] = counter
-            self._live += 1
-        counter.busy += 1  # before any eviction: this request is about to use it
+            if self._live < self.max_counters or self._make_room(now):
+                self._windows.setdefault(end, window)[slot] = counter  # room making may drop an empty window
+                self._live += 1
+            else:
+                counter.remembered = False  # for this request only; see _decide_locally and _apply
+        counter.busy += 1  # this request is about to use it: no eviction or expiry under it
         counter.touched = True
-        if self._live > self.max_counters:
-            self._evict()
         return counter
 
     def _follow_previous(
@@ -473,27 +501,68 @@ class SyncLimiter:
             flush_keys=self.flush_keys,
         )
 
-    def _evict(self) -> None:
-        """Over the cap: forget counters Redis already holds, window ending first.
+    def _make_room(self, now: float) -> bool:
+        """At the cap: forget counters for a new one; False if none can be forgotten.
 
-        Only counters without unflushed hits and not in use by a request are forgotten,
-        so no admitted hit is lost;
-        a forgotten counter is re-read from Redis by the next decision that needs it
-        (it starts at ``known = 0`` and the reserve/escalation path corrects it).
+        ``max_counters`` is a hard cap, also during an outage, when counters hold hits
+        Redis lacks and cannot be forgotten. A scan frees down to 90 % of the cap; one
+        that cannot (it read every counter and most hold unflushed hits) is not repeated
+        for as many new counters as it read, or until a flush lands: so a flood of
+        unique values at the cap costs O(1) per new counter, not a scan each.
+        """
+        if self._room_wait > 0:
+            self._room_wait -= 1
+            return False
+        read = self._evict(now)
+        if self._live > self.max_counters * 9 // 10:
+            self._room_wait = read
+        return self._live < self.max_counters
+
+    def _evict(self, now: float) -> int:
+        """Forget counters Redis already holds, window ending first; returns how many were read.
+
+        Only counters not in use by a request are forgotten, and only those without
+        unflushed hits, or whose Redis key has expired (their hits would add to a key
+        that expires at once: :attr:`expired_hits`), so no admitted hit that still
+        counts is lost. A forgotten counter is re-read from Redis by the next decision
+        that needs it (it starts at ``known = 0`` and the reserve/escalation path
+        corrects it).
         """
         before = self.evictions
+        target = self.max_counters * 9 // 10
+        read = 0
         for end in sorted(self._windows):
             window = self._windows[end]
-            for slot in [slot for slot, counter in window.items() if counter.unflushed == 0 and not counter.busy]:
-                del window[slot]
-                self._live -= 1
-                self.evictions += 1
-                if self._live <= self.max_counters * 9 // 10:
-                    break
-            else:
-                continue
-            break
+            forgettable = []
+            for slot, counter in window.items():
+                read += 1
+                if not counter.busy and (counter.unflushed == 0 or counter.expire_at <= now):
+                    forgettable.append(slot)
+                    if self._live - len(forgettable) <= target:
+                        break
+            for slot in forgettable:
+                self.expired_hits += window.pop(slot).unflushed
+            self._live -= len(forgettable)
+            self.evictions += len(forgettable)
+            if not window:
+                del self._windows[end]
+            if self._live <= target:
+                break
         self._eviction_log.note(self.evictions - before, self.evictions)
+        return read
+
+    def _drop(self, hits: int) -> None:
+        """Hits admitted on a counter that could not be remembered: counted, logged once per outage."""
+        self.dropped_hits += hits
+        if not self._drop_logged:
+            self._drop_logged = True
+            log.error(
+                "failure_hits_dropped",
+                mode="sync",
+                failure_mode=self.failure_mode,
+                max_counters=self.max_counters,
+                hint="every counter holds hits Redis lacks: new counters are not remembered until Redis is back",
+            )
 
     def _all_counters(self) -> list[WindowCounter]:
         return [counter for window in self._windows.values() for counter in window.values()]
@@ -579,9 +648,10 @@ class SyncLimiter:
             if counter.ban_key is not None and until > now:
                 self._bans.ban(counter.ban_key, until, now)
 
-    @staticmethod
-    def _apply_flush(batch: FlushBatch, totals: dict[str, int]) -> None:
+    def _apply_flush(self, batch: FlushBatch, totals: dict[str, int]) -> None:
         """Learn the global totals; the growth we did not cause feeds the reserve."""
+        if batch.sent:
+            self._room_wait = 0  # counters whose hits landed can be forgotten again
         own = {key: hits for key, (_, hits) in batch.sent.items()}
         for counter in batch.counters():
             if counter.previous_key is not None:

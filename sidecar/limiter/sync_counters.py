@@ -42,6 +42,10 @@ class WindowCounter:
     previous: int | None = None
     """Sliding window only: the previous window's global total; None until known (every
     decision on the counter escalates until then)."""
+    remembered: bool = True
+    """False for a counter made for one request only, at ``--max-counters`` with no counter
+    that can be forgotten: nothing flushes its hits, so only Redis (an escalation) may
+    admit on it, and hits a failure mode admits on it are dropped and counted."""
 
     @property
     def unflushed(self) -> int:
