@@ -4,22 +4,114 @@ Triggered by the file watcher and by SIGHUP. Loading runs in a worker thread so 
 request path keeps answering from the old config meanwhile; the swap itself is one
 reference assignment. Counters are keyed by rule identity (domain, window, config
 path), not by config version, so counters of rules a reload leaves unchanged carry on.
+
+What a reload must not do is stall the event loop, which shares the GIL with the
+loading thread. Building a large config makes hundreds of thousands of objects (YAML
+nodes, marks, rules) that live until the load ends, so CPython's full collections ran
+again and again during it, each walking every object of the process while holding the
+GIL: 14,000 rules reloaded in 5.8 s and ShouldRateLimit waited up to half a second.
+So (see ``python -m loadtest.reload_stall``):
+
+* the collector's oldest generation is paused while a config loads (young collections
+  still run; the load's objects are either kept, as the config, or freed by reference
+  counting: the config holds no cycles);
+* after every load (the startup one too) everything alive is moved to the permanent
+  generation (``gc.freeze``), so later full collections skip the config and the
+  process's other long-lived objects;
+* a reload first compares the digest of the files' bytes with the active config's and
+  stops there when they are equal, so the look the watcher takes right after SERVING
+  (and any spurious watch event) costs a read of the files, not a parse.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import gc
+import hashlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import structlog
 
 from sidecar.config.errors import ConfigError
-from sidecar.config.load import load_config
+from sidecar.config.load import config_files, load_config
 from sidecar.config.model import RateLimitConfig
+from sidecar.config.yaml_source import MAX_FILE_BYTES
 
 log = structlog.get_logger(__name__)
 
 MAX_LOGGED_ISSUES = 20
+PAUSE_GC_DURING_LOAD = True
+"""Pause full collections while a config loads (``loadtest.reload_stall`` turns it off to compare)."""
+FREEZE_AFTER_LOAD = True
+"""``gc.freeze()`` after each load (``loadtest.reload_stall`` turns it off to compare)."""
+LOAD_SWITCH_INTERVAL = 0.001
+"""Seconds a thread may hold the GIL while another waits, during a load (CPython's default
+is 0.005): the loading thread gives the event loop its turn sooner. 0 leaves it alone."""
+PAUSED_THRESHOLD = 1 << 30
+"""The oldest generation's threshold while paused: never reached by a load."""
+_pauses = 0
+
+
+@contextlib.contextmanager
+def full_collections_paused() -> Iterator[None]:
+    """No full (oldest generation) collection in this block; young ones still run.
+
+    Process-wide, so nested and concurrent uses (the reloader runs one load at a time,
+    but the startup load may use it too) restore the threshold only when the last ends.
+    """
+    global _pauses  # noqa: PLW0603 - one process-wide collector
+    if not PAUSE_GC_DURING_LOAD:
+        yield
+        return
+    young, middle, oldest = gc.get_threshold()
+    _pauses += 1
+    if _pauses == 1:
+        gc.set_threshold(young, middle, PAUSED_THRESHOLD)
+    try:
+        yield
+    finally:
+        _pauses -= 1
+        if _pauses == 0:
+            gc.set_threshold(young, middle, oldest if oldest != PAUSED_THRESHOLD else 10)
+
+
+def settle_after_load() -> None:
+    """Move every live object to the permanent generation, so full collections skip them."""
+    if FREEZE_AFTER_LOAD:
+        gc.collect(1)  # young garbage first (cheap): frozen cycles would never be freed
+        gc.freeze()
+
+
+def load_quietly(path: str | Path, mode: str | None = None) -> RateLimitConfig:
+    """:func:`load_config` with full collections paused, and the GIL handed over more often
+    (:data:`LOAD_SWITCH_INTERVAL`) so the event loop waits less for it: for a worker thread."""
+    interval = sys.getswitchinterval()
+    if LOAD_SWITCH_INTERVAL:
+        sys.setswitchinterval(min(interval, LOAD_SWITCH_INTERVAL))
+    try:
+        with full_collections_paused():
+            return load_config(path, mode)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def files_digest(path: str | Path) -> str | None:
+    """The digest :func:`load_config` would give the config at ``path``, from the files'
+    bytes alone (no parsing); None when it cannot tell (a file missing, unreadable, or
+    too large to read: then the full load reports it)."""
+    try:
+        files = config_files(Path(path))
+        digest = hashlib.sha256()
+        for file in files:
+            if file.stat().st_size > MAX_FILE_BYTES:
+                return None
+            digest.update(str(file).encode() + b"\0" + file.read_bytes() + b"\0")
+    except (ConfigError, OSError):
+        return None
+    return digest.hexdigest()
 
 
 def rule_count(config: RateLimitConfig) -> int:
@@ -48,17 +140,22 @@ class ConfigReloader:
     async def reload(self, trigger: str) -> bool:
         """Load and swap; True when a new config is active. One reload at a time."""
         async with self._lock:
+            if await asyncio.to_thread(files_digest, self.path) == self.current().digest:
+                log.debug("config_unchanged", trigger=trigger, parsed=False, config_digest=self.current().digest[:12])
+                return False
             try:
-                config = await asyncio.to_thread(load_config, self.path, self.mode)
+                config = await asyncio.to_thread(load_quietly, self.path, self.mode)
             except ConfigError as error:
                 self._refuse(trigger, [str(issue) for issue in error.issues])
                 return False
             except OSError as error:
                 self._refuse(trigger, [f"{self.path}: {error.strerror or error}"])
                 return False
+            finally:
+                settle_after_load()
             previous = self.current()
             if config.digest == previous.digest:
-                log.debug("config_unchanged", trigger=trigger, config_digest=config.digest[:12])
+                log.debug("config_unchanged", trigger=trigger, parsed=True, config_digest=config.digest[:12])
                 return False
             self.apply(config)
             log.info(
