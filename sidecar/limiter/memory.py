@@ -231,7 +231,7 @@ class MemoryLimiter:
     async def start(self) -> None:
         """Nothing runs in the background: expiry happens on the request path."""
 
-    async def close(self) -> None:
+    async def close(self, deadline: float | None = None) -> None:
         """Nothing to flush: memory dies with the process."""
 
     def _would_be_counts(self, checks: Sequence[Check], windows: Sequence[WindowId]) -> tuple[int, ...]:

@@ -104,8 +104,9 @@ class Limiter(Protocol):
         """Start background work (connections, sync, heartbeats) once the loop runs."""
         ...
 
-    async def close(self) -> None:
-        """Release resources; backends with pending state flush it first."""
+    async def close(self, deadline: float | None = None) -> None:
+        """Release resources; backends with pending state flush it first, trying until
+        ``deadline`` (``time.monotonic()``; None: about a second) while Redis is away."""
         ...
 
     def snapshot(self) -> LimiterSnapshot:

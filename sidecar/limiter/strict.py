@@ -39,7 +39,6 @@ is retried as is and counted once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,7 +48,7 @@ from sidecar.limiter.algorithms import Algorithm, now_us
 from sidecar.limiter.failure import FailurePolicy
 from sidecar.limiter.ledger import Admitted
 from sidecar.limiter.protocol import Check, Decision, decide
-from sidecar.limiter.redis.availability import RedisUnavailable, stop_task
+from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
 from sidecar.limiter.redis.batcher import DecisionBatcher
 from sidecar.limiter.redis.keys import check_window, per_hit, previous_window
 from sidecar.limiter.redis.replicas import Replicas
@@ -308,8 +307,13 @@ class StrictLimiter:
         held = sum(sum(call.spent) for call in self._held)
         return self.ledger.owed_hits + unsent + held
 
-    async def close(self) -> None:
-        """Apply late answers, leave the replica set, send what is still owed, close."""
+    async def close(self, deadline: float | None = None) -> None:
+        """Apply late answers, leave the replica set, send what is still owed, close.
+
+        While Redis does not answer, the last flush probes it again every 100 ms until
+        ``deadline`` (``time.monotonic()``: what the shutdown grace left); what is still
+        owed then is lost, and logged as an error with its count (``admitted_hits_lost``).
+        """
         if self._reconciler is not None:
             await stop_task(self._reconciler)
         await asyncio.sleep(0)  # a batch queued in this iteration is sent in the next one
@@ -317,13 +321,16 @@ class StrictLimiter:
         for call in list(self._held):
             self._give_up(call)  # its batch failed: no answer will come
         await self.replicas.close()
-        if self.ledger.owes() or self._unacknowledged is not None:
-            if not await self.store.probe():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.store.background_timeout):
-                        await self.store.wait_available()
-            await self.reconcile()
+        await flush_until(self._last_flush, self._flushed, deadline, self.store.background_timeout)
         unreconciled = self.unreconciled_hits()
+        if unreconciled:
+            log.error(
+                "admitted_hits_lost",
+                mode="strict",
+                hits=unreconciled,
+                reason=self.store.last_error,
+                hint="Redis did not take the last flush within --shutdown-grace; these hits are not in its counters",
+            )
         (log.warning if unreconciled else log.info)(
             "strict_closed",
             redis_decisions=self.redis_decisions,
@@ -336,6 +343,15 @@ class StrictLimiter:
             redis_round_trips_background=self.store.round_trips_background,
         )
         await self.store.close()
+
+    def _flushed(self) -> bool:
+        return not self.ledger.owes() and self._unacknowledged is None
+
+    async def _last_flush(self) -> None:
+        """One attempt of the last flush: probe Redis if it is down, then send what is owed."""
+        if await self.store.probe():
+            while not self._flushed() and await self.reconcile():
+                pass
 
     async def _reconcile_forever(self) -> None:
         """Whenever hits are owed and Redis is available, flush them."""

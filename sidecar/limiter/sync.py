@@ -55,7 +55,7 @@ from sidecar.limiter.bounds import Bans, EvictionLog
 from sidecar.limiter.failure import FailureMode, failure_limits
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
-from sidecar.limiter.redis.availability import RedisUnavailable, stop_task
+from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
 from sidecar.limiter.redis.batcher import DecisionBatcher
 from sidecar.limiter.redis.keys import ban_key, counter_digest, expire_at, window_key
 from sidecar.limiter.redis.replicas import Replicas
@@ -143,19 +143,28 @@ class SyncLimiter:
         await self.replicas.start()
         self._task = asyncio.create_task(self._sync_loop(), name="sync-flusher")
 
-    async def close(self) -> None:
-        """Stop the flusher and push every admitted hit to Redis before leaving."""
+    async def close(self, deadline: float | None = None) -> None:
+        """Stop the flusher and push every admitted hit to Redis before leaving.
+
+        While Redis does not answer, the last flush probes it again every 100 ms until
+        ``deadline`` (``time.monotonic()``: what the shutdown grace left), so an outage
+        that ends within the grace loses nothing; what is still unflushed then is lost,
+        and logged as an error with its count (``admitted_hits_lost``).
+        """
         if self._task is not None:
             await stop_task(self._task)
         await self.batcher.drain()  # late answers adjust pending hits before the last flush
-        for attempt in range(3):
-            if not self._has_unflushed():
-                break
-            await self.store.probe()  # Redis may be back while the probe sleeps (up to 1 s)
-            await self.sync_once()
-            if self._has_unflushed():
-                await asyncio.sleep(0.1 * (attempt + 1))
+        await flush_until(self._last_flush, lambda: not self._has_unflushed(), deadline, self.store.background_timeout)
         lost = sum(counter.unflushed for counter in self._all_counters())
+        if lost:
+            log.error(
+                "admitted_hits_lost",
+                mode="sync",
+                hits=lost,
+                counters=sum(1 for counter in self._all_counters() if counter.unflushed),
+                reason=self.store.last_error,
+                hint="Redis did not take the last flush within --shutdown-grace; these hits are not in its counters",
+            )
         log.info(
             "sync_closed",
             unflushed_hits=lost,
@@ -170,6 +179,11 @@ class SyncLimiter:
         )
         await self.replicas.close()
         await self.store.close()
+
+    async def _last_flush(self) -> None:
+        """One attempt of the last flush: probe Redis if it is down, then flush."""
+        if await self.store.probe():
+            await self.sync_once()
 
     def _on_redis_state(self, available: bool, reason: str) -> None:
         """Log each change of Redis state once; pending hits wait for the next flush."""

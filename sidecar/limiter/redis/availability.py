@@ -11,6 +11,7 @@ available, telling the listeners (the failure policy logs it, limiters reconcile
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -158,6 +159,46 @@ class Availability:
                 continue
             self.mark_up()
             return
+
+
+CLOSE_RETRY = 0.1
+"""Seconds between two attempts of the last flush while Redis does not answer."""
+CLOSE_WITHOUT_DEADLINE = 1.0
+"""Seconds the last flush gets when the caller names no deadline."""
+
+
+async def flush_until(
+    attempt: Callable[[], Awaitable[object]],
+    done: Callable[[], bool],
+    deadline: float | None,
+    first_budget: float,
+) -> None:
+    """The last flush on shutdown: run ``attempt`` until ``done()``, or until ``deadline``
+    (``time.monotonic()``) has passed; each attempt is bounded by what is left.
+
+    A Redis outage that ends within the shutdown grace loses nothing: the attempt
+    probes Redis again every :data:`CLOSE_RETRY` seconds. The first attempt always
+    runs (within ``first_budget`` if the deadline has passed already), so a stop with
+    Redis up flushes whatever the grace left.
+    """
+    loop = asyncio.get_running_loop()
+    if deadline is None:
+        deadline = loop.time() + CLOSE_WITHOUT_DEADLINE
+    else:
+        deadline += loop.time() - time.monotonic()  # loop.time() is monotonic, maybe another origin
+    first = True
+    while not done():
+        left = deadline - loop.time()
+        if not first and left <= 0:
+            return
+        try:
+            async with asyncio.timeout(max(left, first_budget) if first else left):
+                await attempt()
+        except TimeoutError:
+            pass
+        first = False
+        if not done():
+            await asyncio.sleep(max(0.0, min(CLOSE_RETRY, deadline - loop.time())))
 
 
 async def stop_task(task: asyncio.Task[Any]) -> None:
