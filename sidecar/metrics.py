@@ -282,6 +282,10 @@ class LimiterSnapshot:
     pending_hits: int | None = None
     flush_seconds: Buckets | None = None
     flush_keys: Buckets | None = None
+    corrupt_keys: int | None = None
+    """Calls that met a Redis key holding something that is not a counter."""
+    refused_hits: int | None = None
+    """Admitted hits a flush could not add, their key holding no counter."""
 
 
 def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
@@ -305,6 +309,19 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
             "ratelimit_sidecar_pending_hits",
             "Admitted hits Redis has not acknowledged yet",
             value=snapshot.pending_hits,
+        )
+    if snapshot.corrupt_keys is not None:
+        yield CounterMetricFamily(
+            "ratelimit_sidecar_redis_corrupt_keys",
+            "Requests and flushes that met a Redis key holding something that is not a counter "
+            "(the failure mode decided the requests)",
+            value=snapshot.corrupt_keys,
+        )
+    if snapshot.refused_hits is not None:
+        yield CounterMetricFamily(
+            "ratelimit_sidecar_redis_refused_hits",
+            "Admitted hits a flush could not add to Redis: their key holds something that is not a counter",
+            value=snapshot.refused_hits,
         )
     if snapshot.flush_seconds is not None:
         yield snapshot.flush_seconds.family("ratelimit_sidecar_flush_seconds", "Sync flush round trip time")

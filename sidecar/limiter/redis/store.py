@@ -20,9 +20,10 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from sidecar.limiter.protocol import Check, decide
+from sidecar.limiter.protocol import Check, Role, decide
 from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnavailable, StateListener
 from sidecar.limiter.redis.connect import MIN_BACKGROUND_TIMEOUT, background_timeout, connect, secrets_of
+from sidecar.limiter.redis.corrupt import CorruptKeys, key_of_reply, problem_with
 from sidecar.limiter.redis.keys import per_hit, replicas_key
 from sidecar.limiter.redis.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
 from sidecar.limiter.windows import Clock
@@ -33,19 +34,45 @@ Pending = Mapping[str, tuple[int, int]]
 
 class Counts(list[int]):
     """One request's would-be counts from ``decide.lua`` (a list, index-aligned with its
-    checks), and when each check's ban ends where the request has bans (Unix seconds,
-    0 for none; empty when no check has a ban duration)."""
+    checks), when each check's ban ends where the request has bans (Unix seconds, 0 for
+    none; empty when no check has a ban duration), and the script's own verdict."""
 
     ban_ends: tuple[float, ...] = ()
+    admitted: bool | None = None
+    """Whether the script admitted the request (and so wrote its hits); None when no one
+    script decided it (Cluster, counters in several slots)."""
 
 
 def counts_of(reply: Sequence[Any], checks: int, pending: int = 0) -> Counts:
     """The :class:`Counts` in a ``decide.lua`` reply (see its header for the layout)."""
     counts = Counts(int(value) for value in reply[1 : 1 + checks])
+    counts.admitted = int(reply[0]) == 1
     ends = reply[1 + checks + pending :]
     if ends:
         counts.ban_ends = tuple(float(value) for value in ends)
     return counts
+
+
+def verdict(
+    checks: Sequence[Check], counts: Sequence[int], limits: Sequence[int], admit_all: bool
+) -> tuple[bool, tuple[bool, ...], tuple[bool, ...]]:
+    """:func:`~sidecar.limiter.protocol.decide` over a script's counts, with the script's
+    own verdict on the request where it gave one (:attr:`Counts.admitted`): the script
+    wrote what it decided, so that is what happened, whatever the counts say."""
+    admitted, over, consume = decide(checks, counts, limits, admit_all)
+    script = getattr(counts, "admitted", None)
+    if script is None or script == admitted:
+        return admitted, over, consume
+    spent = tuple(
+        script and (admit_all or not is_over or check.role is Role.SHADOW)
+        for check, is_over in zip(checks, over, strict=True)
+    )
+    return script, over, spent
+
+
+class CorruptKey(RedisUnavailable):
+    """A key this call needed holds something that is not a counter; the failure mode
+    decides the request, Redis stays available (see :mod:`sidecar.limiter.redis.corrupt`)."""
 
 
 """Hits to add unconditionally: ``{window_key: (hits, expire_at)}``."""
@@ -83,8 +110,8 @@ class RedisStore:
         self.round_trips_request_path = 0
         self.round_trips_background = 0
         self.give_back_failures = 0
-        self.refused_hits = 0
-        """Hits :meth:`flush` could not add because their key does not hold a counter."""
+        self.corrupt = CorruptKeys()
+        """Keys found holding something that is not a counter: logged, counted, avoided."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -100,6 +127,21 @@ class RedisStore:
             background_timeout=background_timeout(request_timeout),
             secrets=secrets_of(url),
         )
+
+    @property
+    def refused_hits(self) -> int:
+        """Hits :meth:`flush` could not add because their key does not hold a counter."""
+        return self.corrupt.refused_hits
+
+    def _failed(self, error: BaseException, request_path: bool) -> RedisUnavailable:
+        """The exception a failed call raises: :class:`CorruptKey` (noted) when a script
+        found a key holding no counter, else what :class:`Availability` makes of it."""
+        if type(error) is ResponseError:
+            corrupt = key_of_reply(str(error))
+            if corrupt is not None:
+                self.corrupt.found(*corrupt)
+                return CorruptKey(f"redis refused the call: key {corrupt[0]} {corrupt[1]}")
+        return self.availability.failed(error, request_path)
 
     # -- life cycle -----------------------------------------------------------------
 
@@ -191,7 +233,7 @@ class RedisStore:
                         keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path
                     )
         except FAILURES as error:
-            raise self.availability.failed(error, request_path) from error
+            raise self._failed(error, request_path) from error
         self.availability.answered()
         return result
 
@@ -244,9 +286,7 @@ class RedisStore:
             for index, reply in zip(missing, retried, strict=True):
                 replies[index] = reply
         return [
-            self.availability.failed(reply, request_path=True)
-            if isinstance(reply, Exception)
-            else counts_of(reply, len(checks))
+            self._failed(reply, request_path=True) if isinstance(reply, Exception) else counts_of(reply, len(checks))
             for reply, (_, checks, _) in zip(replies, requests, strict=True)
         ]
 
@@ -261,7 +301,7 @@ class RedisStore:
                 decide_one = self._decide_script if same_slot(keys) else self._decide_per_check
                 decided = await decide_one(keys, checks, expire_ats, admit_all, {}, now_us=now_us, request_path=True)
         except FAILURES as error:
-            raise self.availability.failed(error, request_path=False) from error
+            raise self._failed(error, request_path=False) from error
         self.availability.answered()
         return decided[1]
 
@@ -297,10 +337,11 @@ class RedisStore:
         are 0). Not atomic as a whole, only per key, which is all a reconciliation
         needs. Works in Cluster, where redis-py splits the pipeline by node.
 
-        A key Redis refuses to add to (it holds something that is not a counter) is
-        left out of the result and its hits are counted in :attr:`refused_hits`: the
-        other adds of the pipeline did land, so failing the whole call would make the
-        caller send them twice.
+        A key that holds something that is not a counter (another type, not an integer,
+        beyond +-2^53) is left out of the result, adds nothing, and is reported to
+        :attr:`corrupt` with the hits it refused: the other adds of the pipeline did
+        land, so failing the whole call would make the caller send them twice. A key
+        found corrupt before that reads as a counter again is reported repaired.
 
         ``once=(owner, sequence)`` makes the adds idempotent: a retry with the same
         owner, sequence and hits adds nothing if the first attempt landed, so a flush
@@ -342,12 +383,15 @@ class RedisStore:
         stride = 2 if once is None else 1
         add_replies, read_replies = replies[: stride * len(adds) : stride], replies[stride * len(adds) :]
         for key, reply in zip([*adds, *read_keys], [*add_replies, *read_replies], strict=True):
-            if type(reply) is ResponseError:
-                self.refused_hits += adds[key][0] if key in adds else 0
-            elif isinstance(reply, BaseException):
+            if isinstance(reply, BaseException) and type(reply) is not ResponseError:
                 raise self.availability.failed(reply, request_path=False) from reply
-            else:
-                totals[key] = int(reply or 0)
+            problem = "holds no counter" if isinstance(reply, BaseException) else problem_with(reply)
+            if problem is not None:
+                self.corrupt.found(key, problem, adds[key][0] if key in adds else 0)
+                continue
+            totals[key] = int(reply or 0)
+            if self.corrupt.keys:
+                self.corrupt.repaired(key)
         return totals
 
     def _queue_flush(self, pipe: Any, adds: Pending, reads: Sequence[str], once: tuple[str, int] | None) -> bool:
@@ -369,14 +413,14 @@ class RedisStore:
     def _batch_replies(replies: list[Any], keys: int) -> list[Any]:
         """``flush_batch.lua``'s one reply as one reply per key, as the per-key calls give them.
 
-        -1 marks a key that holds something other than a number: a ResponseError, so
-        its hits are counted as refused (an add) or it is left out (a read).
+        A nil marks a key that holds no counter: a ResponseError, so its hits are
+        counted as refused (an add) or it is left out (a read).
         """
         (reply,) = replies
         if isinstance(reply, BaseException):
             return [reply] * keys
         refused = ResponseError("not a counter")
-        return [refused if value == -1 else value for value in reply]
+        return [refused if value is None else value for value in reply]
 
     @staticmethod
     def _queue_adds(pipe: Any, adds: Pending, once: tuple[str, int] | None) -> None:
@@ -404,6 +448,8 @@ class RedisStore:
             round_trips_request_path=self.round_trips_request_path,
             round_trips_background=self.round_trips_background,
             pending_hits=pending_hits,
+            corrupt_keys=self.corrupt.found_times,
+            refused_hits=self.corrupt.refused_hits,
             **rest,
         )
 

@@ -12,7 +12,13 @@
 --       then per pending add: hits, expire_at.
 -- Reply: {admitted (0|1), count of each check..., total of each pending key...}, then,
 --        if any check has a ban duration, when each check's ban ends (Unix seconds; 0
---        for none), so the caller can tell a banned client when to come back.
+--        for none), so the caller can tell a banned client when to come back. The first
+--        element is the script's own verdict, and what it wrote follows it: callers
+--        decide from it, not again from the counts.
+--        Or the error 'CORRUPT <key> <why>', before anything is written, when a key the
+--        script reads holds something that is not a counter: another type, a value that
+--        is not an integer, or one beyond +-2^53, which Lua's doubles no longer count
+--        exactly (2^63-1 read as a double came back as a count of -2^63).
 --
 -- A check's count is what its counter would hold with this request's hits: a fixed
 -- window's hits; a sliding window's hits plus the previous window's, weighted by the
@@ -54,6 +60,51 @@ local function clock()
     end
   end
   return now_us
+end
+
+-- Every key read is checked before anything is written (a script's writes are not undone
+-- by a later error): a counter, a window, a TAT or a ban end is an integer within 2^53.
+local MAX_EXACT = 9007199254740992
+local checked = {}
+local function corrupt(key)
+  if checked[key] then
+    return nil
+  end
+  checked[key] = true
+  local value = redis.pcall('GET', key)
+  if type(value) == 'table' then
+    return 'holds a ' .. redis.call('TYPE', key)['ok']
+  end
+  if value and not (string.find(value, '^%-?%d+$') and #value <= 17) then
+    return 'holds a value that is not an integer'
+  end
+  if value and math.abs(tonumber(value)) > MAX_EXACT then
+    return 'holds an integer beyond +-2^53'
+  end
+  return nil
+end
+
+for i = 1, n do
+  local at = HEADER + STRIDE * (i - 1)
+  local reads = {KEYS[3 * i - 2]}
+  if ARGV[at + 5] == '1' then
+    reads[#reads + 1] = KEYS[3 * i - 1]
+  end
+  if ARGV[at + 9] ~= '0' then
+    reads[#reads + 1] = KEYS[3 * i]
+  end
+  for _, key in ipairs(reads) do
+    local why = corrupt(key)
+    if why then
+      return redis.error_reply('CORRUPT ' .. key .. ' ' .. why)
+    end
+  end
+end
+for j = 1, m do
+  local why = corrupt(KEYS[3 * n + j])
+  if why then
+    return redis.error_reply('CORRUPT ' .. KEYS[3 * n + j] .. ' ' .. why)
+  end
 end
 
 local function digits(number)

@@ -7,7 +7,9 @@
 -- ARGV[1]: this flush's sequence number (grows with every flush of the replica);
 -- ARGV[2]: n; then hits and expire_at for each counter added to.
 -- Reply: per key after the marker, in order, its value after the call (0 when absent),
--- or -1 when the key holds something that is not a number (nothing is added to it).
+-- or false (nil to the caller) when the key holds something that is not a counter:
+-- another type, a value that is not an integer, or one beyond +-2^53, which Lua's
+-- doubles do not count exactly (nothing is added to it).
 --
 -- A flush whose reply is lost (timeout, broken connection) may or may not have run;
 -- the replica retries the same batch with the same sequence number, and the marker
@@ -22,23 +24,31 @@ local apply = applied < tonumber(ARGV[1])
 local reply = {}
 local marker_expiry = 0
 
+local MAX_EXACT = 9007199254740992
+
 local function read(key)
   local value = redis.pcall('GET', key)
   if type(value) == 'table' then
-    return -1
+    return false
   end
   if not value then
     return 0
   end
-  return tonumber(value) or -1
+  if not (string.find(value, '^%-?%d+$') and #value <= 17) or math.abs(tonumber(value)) > MAX_EXACT then
+    return false
+  end
+  return tonumber(value)
 end
 
 for i = 1, count do
   local key, hits, expire_at = KEYS[i + 1], ARGV[1 + 2 * i], ARGV[2 + 2 * i]
   if apply then
-    local total = redis.pcall('INCRBY', key, hits)
-    if type(total) == 'table' then
-      reply[i] = -1
+    local total = false
+    if read(key) then
+      total = redis.call('INCRBY', key, hits)
+    end
+    if not total then
+      reply[i] = false
     else
       if total == tonumber(hits) then
         redis.call('EXPIREAT', key, expire_at)

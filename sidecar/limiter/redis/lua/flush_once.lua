@@ -3,12 +3,22 @@
 -- KEYS[1]: the window counter; KEYS[2]: this replica's flush marker for that counter
 --          (same hash tag, so both live in one Cluster slot).
 -- ARGV: flush sequence number (grows with every flush of the replica), hits, expire_at.
--- Reply: the counter's total after the call.
+-- Reply: the counter's total after the call, or the error 'CORRUPT <key> <why>' when the
+-- counter holds something that is not one (another type, not an integer, beyond +-2^53).
 --
 -- A flush whose reply is lost (timeout, broken connection) may or may not have run;
 -- the replica retries it with the same sequence number and the same hits, and the
 -- marker makes the retry a no-op if the first attempt landed. Hits are passed to
 -- INCRBY as the caller's strings because Lua formats large numbers with an exponent.
+
+local counter = redis.pcall('GET', KEYS[1])
+if type(counter) == 'table' then
+  return redis.error_reply('CORRUPT ' .. KEYS[1] .. ' holds a ' .. redis.call('TYPE', KEYS[1])['ok'])
+end
+if counter and not (string.find(counter, '^%-?%d+$') and #counter <= 17
+    and math.abs(tonumber(counter)) <= 9007199254740992) then
+  return redis.error_reply('CORRUPT ' .. KEYS[1] .. ' holds a value that is not an integer within +-2^53')
+end
 
 local applied = tonumber(redis.call('GET', KEYS[2]) or '0')
 if applied < tonumber(ARGV[1]) then
