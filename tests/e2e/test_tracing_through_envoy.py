@@ -26,10 +26,9 @@ pytest.importorskip("opentelemetry.sdk", reason="the [tracing] extra is not inst
 
 from sidecar.tracing import SPAN_NAME
 from stack.envoy import envoy_binary
-from stack.processes import free_port
 from tests.support.envoys import send, wait_for
 from tests.support.otlp import OtlpReceiver
-from tests.support.sidecars import SidecarFactory, clean_env, write_config
+from tests.support.sidecars import SidecarFactory, clean_env, free_port, write_config
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -166,3 +167,31 @@ def test_sync_mode_decides_locally_and_traces_its_flushes(
         assert (span.attributes["ratelimit.mode"], span.attributes["ratelimit.redis_on_path"]) == ("sync", False)
         flushes = receiver.wait_for(lambda s: s.name == "ratelimit.flush" and s.attributes["ratelimit.flush.keys"] > 0)
         assert all(not flush.parent_span_id for flush in flushes), "a flush is a trace of its own"
+
+
+@pytest.mark.slow
+def test_sync_mode_escalation_near_the_limit_is_on_the_path(
+    start_sidecar: SidecarFactory, config_dir: Path, redis_server: RedisServer
+) -> None:
+    """Two replicas, five_per_minute, a 5 % overshoot bound that allows none: near the limit
+    neither replica can decide alone, so the call waits for Redis (an escalation)."""
+    with OtlpReceiver() as receiver:
+        flags = ["--backend", "redis", "--redis-url", redis_server.url, "--redis-prefix", fresh_prefix("otl")]
+        pair = [start_sidecar(*flags, "--mode", "sync", config=config_dir, env=otel_env(receiver)) for _ in range(2)]
+        time.sleep(2.5)  # the heartbeats: each replica sees the other
+        value = uuid.uuid4().hex
+        traces = []
+        for index in range(6):
+            header, trace_id, _ = traceparent()
+            traces.append(trace_id)
+            pair[index % 2].rls.ShouldRateLimit(
+                request("it", [("per_minute", value)]), metadata=(("traceparent", header),), timeout=5
+            )
+        spans = [request_spans(receiver, trace_id)[0] for trace_id in traces]
+        escalated = [span for span in spans if span.attributes["ratelimit.redis_on_path"]]
+        assert escalated, [span.attributes for span in spans]
+        for span in escalated:
+            (child,) = receiver.wait_for(
+                lambda s, span=span: s.name == "ratelimit.escalate" and s.trace_id == span.trace_id
+            )
+            assert child.parent_span_id == span.span_id
