@@ -47,12 +47,13 @@ import structlog
 from sidecar.limiter.algorithms import Algorithm, now_us
 from sidecar.limiter.failure import FailurePolicy
 from sidecar.limiter.ledger import Admitted
-from sidecar.limiter.protocol import Check, Decision, decide
+from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
 from sidecar.limiter.redis.batcher import DecisionBatcher
 from sidecar.limiter.redis.keys import check_window, per_hit, previous_window
 from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import Counts, RedisStore
+from sidecar.limiter.redis.store import verdict as script_verdict
 from sidecar.metrics import LimiterSnapshot
 
 log = structlog.get_logger(__name__)
@@ -197,7 +198,7 @@ class StrictLimiter:
     def _redis_decision(self, call: RedisCall, counts: list[int], now: float) -> Decision:
         checks = call.checks
         limits = tuple(check.limit for check in checks)
-        admitted, over, consume = decide(checks, counts, limits, self.admit_all)
+        admitted, over, consume = script_verdict(checks, counts, limits, self.admit_all)
         self.redis_decisions += 1
         self.policy.note_admitted(checks, consume, now)
         ban_ends = counts.ban_ends if isinstance(counts, Counts) else ()
@@ -219,7 +220,7 @@ class StrictLimiter:
         this request already (by :meth:`_give_up`): negative when the script consumed
         hits the failure policy refused, which gives them back.
         """
-        _, _, consume = decide(call.checks, counts, [check.limit for check in call.checks], self.admit_all)
+        _, _, consume = script_verdict(call.checks, counts, [check.limit for check in call.checks], self.admit_all)
         self._unhold(call)
         self._owe_for(call, [check.hits if spent else 0 for check, spent in zip(call.checks, consume, strict=True)])
 
@@ -287,8 +288,8 @@ class StrictLimiter:
         self._unacknowledged = None
         self.ledger.settle(flush.adds)
         refused = [key for key in flush.adds if key not in totals]
-        if refused:
-            log.error("owed_hits_refused", keys=len(refused), hits=sum(flush.adds[key][0] for key in refused))
+        if refused:  # keys holding no counter: the store logs each (rate-limited) and counts the hits
+            log.debug("owed_hits_refused", keys=len(refused), hits=sum(flush.adds[key][0] for key in refused))
         return True
 
     def snapshot(self) -> LimiterSnapshot:

@@ -60,6 +60,7 @@ from sidecar.limiter.redis.batcher import DecisionBatcher
 from sidecar.limiter.redis.keys import ban_key, counter_digest, expire_at, window_key
 from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import Counts, RedisStore
+from sidecar.limiter.redis.store import verdict as script_verdict
 from sidecar.limiter.sync_counters import FlushBatch, WindowCounter, lowered_check
 from sidecar.limiter.windows import Clock, system_clock, window_start
 from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
@@ -221,7 +222,9 @@ class SyncLimiter:
         return decision
 
     async def _decide(self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float) -> Decision:
-        if not self.store.available:
+        # A counter whose key holds no counter in Redis (its flushes are refused) is the
+        # failure mode's to decide, as it would be with Redis away.
+        if not self.store.available or self.store.corrupt.any_of(counter.key for counter in counters):
             return self._decide_without_redis(checks, counters, now)
         decision = self._decide_locally(checks, counters, now)
         if decision is not None:
@@ -331,7 +334,7 @@ class SyncLimiter:
         counts: Sequence[int],
     ) -> tuple[bool, tuple[bool, ...], tuple[bool, ...]]:
         """Update ``known`` from a script's answer; returns the script's ``decide`` verdict."""
-        verdict = decide(adjusted, counts, [check.limit for check in adjusted], self.admit_all)
+        verdict = script_verdict(adjusted, counts, [check.limit for check in adjusted], self.admit_all)
         for check, counter, count, spent in zip(adjusted, counters, counts, verdict[2], strict=True):
             if check.algorithm is Algorithm.SLIDING_WINDOW:
                 continue  # an estimate, not the window's count: the next flush reads the count

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from sidecar.limiter.protocol import Check, Role, decide
 from sidecar.limiter.redis.availability import RedisUnavailable
+from sidecar.limiter.redis.corrupt import CorruptKeys
 from sidecar.limiter.sync import SyncLimiter
 
 NOW = 1_000_000.25
@@ -37,6 +38,8 @@ class SimulatedStore:
         self.available = True
         self.round_trips_request_path = 0
         self.round_trips_background = 0
+        self.corrupt = CorruptKeys()
+        """Keys holding no counter: never any here (the real store's registry, empty)."""
 
     async def decide(
         self,

@@ -112,7 +112,7 @@ async def send(limiters: list[Any], check: Check, now: float) -> int:
 
 
 @pytest.mark.parametrize("corruption", CORRUPTIONS)
-@pytest.mark.parametrize("mode", ["strict"])
+@pytest.mark.parametrize("mode", ["sync", "strict"])
 async def test_a_corrupt_counter_is_decided_by_the_failure_mode_and_reported_once(
     redis_server: RedisServer, replicas: Replicas, mode: str, corruption: str
 ) -> None:
@@ -157,3 +157,20 @@ async def test_other_counters_still_go_to_redis(redis_server: RedisServer, repli
     good_key = counter_window(limiter.prefix, good.key, UNIT, now)[0]
     assert redis_server.client().get(good_key) == "3"
     assert limiter.redis_decisions == 3
+
+
+async def test_sync_recovers_once_the_key_is_repaired(redis_server: RedisServer, replicas: Replicas) -> None:
+    (limiter,) = await replicas.start(redis_server.url, "sync")
+    check = Check(("repaired",), UNIT, LIMIT, 1)
+    now = await steady_now()
+    key = corrupt(redis_server, limiter, check, now, "hash")
+    for _ in range(3):
+        assert (await limiter.check([check], now)).admitted
+        await limiter.sync_once()
+    redis_server.client().delete(key)
+    assert (await limiter.check([check], now)).admitted  # failure mode: pending, then flushed
+    await limiter.sync_once()
+    assert int(redis_server.client().get(key) or 0) >= 1, "the repaired key takes the pending hits"
+    before = limiter.local_decisions
+    assert (await limiter.check([check], now)).admitted
+    assert limiter.local_decisions == before + 1, "decided locally again"
