@@ -26,6 +26,7 @@ from structlog.testing import capture_logs
 
 from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.redis.keys import counter_window
+from sidecar.limiter.redis.store import Counts, verdict
 from sidecar.limiter.sync import SyncLimiter
 from sidecar.limiter.windows import window_start
 from sidecar.metrics import limiter_families
@@ -174,3 +175,16 @@ async def test_sync_recovers_once_the_key_is_repaired(redis_server: RedisServer,
     before = limiter.local_decisions
     assert (await limiter.check([check], now)).admitted
     assert limiter.local_decisions == before + 1, "decided locally again"
+
+
+def test_the_scripts_verdict_wins_over_its_counts() -> None:
+    """What the script wrote follows its own verdict; counts are only what it reports."""
+    check = Check(("k",), UNIT, LIMIT, 1)
+    refused = Counts([-(2**63)])  # what 2^63-1 came back as before the scripts checked keys
+    refused.admitted = False
+    assert verdict([check], refused, [LIMIT], False) == (False, (False,), (False,))
+    admitted = Counts([LIMIT + 1])
+    admitted.admitted = True
+    assert verdict([check], admitted, [LIMIT], False) == (True, (True,), (False,))
+    plain = Counts([3])  # no script verdict (Cluster, several slots): the shared rule
+    assert verdict([check], plain, [LIMIT], False) == (True, (False,), (True,))
