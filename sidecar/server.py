@@ -19,8 +19,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from sidecar.admin import AdminEndpoint, config_json
-from sidecar.config import ConfigError, RateLimitConfig, load_config
-from sidecar.config.reload import ConfigReloader, rule_count
+from sidecar.config import ConfigError, RateLimitConfig
+from sidecar.config.reload import ConfigReloader, load_quietly, rule_count, settle_after_load
 from sidecar.config.watch import ConfigWatcher
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
@@ -448,11 +448,12 @@ def serve(settings: Settings) -> None:
     if settings.json_address:
         ensure_bindable(settings.json_address)
     try:
-        config = load_config(settings.config, enforcing_mode(settings))
+        config = load_quietly(settings.config, enforcing_mode(settings))
     except ConfigError as error:
         mode = enforcing_mode(settings)
         flag = f"--mode {mode} " if mode else ""
         hint = f"run 'ratelimit-sidecar check-config {flag}{settings.config}' to list every issue"
         raise StartupError(f"{error}; {hint}") from None
     log.info("config_loaded", files=len(config.files), domains=sorted(config.domains), rules=rule_count(config))
+    settle_after_load()  # full collections skip the config and everything loaded so far
     uvloop.run(run(settings, config))
