@@ -388,7 +388,7 @@ def notes(rows: Sequence[dict[str, Any]], replicas: int) -> str:
                 f"(difference {check['difference']:+d}, values mismatched {check.get('values_mismatched')}, "
                 f"calls with unknown outcome {check['calls_with_unknown_outcome']}){cause}"
             )
-    loads = [row.get("loadavg_1m_after") for row in rows if row.get("loadavg_1m_after") is not None]
+    loads = [load for row in rows if (load := row.get("loadavg_1m_after")) is not None]
     if loads:
         lines.append(
             f"- load average (1 min) after each run: min {min(loads)}, max {max(loads)} on {os.cpu_count()} cores"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -155,19 +154,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
-    """Runs in the child before exec: pin it, and have it get SIGTERM if we die (``PR_SET_PDEATHSIG``)."""
-
-    def setup() -> None:
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-        with contextlib.suppress(Exception):
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-    return setup
-
-
 def start_child(
     argv: Sequence[str], log: IO[bytes], *, env: dict[str, str], cpus: tuple[int, ...] | None
 ) -> subprocess.Popen[bytes]:
@@ -176,16 +162,9 @@ def start_child(
     It runs in its own session, so Ctrl-C reaches the tool only and the tool stops
     its children itself.
     """
-    return subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-        env=env,
-        start_new_session=True,
-        preexec_fn=_child_setup(cpus),  # noqa: PLW1509 - the tools start no threads before this
-    )
+    from stack.processes import spawn
+
+    return spawn(argv, stdout=log, env=env, cpus=cpus)
 
 
 def health_serving(address: str, timeout: float = 0.5) -> bool:

@@ -70,9 +70,11 @@ from loadtest.common import (
     run_cli,
 )
 from loadtest.http_load import Connection, HttpError, Pool
-from stack.components import RedisProcess, SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, envoy_binary
 from stack.processes import ProcessGroup
+from stack.redis import RedisProcess
+from stack.sidecar import SidecarProcess
+from stack.upstream import UpstreamProcess
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from redis.asyncio import Redis
 
 from loadtest.common import free_port, positive_int
 from sidecar.limiter.redis.store import RedisStore
+from stack import redis as stack_redis
+from stack.processes import spawn
 
 WAYS = ("batch", "per-counter")
 
@@ -70,13 +71,11 @@ def main() -> int:
     parser.add_argument("--flushes", type=positive_int, default=50, help="flushes per round (default 50)")
     parser.add_argument("--rounds", type=positive_int, default=5, help="alternating rounds (default 5)")
     arguments = parser.parse_args()
-    server = shutil.which("redis-server")
-    if server is None:
+    if not stack_redis.available():
         print("flush_bench: redis-server not found (scripts/test installs it when run as root)", file=sys.stderr)
         return 1
     port = free_port()
-    command = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    redis = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    redis = spawn(stack_redis.server_argv(port), stdout=subprocess.DEVNULL)
     try:
         time.sleep(0.3)
         results = asyncio.run(measure(port, arguments))

@@ -97,7 +97,7 @@ def _rule(descriptors: list[dict[str, Any]], path: list[tuple[str, str | None]],
 def load_limits(source: Path) -> dict[str, Limit]:
     """The four limits the scenarios exceed, from ``source`` (an envoyproxy/ratelimit YAML file)."""
     descriptors = yaml.safe_load(source.read_text())["descriptors"]
-    shapes = {
+    shapes: dict[str, tuple[list[tuple[str, str | None]], str, tuple[str, ...]]] = {
         "address": ([("remote_address", None)], "per client address", ("per_address",)),
         "api_key": ([("generic_key", "api"), ("api_key", None)], "per API key", ("api_key",)),
         "route": ([("generic_key", "api")], "for /api", ("api_key", "route_cap")),

@@ -22,8 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from stack.components import tcp_answers
-from stack.processes import REPO, Child, free_port
+from stack.processes import REPO, Child, free_port, tcp_answers
 
 HAPROXY_CONFIGS = REPO / "haproxy"
 SHIPPED_CONFIG = HAPROXY_CONFIGS / "haproxy.cfg"

@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 30.0
@@ -65,6 +65,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def _pinned(cpus: tuple[int, ...], then: Callable[[], None] | None) -> Callable[[], None]:
+    """Runs in the child before exec: pin it to ``cpus``, then ``then``."""
+
+    def setup() -> None:
+        os.sched_setaffinity(0, cpus)
+        if then is not None:
+            then()
+
+    return setup
+
+
 def with_parent_death_signal(argv: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
     """``argv`` that gets SIGTERM when this process dies, and the preexec function it needs.
 
@@ -76,6 +87,47 @@ def with_parent_death_signal(argv: Sequence[str]) -> tuple[list[str], Callable[[
     if SETPRIV is not None:
         return [SETPRIV, "--pdeathsig", "TERM", "--", *argv], None
     return list(argv), _die_with_parent
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    stdout: IO[bytes] | int | None,
+    stderr: IO[bytes] | int | None = subprocess.STDOUT,
+    stdin: IO[bytes] | int | None = subprocess.DEVNULL,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | str = REPO,
+    own_session: bool = True,
+    die_with_parent: bool = True,
+    cpus: tuple[int, ...] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start one child: the one place the stack, the tools and the test harnesses call ``Popen``
+    for a long-running server (redis-server, a sidecar, a proxy, the sample app).
+
+    By default it runs in the checkout, in its own session (Ctrl-C reaches the parent only,
+    which then stops its children in order), and gets SIGTERM if the parent dies; with
+    ``cpus`` it is pinned to them before exec.
+    """
+    command, preexec = with_parent_death_signal(argv) if die_with_parent else (list(argv), None)
+    if cpus is not None:
+        preexec = _pinned(cpus, preexec)
+    return subprocess.Popen(
+        command,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        cwd=cwd,
+        env=None if env is None else dict(env),
+        start_new_session=own_session,
+        preexec_fn=preexec,  # noqa: PLW1509 - only without setpriv (see with_parent_death_signal)
+    )
+
+
+def tcp_answers(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something accepts TCP connections on ``host:port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((host, port)) == 0
 
 
 class Child:
@@ -90,18 +142,8 @@ class Child:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv, preexec = with_parent_death_signal(self.argv)
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=self.env,
-                start_new_session=True,
-                preexec_fn=preexec,  # noqa: PLW1509 - only without setpriv (see with_parent_death_signal)
-            )
+            self.process = spawn(self.argv, stdout=log, env=self.env)
 
     @property
     def pid(self) -> int:

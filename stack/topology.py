@@ -9,16 +9,18 @@ sidecar ``i`` and its traffic to app ``i``. With Redis the sidecars share every 
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from stack.components import REDIS_SERVER, RedisProcess, SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.haproxy import HAProxyPorts, HAProxyProcess, haproxy_binary
 from stack.processes import REPO, ProcessGroup, StartError, free_port, port_free
+from stack.redis import RedisProcess
+from stack.redis import available as redis_available
+from stack.sidecar import SidecarProcess
+from stack.upstream import UpstreamProcess
 
 EXAMPLE_CONFIG = REPO / "examples" / "config"
 
@@ -76,7 +78,7 @@ class Stack:
 
 def _start_redis(group: ProcessGroup, directory: Path) -> tuple[RedisProcess | None, str]:
     """redis-server, or None and the reason when it is missing or will not start."""
-    if not Path(REDIS_SERVER).exists() and shutil.which("redis-server") is None:
+    if not redis_available():
         return None, "redis-server is not installed"
     try:
         redis = group.start_ready(partial(RedisProcess, directory))

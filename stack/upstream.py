@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import uvloop
+
+from stack.processes import Child, free_port, tcp_answers
 
 MAX_HEAD = 64 * 1024
 """Request heads larger than this get 431 and the connection is closed."""
@@ -107,6 +111,18 @@ def main() -> None:
     parser.add_argument("--name", default="app", help="shown in every response body")
     arguments = parser.parse_args()
     uvloop.run(serve(arguments.host, arguments.port, arguments.name))
+
+
+class UpstreamProcess(Child):
+    """This app as a child (``python -m stack.upstream``), answering 200 with its name in the body."""
+
+    def __init__(self, name: str, directory: Path, port: int = 0) -> None:
+        self.port = port or free_port()
+        argv = [sys.executable, "-m", "stack.upstream", "--port", str(self.port), "--name", name]
+        super().__init__(name, argv, directory / f"{name}.log")
+
+    def ready(self) -> bool:
+        return tcp_answers(self.port)
 
 
 if __name__ == "__main__":

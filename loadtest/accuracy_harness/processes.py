@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from loadtest.common import free_port, health_serving, start_child
+from stack import redis
+from stack import sidecar as stack_sidecar
 from stack.processes import Child as StackChild
 
 REPO = Path(__file__).resolve().parents[2]
-REDIS_SERVER = "/usr/bin/redis-server"
+REDIS_SERVER = redis.REDIS_SERVER
 STARTUP_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
 UNAVAILABLE_MARKERS = ("notimplemented", "not implemented", "not available", "unavailable", "unsupported")
@@ -48,7 +48,7 @@ SERVER_CPUS: tuple[int, ...] | None = None
 
 def clean_env() -> dict[str, str]:
     """The harness environment without ``RLS_*`` variables: only flags configure sidecars."""
-    return {name: value for name, value in os.environ.items() if not name.startswith("RLS_")}
+    return stack_sidecar.clean_env()
 
 
 class Child(StackChild):
@@ -83,40 +83,24 @@ class RedisServer(Child):
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
         directory.mkdir(parents=True, exist_ok=True)
-        argv = [
-            REDIS_SERVER,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--protected-mode",
-            "yes",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(directory),
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
-        ]
+        argv = redis.server_argv(
+            self.port, directory, extra=["--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"]
+        )
         super().__init__("redis", argv, directory / "redis.log")
 
     def client(self) -> Any:
-        import redis
+        import redis as redis_client
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10, decode_responses=True)
+        return redis_client.Redis(host="127.0.0.1", port=self.port, socket_timeout=10, decode_responses=True)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
-        import redis
+        import redis as redis_client
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise ChildStartError("redis-server exited at start", self.log_tail())
-            with contextlib.suppress(redis.RedisError), self.client() as client:
+            with contextlib.suppress(redis_client.RedisError), self.client() as client:
                 if client.ping():
                     return
             time.sleep(0.05)
@@ -130,19 +114,9 @@ class Sidecar(Child):
         self.index = index
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        argv = [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "serve",
-            *serve_args,
-            "--grpc-address",
-            self.address,
-            "--log-format",
-            "json",
-            "--metrics-address",
-            "",
-        ]
+        argv = stack_sidecar.serve_argv(
+            [*serve_args, "--log-format", "json"], grpc_address=self.address, metrics_address=""
+        )
         super().__init__(f"sidecar-{index}", argv, directory / f"sidecar-{index}.log")
 
     def serving(self) -> bool:

@@ -105,7 +105,7 @@ class Workers:
             if left <= 0:
                 raise RuntimeError(f"load generator sent no {kind!r} in time")
             for conn in multiprocessing.connection.wait(list(pending), timeout=min(left, 0.5)):
-                answer = worker_answer(conn.recv(), kind)  # type: ignore[union-attr]
+                answer = worker_answer(conn.recv(), kind)  # type: ignore[union-attr,call-arg]
                 answers[pending.pop(conn)] = answer  # type: ignore[call-overload]
             if while_waiting is not None:
                 while_waiting()

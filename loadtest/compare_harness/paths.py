@@ -28,10 +28,12 @@ from typing import Any
 
 from loadtest.common import cpu_seconds
 from loadtest.compare_harness import haproxy_config
-from stack.components import RedisProcess, SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.haproxy import HAProxyPorts, HAProxyProcess
 from stack.processes import REPO, Child, ProcessGroup
+from stack.redis import RedisProcess
+from stack.sidecar import SidecarProcess
+from stack.upstream import UpstreamProcess
 
 EXAMPLE_CONFIG = REPO / "examples" / "config"
 ENVOY_TEMPLATE = ENVOY_CONFIGS / "front.yaml"

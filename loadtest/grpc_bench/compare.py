@@ -24,6 +24,7 @@ from loadtest.grpc_bench.report import (
     write_json,
 )
 from loadtest.grpc_bench.servers import ServerProcess, config_path
+from stack import sidecar
 
 LOADTEST = Path(__file__).resolve().parents[1]
 GOAL_RATIO = 0.85
@@ -73,7 +74,7 @@ def compare_servers(arguments: argparse.Namespace, server_cpus: tuple[int, ...] 
     servers.append(
         ServerProcess(
             "sidecar",
-            [sys.executable, "-m", "sidecar", "serve", "--config", config_path(arguments.config)],
+            sidecar.serve_argv(["--config", config_path(arguments.config)]),
             server_cpus,
             env={
                 "RLS_LOG_LEVEL": "warning",

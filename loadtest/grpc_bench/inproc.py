@@ -52,7 +52,7 @@ def unmetered_service(config: Any, response_headers: bool = False) -> Any:
             """No per-rule counts."""
 
     service = Unmetered(config, MemoryLimiter(), response_headers=response_headers)
-    service.stats.latency.observe = lambda _: None  # no latency histogram either
+    service.stats.latency.observe = lambda _: None  # type: ignore[method-assign,assignment]  # no latency histogram
     return service
 
 

@@ -52,6 +52,7 @@ bound plus that loss.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import secrets
 import shutil
@@ -214,12 +215,12 @@ def run_configuration(setup: Setup, mode: str, failure: str, seed: int) -> list[
         avoid_window_end(UNIT_SECONDS, timing.total(fault) + DRAIN_TIMEOUT + 30)
         phase = Phase(fault, Traffic(setup.names, f"{prefix}{number}", seed * 100 + number))
         events: list[Event] = [
-            (timing.pre, "fault", lambda fault=fault: setup.faults.begin(fault), None),
+            (timing.pre, "fault", functools.partial(setup.faults.begin, fault), None),
             (
                 timing.pre + timing.duration(fault),
                 "recovery",
-                lambda fault=fault: setup.faults.end(fault),
-                lambda fault=fault: setup.faults.settle(fault),
+                functools.partial(setup.faults.end, fault),
+                functools.partial(setup.faults.settle, fault),
             ),
         ]
         try:

@@ -30,6 +30,7 @@ from loadtest.reliability_harness.support import (
 )
 from sidecar.client import build_request
 from sidecar.settings import SERVE_OPTIONS
+from stack.redis import acl_flags
 from stack.tls import Certificates, make_certificates
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "config"
@@ -148,8 +149,7 @@ class AclRedis(RedisProcess):
     """redis-server whose only user is ``USER`` with ``PASSWORD``; PING needs no login (NOAUTH counts)."""
 
     def __init__(self, directory: Path) -> None:
-        super().__init__(directory)
-        self.argv += ["--user", USER, "on", f">{PASSWORD}", "~*", "&*", "+@all", "--user", "default", "off"]
+        super().__init__(directory, extra=acl_flags(USER, PASSWORD))
 
     def ready(self) -> bool:
         import socket

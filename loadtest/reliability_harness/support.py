@@ -27,8 +27,10 @@ import grpc
 from loadtest.accuracy_harness.redis_watch import parse_key
 from loadtest.common import METHOD, cpu_seconds, overall_code, percentile
 from loadtest.reliability_harness import Context, Row
-from stack.components import REDIS_SERVER, RedisProcess, SidecarProcess
-from stack.processes import Child, ProcessGroup, StartError, free_port, process_group
+from stack import redis as stack_redis
+from stack.processes import Child, ChildT, ProcessGroup, StartError, free_port, process_group, spawn
+from stack.redis import REDIS_SERVER, RedisProcess
+from stack.sidecar import SidecarProcess
 
 HERE = Path(__file__).resolve().parent
 LOADTEST = HERE.parent
@@ -45,6 +47,7 @@ __all__ = [
     "Row",
     "SidecarProcess",
     "StartError",
+    "cpu_seconds",
     "encode_request",
     "failed_row",
     "free_port",
@@ -115,7 +118,7 @@ def check_encoding() -> None:
 # ---------------------------------------------------------------------------------
 
 
-def pin(child: Child, cpus: tuple[int, ...] | None) -> Child:
+def pin(child: ChildT, cpus: tuple[int, ...] | None) -> ChildT:
     """Run ``child`` under ``taskset`` on ``cpus`` (no-op without cpus or taskset)."""
     taskset = shutil.which("taskset")
     if cpus and taskset:
@@ -174,20 +177,9 @@ class ProxyProcess(Child):
         self.started = False
 
     def start(self) -> None:
-        from stack.processes import _die_with_parent
-
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                cwd=REPO,
-                env=self.env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - as stack.processes.Child does
-            )
+            self.process = spawn(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self.env)
 
     def ready(self) -> bool:
         if not self.started:
@@ -213,7 +205,7 @@ class ProxyProcess(Child):
 
 
 def redis_available() -> bool:
-    return Path(REDIS_SERVER).exists() or shutil.which("redis-server") is not None
+    return stack_redis.available()
 
 
 def redis_command(port: int, *words: str | bytes | int, timeout: float = 5.0) -> Any:

@@ -36,7 +36,7 @@ class Proxy:
         self.upstream_port = upstream_port
         self.delay = 0.0
         self.server: asyncio.Server | None = None
-        self.transports: set[asyncio.BaseTransport] = set()
+        self.transports: set[asyncio.WriteTransport] = set()
 
     async def listen(self) -> None:
         if self.server is None:

@@ -17,9 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from stack.components import RedisProcess, SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.processes import process_group
+from stack.redis import RedisProcess
+from stack.sidecar import SidecarProcess
+from stack.upstream import UpstreamProcess
 from tests.support.envoys import Reply, Session, fresh_window
 
 pytestmark = [pytest.mark.envoy, pytest.mark.redis, pytest.mark.slow]

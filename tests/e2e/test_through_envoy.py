@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from sidecar.settings import Settings
-from stack.components import SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.processes import ProcessGroup, process_group
+from stack.sidecar import SidecarProcess
 from stack.topology import EXAMPLE_CONFIG, Stack, StackOptions, running_stack
+from stack.upstream import UpstreamProcess
 from tests.support.envoys import RecordingRateLimitService, Reply, Session, descriptors, fresh_window, send, wait_for
 
 pytestmark = [pytest.mark.envoy, pytest.mark.redis, pytest.mark.slow]

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
-from stack.components import UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, UpstreamTLS
 from stack.processes import process_group
 from stack.tls import OPENSSL, Certificates, make_certificates
+from stack.upstream import UpstreamProcess
 from tests.support.sidecars import OK, SidecarFactory, clean_env, free_port, log_events, request, run_cli
 
 pytestmark = [pytest.mark.envoy]

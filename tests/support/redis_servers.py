@@ -1,7 +1,9 @@
 """Real ``redis-server`` processes for the Redis tests: standalone, ACL, TLS and Cluster.
 
 Each server runs on a free loopback port with persistence off, in its own temporary
-directory, and is killed in teardown whatever the test did. Test modules import the
+directory, and is killed in teardown whatever the test did. The command lines and the
+processes come from the one launcher, ``stack/redis.py``; these classes add waiting,
+clients for assertions and the pytest fixtures. Test modules import the
 fixtures they use (``from redis_fixtures import redis_server``), so no conftest
 outside this file needs to know about Redis.
 """
@@ -25,10 +27,11 @@ import redis
 import redis.cluster
 
 from sidecar.settings import Settings
+from stack import redis as launcher
 from tests.support.sidecars import free_port
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+REDIS_SERVER = launcher.REDIS_SERVER
+REDIS_CLI = launcher.REDIS_CLI
 OPENSSL = shutil.which("openssl")
 READY_DEADLINE = 10.0
 CLUSTER_DEADLINE = 20.0
@@ -76,29 +79,14 @@ class RedisServer:
         return f"{scheme}://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        port_flags = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
-        return [
-            REDIS_SERVER,
-            *port_flags,
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.directory),
-            "--enable-debug-command",
-            "yes",
-            *self.extra,
-        ]
+        extra = ["--enable-debug-command", "yes", *self.extra]
+        return launcher.server_argv(self.port, self.directory, tls=self.tls, extra=extra)
 
     def start(self) -> RedisServer:
         """Start the process and wait until it answers PING."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        log = (self.directory / "redis.log").open("ab")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with (self.directory / "redis.log").open("ab") as log:
+            self.process = launcher.start(self.command(), log)
         deadline = time.monotonic() + READY_DEADLINE
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -163,7 +151,7 @@ class RedisCluster:
         self.nodes = [
             RedisServer(
                 directory / f"node-{index}",
-                ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"],
+                launcher.CLUSTER_FLAGS,
                 port=cluster_port(),
             )
             for index in range(masters)
@@ -178,13 +166,7 @@ class RedisCluster:
         for node in self.nodes:
             node.start()
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
-        created = subprocess.run(
-            [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True,
-            text=True,
-            timeout=CLUSTER_DEADLINE,
-            check=False,
-        )
+        created = launcher.create_cluster(addresses, CLUSTER_DEADLINE)
         if created.returncode != 0:
             pytest.fail(f"redis-cli --cluster create failed:\n{created.stdout}\n{created.stderr}")
         self.wait_ok()
@@ -238,9 +220,8 @@ class RedisSentinel:
     def _tls_flags(self) -> list[str]:
         if not self.tls:
             return []
-        files = [("--tls-cert-file", "cert.pem"), ("--tls-key-file", "key.pem"), ("--tls-ca-cert-file", "cert.pem")]
-        flags = [part for flag, name in files for part in (flag, str(self.directory / name))]
-        return [*flags, "--tls-auth-clients", "no", "--tls-replication", "yes"]
+        cert, key = self.directory / "cert.pem", self.directory / "key.pem"
+        return [*launcher.tls_flags(cert, key, cert), "--tls-replication", "yes"]
 
     def start(self) -> RedisSentinel:
         if self.tls:
@@ -260,9 +241,8 @@ class RedisSentinel:
             f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
             f"sentinel failover-timeout {self.SERVICE} 5000\n"
         )
-        log = (self.directory / "sentinel.log").open("ab")
-        self.process = subprocess.Popen([REDIS_SERVER, str(conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with (self.directory / "sentinel.log").open("ab") as log:
+            self.process = launcher.start(launcher.sentinel_argv(conf), log)
         self._wait("the replica in sync and known to the sentinel", self._ready)
         return self
 
@@ -364,8 +344,7 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A server whose default user is off: only ``ACL_USER`` with ``ACL_PASSWORD`` gets in."""
-    rules = [ACL_USER, "on", f">{ACL_PASSWORD}", "~*", "&*", "+@all"]
-    server = RedisServer(tmp_path_factory.mktemp("redis-acl"), ["--user", *rules, "--user", "default", "off"])
+    server = RedisServer(tmp_path_factory.mktemp("redis-acl"), launcher.acl_flags(ACL_USER, ACL_PASSWORD))
     server.username, server.password = ACL_USER, ACL_PASSWORD
     with running(server):
         yield server
@@ -376,16 +355,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
     """A server reachable only over TLS, with a self-signed certificate in its directory."""
     directory = tmp_path_factory.mktemp("redis-tls")
     make_tls_files(directory)
-    flags = [
-        "--tls-cert-file",
-        str(directory / "cert.pem"),
-        "--tls-key-file",
-        str(directory / "key.pem"),
-        "--tls-ca-cert-file",
-        str(directory / "cert.pem"),
-        "--tls-auth-clients",
-        "no",
-    ]
+    flags = launcher.tls_flags(directory / "cert.pem", directory / "key.pem", directory / "cert.pem")
     server = RedisServer(directory, flags, tls=True)
     with running(server):
         yield server

@@ -1,5 +1,6 @@
 """Run the real ``ratelimit-sidecar serve`` process and talk gRPC to it.
 
+The command lines and the processes come from the one launcher, ``stack/sidecar.py``.
 The fixtures in ``conftest.py`` hand these out; every process started through
 :func:`sidecar_factory` is killed when the factory's context ends, whatever the
 test did, so no process outlives its test (or the session, for the shared one).
@@ -14,7 +15,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +27,9 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from stack.processes import spawn
+from stack.sidecar import cli_argv, serve_argv
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
@@ -102,7 +105,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m sidecar ARGS`` to completion and capture its output."""
     return subprocess.run(
-        [sys.executable, "-m", "sidecar", *args],
+        cli_argv(*args),
         capture_output=True,
         text=True,
         env=env if env is not None else clean_env(),
@@ -212,11 +215,12 @@ class Sidecar:
         for attempt in range(attempts):
             self.port = port if port is not None else free_port()
             self.address = f"127.0.0.1:{self.port}"
-            command = [sys.executable, "-m", "sidecar", "serve", *self.args]
-            if pass_address:
-                command += ["--grpc-address", self.address]
+            command = serve_argv(self.args, grpc_address=self.address if pass_address else None)
             with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
-                self.process = subprocess.Popen(command, stdout=out, stderr=err, env=self.env, cwd=self.workdir)
+                self.process = spawn(
+                    command, stdout=out, stderr=err, stdin=None, env=self.env, cwd=self.workdir,
+                    own_session=False, die_with_parent=False,
+                )  # fmt: skip
             try:
                 self._wait_serving()
                 return self

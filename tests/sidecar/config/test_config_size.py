@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.config import ConfigError, load_config
+from stack.sidecar import serve_argv
 from tests.support.sidecars import SidecarFactory, clean_env, log_events, request
 
 HUGE = 100 * 1024 * 1024
@@ -74,7 +75,7 @@ def test_serve_refuses_a_huge_file_in_one_line_without_reading_it(tmp_path: Path
     directory = config_dir(tmp_path)
     normal = baseline_rss(directory)
     huge = sparse(directory / "zz-huge.yaml")
-    command = [sys.executable, "-m", "sidecar", "serve", "--config", str(directory), "--grpc-address", "127.0.0.1:0"]
+    command = serve_argv(["--config", str(directory)], grpc_address="127.0.0.1:0")
     done, peak = peak_rss_of(command, clean_env())
     assert done.returncode == 1
     assert peak - normal < RSS_ALLOWANCE + 30 * 1024 * 1024, f"peak RSS {peak >> 20} MiB"

@@ -34,7 +34,6 @@ import pytest
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.service.servicer import RateLimitService
-from stack.components import UpstreamProcess
 from stack.haproxy import (
     SHIPPED_CONFIG,
     HAProxyPorts,
@@ -44,6 +43,7 @@ from stack.haproxy import (
     generated_part,
 )
 from stack.processes import REPO, ProcessGroup
+from stack.upstream import UpstreamProcess
 from tests.support.envoy_snippets import EXTENSION_FLAGS, EXTENSIONS_ROUTES, minimal_envoy_config
 from tests.support.sidecars import OK, request
 
