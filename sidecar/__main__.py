@@ -20,7 +20,7 @@ from sidecar.haproxy.export import add_export_arguments, run_export
 from sidecar.haproxy.model import ExportError
 from sidecar.logs import configure_logging
 from sidecar.server import StartupError, serve
-from sidecar.settings import SettingsError, add_serve_arguments, resolve
+from sidecar.settings import Settings, SettingsError, add_serve_arguments, option_value, resolve
 
 PROG = "ratelimit-sidecar"
 DEFAULT_ADDRESS = "127.0.0.1:8081"
@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     check = commands.add_parser("check-config", help="validate a config file or directory")
     check.add_argument("path", help="YAML file or directory of YAML files")
+    check.add_argument(
+        "--max-config-bytes",
+        default=None,
+        help="largest config file, in bytes, refused before it is read [env RLS_MAX_CONFIG_BYTES; "
+        f"default {Settings.max_config_bytes}]",
+    )
     check.add_argument(
         "--mode",
         choices=("memory", "sync", "strict"),
@@ -104,9 +110,13 @@ def _serve(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def _check_config(path: str, mode: str | None = None) -> int:
+def _check_config(path: str, mode: str | None = None, max_bytes: str | None = None) -> int:
     try:
-        config = load_config(path, mode)
+        cap = option_value("max_config_bytes", max_bytes)
+    except SettingsError as error:
+        return _fail(str(error))
+    try:
+        config = load_config(path, mode, cap)
     except ConfigError as error:
         for issue in error.issues:
             print(issue, file=sys.stderr)
@@ -163,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.command == "serve":
         return _serve(arguments)
     if arguments.command == "check-config":
-        return _check_config(arguments.path, arguments.mode)
+        return _check_config(arguments.path, arguments.mode, arguments.max_config_bytes)
     if arguments.command == "query":
         return _query(arguments)
     if arguments.command == "export-haproxy":

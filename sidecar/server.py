@@ -263,6 +263,7 @@ class Sidecar:
             self._install,
             self.stats.config_refused,
             enforcing_mode(settings),
+            max_bytes=settings.max_config_bytes,
         )
 
     def _install(self, config: RateLimitConfig) -> None:
@@ -448,7 +449,7 @@ def serve(settings: Settings) -> None:
     if settings.json_address:
         ensure_bindable(settings.json_address)
     try:
-        config = load_quietly(settings.config, enforcing_mode(settings))
+        config = load_quietly(settings.config, enforcing_mode(settings), settings.max_config_bytes)
     except ConfigError as error:
         mode = enforcing_mode(settings)
         flag = f"--mode {mode} " if mode else ""

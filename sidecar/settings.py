@@ -17,6 +17,7 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Literal, get_args
 
 from sidecar import admin
+from sidecar.config.yaml_source import MAX_FILE_BYTES
 from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.redis.connect import SCHEME, RedisUrlError, SentinelUrlError, check_url, is_sentinel_url
@@ -166,6 +167,11 @@ class Option:
 
 SERVE_OPTIONS: tuple[Option, ...] = (
     Option("config", _non_empty, "descriptor config: one YAML file or a directory of them (required)"),
+    Option(
+        "max_config_bytes",
+        _positive_int,
+        "largest config file, in bytes: a larger *.yaml is refused before it is read (startup, check-config, reload)",
+    ),
     Option(
         "grpc_address",
         _address,
@@ -336,6 +342,7 @@ class Settings:
     """Everything ``serve`` needs, validated."""
 
     config: str
+    max_config_bytes: int = MAX_FILE_BYTES
     grpc_address: str = "127.0.0.1:8081"
     backend: Backend = "memory"
     instances: int = 1
@@ -382,23 +389,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(option.flag, dest=option.name, metavar=option.name.upper(), help=help_text)
 
 
+def _value(option: Option, raw: str | None, environ: Mapping[str, str]) -> Any:
+    """One option's value: the flag's text, else its variable's, else the default."""
+    source = option.flag
+    if raw is None:
+        raw, source = environ.get(option.env), option.env
+    if raw is None:
+        if option.default is None:
+            raise SettingsError(f"{option.flag} (or {option.env}) is required")
+        return option.default
+    try:
+        return option.parse(raw)
+    except ValueError as error:
+        raise SettingsError(f"{source}={raw!r}: {error}") from None
+
+
+def option_value(name: str, flag: str | None, environ: Mapping[str, str] = os.environ) -> Any:
+    """One serve option read as :func:`resolve` reads it, for another command that takes
+    it too (``check-config --max-config-bytes``); ``flag`` is the flag's text, if given."""
+    (option,) = (option for option in SERVE_OPTIONS if option.name == name)
+    return _value(option, flag, environ)
+
+
 def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Settings:
     """Combine flags, environment and defaults; raises :class:`SettingsError` naming the culprit."""
-    values: dict[str, Any] = {}
-    for option in SERVE_OPTIONS:
-        raw = getattr(arguments, option.name, None)
-        source = option.flag
-        if raw is None:
-            raw, source = environ.get(option.env), option.env
-        if raw is None:
-            if option.default is None:
-                raise SettingsError(f"{option.flag} (or {option.env}) is required")
-            values[option.name] = option.default
-            continue
-        try:
-            values[option.name] = option.parse(raw)
-        except ValueError as error:
-            raise SettingsError(f"{source}={raw!r}: {error}") from None
+    values = {option.name: _value(option, getattr(arguments, option.name, None), environ) for option in SERVE_OPTIONS}
     settings = Settings(**values)
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise SettingsError("--tls-cert and --tls-key (RLS_TLS_CERT, RLS_TLS_KEY) go together")

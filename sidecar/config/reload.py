@@ -85,7 +85,7 @@ def settle_after_load() -> None:
         gc.freeze()
 
 
-def load_quietly(path: str | Path, mode: str | None = None) -> RateLimitConfig:
+def load_quietly(path: str | Path, mode: str | None = None, max_bytes: int = MAX_FILE_BYTES) -> RateLimitConfig:
     """:func:`load_config` with full collections paused, and the GIL handed over more often
     (:data:`LOAD_SWITCH_INTERVAL`) so the event loop waits less for it: for a worker thread."""
     interval = sys.getswitchinterval()
@@ -93,12 +93,12 @@ def load_quietly(path: str | Path, mode: str | None = None) -> RateLimitConfig:
         sys.setswitchinterval(min(interval, LOAD_SWITCH_INTERVAL))
     try:
         with full_collections_paused():
-            return load_config(path, mode)
+            return load_config(path, mode, max_bytes)
     finally:
         sys.setswitchinterval(interval)
 
 
-def files_digest(path: str | Path) -> str | None:
+def files_digest(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> str | None:
     """The digest :func:`load_config` would give the config at ``path``, from the files'
     bytes alone (no parsing); None when it cannot tell (a file missing, unreadable, or
     too large to read: then the full load reports it)."""
@@ -106,7 +106,7 @@ def files_digest(path: str | Path) -> str | None:
         files = config_files(Path(path))
         digest = hashlib.sha256()
         for file in files:
-            if file.stat().st_size > MAX_FILE_BYTES:
+            if file.stat().st_size > max_bytes:
                 return None
             digest.update(str(file).encode() + b"\0" + file.read_bytes() + b"\0")
     except (ConfigError, OSError):
@@ -128,10 +128,14 @@ class ConfigReloader:
         apply: Callable[[RateLimitConfig], None],
         refused: Callable[[], None],
         mode: str | None = None,
+        *,
+        max_bytes: int = MAX_FILE_BYTES,
     ) -> None:
         self.path = path
         self.mode = mode
         """The Redis mode enforcing the config (see :func:`~sidecar.config.load.mode_issues`)."""
+        self.max_bytes = max_bytes
+        """``--max-config-bytes``: a larger file is refused before it is read."""
         self.current = current
         self.apply = apply
         self.refused = refused
@@ -140,11 +144,11 @@ class ConfigReloader:
     async def reload(self, trigger: str) -> bool:
         """Load and swap; True when a new config is active. One reload at a time."""
         async with self._lock:
-            if await asyncio.to_thread(files_digest, self.path) == self.current().digest:
+            if await asyncio.to_thread(files_digest, self.path, self.max_bytes) == self.current().digest:
                 log.debug("config_unchanged", trigger=trigger, parsed=False, config_digest=self.current().digest[:12])
                 return False
             try:
-                config = await asyncio.to_thread(load_quietly, self.path, self.mode)
+                config = await asyncio.to_thread(load_quietly, self.path, self.mode, self.max_bytes)
             except ConfigError as error:
                 self._refuse(trigger, [str(issue) for issue in error.issues])
                 return False
