@@ -22,7 +22,7 @@ log = structlog.get_logger(__name__)
 
 MAX_EXACT = 2**53
 """Largest magnitude a counter may hold: Lua's numbers are doubles, exact up to here."""
-INTEGER = re.compile(r"-?\d{1,16}")
+INTEGER = re.compile(r"-?\d+")
 CORRUPT_REPLY = "CORRUPT"
 """First word of the error ``decide.lua`` and ``flush_once.lua`` answer for such a key."""
 LOG_EVERY = 60.0
@@ -40,7 +40,7 @@ def problem_with(value: object) -> str | None:
         text = value.decode() if isinstance(value, bytes) else value
         if not INTEGER.fullmatch(text):
             return "holds a value that is not an integer"
-        number = int(text)
+        number = int(text[:20])  # enough digits to tell it is beyond 2^53
     else:
         return "holds a value that is not an integer"
     if abs(number) > MAX_EXACT:

@@ -75,10 +75,10 @@ local function corrupt(key)
   if type(value) == 'table' then
     return 'holds a ' .. redis.call('TYPE', key)['ok']
   end
-  if value and not (string.find(value, '^%-?%d+$') and #value <= 17) then
+  if value and not string.find(value, '^%-?%d+$') then
     return 'holds a value that is not an integer'
   end
-  if value and math.abs(tonumber(value)) > MAX_EXACT then
+  if value and (#value > 17 or math.abs(tonumber(value)) > MAX_EXACT) then
     return 'holds an integer beyond +-2^53'
   end
   return nil

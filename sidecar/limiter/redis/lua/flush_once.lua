@@ -15,9 +15,11 @@ local counter = redis.pcall('GET', KEYS[1])
 if type(counter) == 'table' then
   return redis.error_reply('CORRUPT ' .. KEYS[1] .. ' holds a ' .. redis.call('TYPE', KEYS[1])['ok'])
 end
-if counter and not (string.find(counter, '^%-?%d+$') and #counter <= 17
-    and math.abs(tonumber(counter)) <= 9007199254740992) then
-  return redis.error_reply('CORRUPT ' .. KEYS[1] .. ' holds a value that is not an integer within +-2^53')
+if counter and not string.find(counter, '^%-?%d+$') then
+  return redis.error_reply('CORRUPT ' .. KEYS[1] .. ' holds a value that is not an integer')
+end
+if counter and (#counter > 17 or math.abs(tonumber(counter)) > 9007199254740992) then
+  return redis.error_reply('CORRUPT ' .. KEYS[1] .. ' holds an integer beyond +-2^53')
 end
 
 local applied = tonumber(redis.call('GET', KEYS[2]) or '0')
