@@ -38,6 +38,7 @@ AREAS = {
     "faults": "loadtest.reliability_harness.faults",
     "clock": "loadtest.reliability_harness.clock_skew",
     "security": "loadtest.reliability_harness.security",
+    "hardening-input": "loadtest.reliability_harness.hardening_input",
 }
 """Report order: what each ``--areas`` name runs (a module with ``run(Context) -> list[Row]``)."""
 
