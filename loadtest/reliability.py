@@ -39,6 +39,7 @@ AREAS = {
     "clock": "loadtest.reliability_harness.clock_skew",
     "security": "loadtest.reliability_harness.security",
     "hardening-input": "loadtest.reliability_harness.hardening_input",
+    "hardening-admin": "loadtest.reliability_harness.hardening_admin",
 }
 """Report order: what each ``--areas`` name runs (a module with ``run(Context) -> list[Row]``)."""
 

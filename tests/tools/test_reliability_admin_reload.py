@@ -1,4 +1,4 @@
-"""The ``admin-reload`` reliability area (issue 21, defects 2, 4 and 7) in its quick size.
+"""The ``hardening-admin`` reliability area (issue 21, defects 2, 4 and 7) in its quick size.
 
 Latency figures are the report's business on a noisy 2-core machine; this checks the
 bounds that do not depend on timing: ``/metrics`` within the byte cap after the flood,
