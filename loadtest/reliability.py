@@ -40,6 +40,7 @@ AREAS = {
     "security": "loadtest.reliability_harness.security",
     "hardening-input": "loadtest.reliability_harness.hardening_input",
     "hardening-admin": "loadtest.reliability_harness.hardening_admin",
+    "hardening-limiter": "loadtest.reliability_harness.hardening_limiter",
 }
 """Report order: what each ``--areas`` name runs (a module with ``run(Context) -> list[Row]``)."""
 
