@@ -17,6 +17,7 @@ import socket
 import subprocess
 import textwrap
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -349,3 +350,16 @@ def sidecar_factory(base: Path) -> Iterator[SidecarFactory]:
     finally:
         for sidecar in started:
             sidecar.kill()
+
+
+def wait_for_replicas(port: int, live: int, timeout: float = 10.0) -> None:
+    """Poll a sidecar's /metrics until it counts ``live`` replicas."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
+            seen = metric(answer.read().decode(), "ratelimit_sidecar_replicas")
+        if seen == live:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the sidecar on metrics port {port} counted {seen} replicas, not {live}, after {timeout} s")

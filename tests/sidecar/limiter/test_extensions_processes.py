@@ -12,14 +12,22 @@ from __future__ import annotations
 import math
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from sidecar.limiter.windows import Unit
 from tests.support.redis_servers import RedisServer, fresh_prefix
-from tests.support.sidecars import OK, OVER_LIMIT, Sidecar, SidecarFactory, free_port, metric, request, write_config
+from tests.support.sidecars import (
+    OK,
+    OVER_LIMIT,
+    Sidecar,
+    SidecarFactory,
+    free_port,
+    request,
+    wait_for_replicas,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,19 +62,6 @@ def replicas(request: pytest.FixtureRequest, start_sidecar: SidecarFactory, tmp_
     for port in ports:
         wait_for_replicas(port, 2)
     return sidecars
-
-
-def wait_for_replicas(port: int, live: int, timeout: float = 10.0) -> None:
-    """Poll a sidecar's /metrics until it counts ``live`` replicas."""
-    deadline = time.monotonic() + timeout
-    seen = None
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
-            seen = metric(answer.read().decode(), "ratelimit_sidecar_replicas")
-        if seen == live:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"the sidecar on metrics port {port} counted {seen} replicas, not {live}, after {timeout} s")
 
 
 def ensure_left(unit: float, needed: float) -> None:
