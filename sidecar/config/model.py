@@ -51,6 +51,9 @@ class RateLimitRule:
     """``ban_duration``: how long a counter refuses everything once it went over."""
     where: str = ""
     """Path of the block inside its file (``descriptors[0].rate_limit``), for errors."""
+    count_past: bool = False
+    """``count_past_limit``: hits are always added, even past the limit and when the
+    request is refused (response-phase costs); 0-hit checks then refuse until the window ends."""
     unit_seconds: int = field(init=False, compare=False)
     """Window length (unit times multiplier); 0 for unlimited rules, which have no window."""
     limit: int = field(init=False, compare=False)

@@ -51,6 +51,7 @@ RATE_LIMIT_FIELDS = frozenset(
         "unit_multiplier",
         "burst",
         "ban_duration",
+        "count_past_limit",
     }
 )
 FLAG_FIELDS = ("shadow_mode", "detailed_metric", "share_threshold", "quota_mode")
@@ -257,6 +258,13 @@ class DomainParser:
         multiplier = self._unit_multiplier(block, where, unit, unlimited)
         burst = self._burst(block, where, named, requests)
         ban_seconds = self._ban_duration(block, where, unlimited)
+        count_past = self._flag(block, "count_past_limit", where)
+        if count_past and unlimited:
+            self._issue(
+                block.line_of("count_past_limit"),
+                f"{where}.count_past_limit",
+                "must not be set when unlimited (nothing is counted)",
+            )
         # Only a rate written as 0: an invalid one has its own issue already.
         written = block.get("requests_per_unit")
         if algorithm is Algorithm.TOKEN_BUCKET and type(written) is int and written == 0:
@@ -291,6 +299,7 @@ class DomainParser:
             interval_us=interval,
             ban_seconds=ban_seconds,
             where=where,
+            count_past=count_past,
         )
         self.rules.append(rule)
         return rule

@@ -220,6 +220,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                         rule.algorithm,
                         rule.interval_us,
                         rule.ban_seconds,
+                        rule.count_past,
                     )
                 )
         return checks, applied
@@ -259,7 +260,15 @@ def check_of(match: Match, hits: int) -> Check:
     """The check one limit of a matched descriptor asks the backend for."""
     rule = match.rule
     return Check(
-        match.key, rule.unit_seconds, rule.limit, hits, rule.role, rule.algorithm, rule.interval_us, rule.ban_seconds
+        match.key,
+        rule.unit_seconds,
+        rule.limit,
+        hits,
+        rule.role,
+        rule.algorithm,
+        rule.interval_us,
+        rule.ban_seconds,
+        rule.count_past,
     )
 
 
