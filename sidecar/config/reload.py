@@ -36,7 +36,7 @@ from pathlib import Path
 import structlog
 
 from sidecar.config.errors import ConfigError
-from sidecar.config.load import config_files, load_config
+from sidecar.config.load import DEFAULT_OPTIONS, LoadOptions, config_files, load_config
 from sidecar.config.model import RateLimitConfig
 from sidecar.config.yaml_source import MAX_FILE_BYTES
 
@@ -85,7 +85,7 @@ def settle_after_load() -> None:
         gc.freeze()
 
 
-def load_quietly(path: str | Path, mode: str | None = None) -> RateLimitConfig:
+def load_quietly(path: str | Path, mode: str | None = None, options: LoadOptions = DEFAULT_OPTIONS) -> RateLimitConfig:
     """:func:`load_config` with full collections paused, and the GIL handed over more often
     (:data:`LOAD_SWITCH_INTERVAL`) so the event loop waits less for it: for a worker thread."""
     interval = sys.getswitchinterval()
@@ -93,7 +93,7 @@ def load_quietly(path: str | Path, mode: str | None = None) -> RateLimitConfig:
         sys.setswitchinterval(min(interval, LOAD_SWITCH_INTERVAL))
     try:
         with full_collections_paused():
-            return load_config(path, mode)
+            return load_config(path, mode, options=options)
     finally:
         sys.setswitchinterval(interval)
 
@@ -128,9 +128,13 @@ class ConfigReloader:
         apply: Callable[[RateLimitConfig], None],
         refused: Callable[[], None],
         mode: str | None = None,
+        *,
+        options: LoadOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.path = path
         self.mode = mode
+        self.options = options
+        """Merging domains, calendar months: as the startup load had them."""
         """The Redis mode enforcing the config (see :func:`~sidecar.config.load.mode_issues`)."""
         self.current = current
         self.apply = apply
@@ -144,7 +148,7 @@ class ConfigReloader:
                 log.debug("config_unchanged", trigger=trigger, parsed=False, config_digest=self.current().digest[:12])
                 return False
             try:
-                config = await asyncio.to_thread(load_quietly, self.path, self.mode)
+                config = await asyncio.to_thread(load_quietly, self.path, self.mode, self.options)
             except ConfigError as error:
                 self._refuse(trigger, [str(issue) for issue in error.issues])
                 return False

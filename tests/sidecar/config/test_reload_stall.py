@@ -73,9 +73,9 @@ def test_a_reload_of_unchanged_files_parses_nothing(tmp_path: Path, monkeypatch:
     active = [load_config(config)]
     parsed: list[str] = []
 
-    def counting(path: Any, mode: str | None = None) -> Any:
+    def counting(path: Any, mode: str | None = None, **options: Any) -> Any:
         parsed.append(str(path))
-        return load_config(path, mode)
+        return load_config(path, mode, **options)
 
     monkeypatch.setattr(reload, "load_config", counting)
     reloader = reloader_for(config, active)
