@@ -28,7 +28,9 @@ UNIT_NAMES = rls_pb2.RateLimitResponse.RateLimit.Unit.Name
 
 def dynamic_metadata_field(fields: Mapping[str, Any]) -> bytes:
     """The ``dynamic_metadata`` field of a response: a ``google.protobuf.Struct``, map keys sorted
-    (as ``SerializeToString(deterministic=True)`` writes it)."""
+    (as ``SerializeToString(deterministic=True)`` writes it); nothing for no fields, as protobuf."""
+    if not fields:
+        return b""
     message = Struct()
     message.update(fields)
     return length_delimited(DYNAMIC_METADATA_TAG, message.SerializeToString(deterministic=True))
