@@ -12,15 +12,16 @@ import sys
 from collections.abc import Mapping, Sequence
 
 import grpc
+import structlog
 
 from sidecar import __version__
 from sidecar.client import ClientTLS, build_request, describe, health_status, query
-from sidecar.config import ConfigError, load_config
+from sidecar.config import ConfigError, LoadOptions, load_config
 from sidecar.haproxy.export import add_export_arguments, run_export
 from sidecar.haproxy.model import ExportError
 from sidecar.logs import configure_logging
 from sidecar.server import StartupError, serve
-from sidecar.settings import Settings, SettingsError, add_serve_arguments, option_value, resolve
+from sidecar.settings import Settings, SettingsError, add_serve_arguments, option_value, resolve_with_notes
 
 PROG = "ratelimit-sidecar"
 DEFAULT_ADDRESS = "127.0.0.1:8081"
@@ -71,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="also check what this backend mode can enforce (sync refuses token buckets)",
     )
+    check.add_argument(
+        "--merge-domain-config", action="store_true", help="merge files naming the same domain, as serve does with it"
+    )
+    check.add_argument("--calendar-months", action="store_true", help="read unit: month as the UTC calendar month")
     ask = commands.add_parser("query", help="ask a running sidecar about one request")
     _add_client_arguments(ask)
     ask.add_argument("--domain", required=True, help="rate limit domain")
@@ -99,10 +104,12 @@ def _fail(message: str) -> int:
 
 def _serve(arguments: argparse.Namespace) -> int:
     try:
-        settings = resolve(arguments)
+        settings, notes = resolve_with_notes(arguments)
     except SettingsError as error:
         return _fail(str(error))
     configure_logging(settings.log_level, settings.log_format)
+    for variable, why in notes:
+        structlog.get_logger(__name__).warning("reference_variable_ignored", variable=variable, reason=why)
     try:
         serve(settings)
     except StartupError as error:
@@ -110,13 +117,15 @@ def _serve(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def _check_config(path: str, mode: str | None = None, max_bytes: str | None = None) -> int:
+def _check_config(
+    path: str, mode: str | None = None, max_bytes: str | None = None, options: LoadOptions | None = None
+) -> int:
     try:
         cap = option_value("max_config_bytes", max_bytes)
     except SettingsError as error:
         return _fail(str(error))
     try:
-        config = load_config(path, mode, cap)
+        config = load_config(path, mode, cap, options or LoadOptions())
     except ConfigError as error:
         for issue in error.issues:
             print(issue, file=sys.stderr)
@@ -173,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.command == "serve":
         return _serve(arguments)
     if arguments.command == "check-config":
-        return _check_config(arguments.path, arguments.mode, arguments.max_config_bytes)
+        options = LoadOptions(merge_domains=arguments.merge_domain_config, calendar_months=arguments.calendar_months)
+        return _check_config(arguments.path, arguments.mode, arguments.max_config_bytes, options)
     if arguments.command == "query":
         return _query(arguments)
     if arguments.command == "export-haproxy":

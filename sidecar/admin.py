@@ -1,4 +1,5 @@
-"""The plain-HTTP admin endpoint: ``/metrics``, ``/config`` and ``/healthz``.
+"""The plain-HTTP admin endpoint: ``/metrics``, ``/config`` and ``/healthz`` (``/healthcheck`` too,
+envoyproxy/ratelimit's name, answering the same).
 
 Served on the event loop next to gRPC (``--metrics-address``). A minimal HTTP/1.1
 server is enough: one GET per connection from Prometheus, a kubelet or an operator's
@@ -56,6 +57,7 @@ def rule_json(rule: RateLimitRule, together_with: tuple[RateLimitRule, ...] = ()
         "algorithm": rule.algorithm.label if limited else None,
         "burst": rule.burst if bucket else None,
         "ban_duration_seconds": rule.ban_seconds or None,
+        "count_past_limit": rule.count_past,
         "unlimited": rule.unlimited,
         "shadow_mode": rule.shadow_mode,
         "quota_mode": rule.quota_mode,
@@ -153,11 +155,11 @@ class AdminEndpoint:
         if path == "/config":
             body = json.dumps(self.config(), indent=2, ensure_ascii=False).encode() + b"\n"
             return "200 OK", "application/json", body
-        if path == "/healthz":
+        if path in ("/healthz", "/healthcheck"):
             if self.serving():
                 return "200 OK", "text/plain", b"SERVING\n"
             return "503 Service Unavailable", "text/plain", b"NOT_SERVING\n"
-        return "404 Not Found", "text/plain", b"try /metrics, /config or /healthz\n"
+        return "404 Not Found", "text/plain", b"try /metrics, /config, /healthz or /healthcheck\n"
 
     async def metrics_body(self) -> bytes:
         """``/metrics``: numbers copied here, text made in a worker thread. One render at a

@@ -6,8 +6,12 @@ adds to a list of ints, per request it bisects a latency into a bucket list. A
 Prometheus scrapes ``/metrics``.
 
 Per-rule names and labels follow envoyproxy/ratelimit's Prometheus mapping
-(``ratelimit_service_rate_limit_total_hits{domain, key}`` ...) so existing dashboards
-work; like theirs they are exposed as untyped series without a ``_total`` suffix.
+(``ratelimit_service_rate_limit_total_hits{domain, key1, key2}`` ...) so existing
+dashboards and alerts work: ``key1`` and ``key2`` are the stat key's first two parts after
+the domain, as the reference's default statsd mapping cuts them. Each series also carries
+``key``, the whole stat key without the domain, which tells apart the rules that share
+their first two parts (our dashboards group by it). Like the reference's, they are
+untyped series without a ``_total`` suffix.
 Service-level metrics are ours (``ratelimit_sidecar_*``).
 """
 
@@ -87,8 +91,16 @@ def _bucket_label(bound: float) -> str:
 
 def row_bytes(stat_key: str, domain: str) -> int:
     """What one per-rule row adds to ``/metrics``: a line per :data:`RULE_STATS`, each with
-    the domain and the key (the stat key without its ``domain.`` prefix) as labels."""
-    return len(RULE_STATS) * (ROW_OVERHEAD + len(domain) + len(stat_key))
+    the domain, the key (the stat key without its ``domain.`` prefix) and its first two
+    parts (``key1``, ``key2``) as labels."""
+    return len(RULE_STATS) * (ROW_OVERHEAD + len(domain) + 2 * len(stat_key))
+
+
+def reference_keys(key: str) -> tuple[str, str]:
+    """``key1`` and ``key2`` of a stat key without its domain: its first two dot-separated
+    parts (the second empty when there is one), as envoyproxy/ratelimit's mapping has them."""
+    first, _, rest = key.partition(".")
+    return first, rest.partition(".")[0]
 
 
 @dataclass
@@ -196,11 +208,12 @@ def rule_families(frozen: FrozenRows) -> Iterator[Metric]:
         family = UnknownMetricFamily(
             f"ratelimit_service_rate_limit_{stat}",
             f"Hits per rule: {stat.replace('_', ' ')} (envoyproxy/ratelimit naming)",
-            labels=("domain", "key"),
+            labels=("domain", "key", "key1", "key2"),
         )
         for stat_key, row in rows:
             domain = domains[stat_key]
-            family.add_metric((domain, stat_key.removeprefix(domain + ".")), row[index])
+            key = stat_key.removeprefix(domain + ".")
+            family.add_metric((domain, key, *reference_keys(key)), row[index])
         yield family
 
 

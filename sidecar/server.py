@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from sidecar.admin import AdminEndpoint, config_json
-from sidecar.config import ConfigError, RateLimitConfig
+from sidecar.config import ConfigError, LoadOptions, RateLimitConfig
 from sidecar.config.reload import ConfigReloader, load_quietly, rule_count, settle_after_load
 from sidecar.config.watch import ConfigWatcher
 from sidecar.limiter.memory import MemoryLimiter
@@ -41,6 +41,9 @@ log = structlog.get_logger(__name__)
 
 MAX_MESSAGE_BYTES = 1024 * 1024
 """Largest request accepted: generous for 64 descriptors, and a bound on allocation."""
+
+HEALTH_NAMES = ("", SERVICE_NAME, "ratelimit")
+"""Names the gRPC health service answers for: overall, the service's, and envoyproxy/ratelimit's."""
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -180,8 +183,20 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
         raise StartupError(f"--tls-cert/--tls-key: {error}") from None
 
 
+def load_options(settings: Settings) -> LoadOptions:
+    """How the config files are read, from the settings."""
+    return LoadOptions(merge_domains=settings.merge_domain_config, calendar_months=settings.calendar_months)
+
+
+def is_unix(address: str) -> bool:
+    """A ``unix:PATH`` gRPC address (a unix domain socket)."""
+    return address.startswith("unix:")
+
+
 def is_loopback(address: str) -> bool:
-    """True for addresses only this host can reach (127.0.0.0/8, ::1, localhost)."""
+    """True for addresses only this host can reach (127.0.0.0/8, ::1, localhost, unix sockets)."""
+    if is_unix(address):
+        return True
     host = address.rpartition(":")[0].strip("[]")
     if host == "localhost":
         return True
@@ -196,7 +211,13 @@ def ensure_bindable(address: str) -> None:
 
     gRPC's own bind failure arrives as a vague RuntimeError plus a C-core log line;
     binding a socket first names the real cause (in use, not an address of this host).
+    A unix socket's directory must exist; gRPC replaces a socket file left behind.
     """
+    if is_unix(address):
+        path = Path(address.removeprefix("unix:").removeprefix("//"))
+        if not path.parent.is_dir():
+            raise StartupError(f"cannot listen on {address}: directory {path.parent} does not exist")
+        return
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     try:
@@ -235,6 +256,7 @@ class Sidecar:
                 reset=settings.reset_header,
                 warning=settings.warn_header,
             ),
+            dynamic_metadata=settings.response_dynamic_metadata,
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -253,7 +275,7 @@ class Sidecar:
             max_connections=settings.admin_max_connections,
         )
         self._expire_task: asyncio.Task[None] | None = None
-        self.json = JsonEndpoint(self.service)
+        self.json = JsonEndpoint(self.service, serving=lambda: self.serving)
         """``POST /json`` (``--json-address``): the same request path as gRPC, as JSON over HTTP."""
         self.watcher: ConfigWatcher | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -264,6 +286,7 @@ class Sidecar:
             self.stats.config_refused,
             enforcing_mode(settings),
             max_bytes=settings.max_config_bytes,
+            options=load_options(settings),
         )
 
     def _install(self, config: RateLimitConfig) -> None:
@@ -303,7 +326,7 @@ class Sidecar:
             await self._start_json(self.settings.json_address)
         await self.service.limiter.start()
         await self.server.start()
-        for name in ("", SERVICE_NAME):
+        for name in HEALTH_NAMES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
         self._expire_task = asyncio.get_running_loop().create_task(self._expire_rows(), name="expire-rows")
@@ -449,10 +472,14 @@ def serve(settings: Settings) -> None:
     if settings.json_address:
         ensure_bindable(settings.json_address)
     try:
-        config = load_quietly(settings.config, enforcing_mode(settings), settings.max_config_bytes)
+        config = load_quietly(
+            settings.config, enforcing_mode(settings), settings.max_config_bytes, load_options(settings)
+        )
     except ConfigError as error:
         mode = enforcing_mode(settings)
         flag = f"--mode {mode} " if mode else ""
+        flag += "--merge-domain-config " if settings.merge_domain_config else ""
+        flag += "--calendar-months " if settings.calendar_months else ""
         hint = f"run 'ratelimit-sidecar check-config {flag}{settings.config}' to list every issue"
         raise StartupError(f"{error}; {hint}") from None
     log.info("config_loaded", files=len(config.files), domains=sorted(config.domains), rules=rule_count(config))

@@ -2,8 +2,9 @@
 
 Each setting is declared once in :data:`SERVE_OPTIONS`; the flag, the environment
 variable, the parser and the README table all come from that declaration, so they
-cannot drift apart. A flag wins over its environment variable, which wins over the
-default.
+cannot drift apart. A flag wins over its environment variable, which wins over an
+envoyproxy/ratelimit variable standing for it (:mod:`sidecar.reference_env`), which
+wins over the default.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sidecar.config.yaml_source import MAX_FILE_BYTES
 from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.redis.connect import SCHEME, RedisUrlError, SentinelUrlError, check_url, is_sentinel_url
+from sidecar.reference_env import Note, ReferenceEnvError, reference_aliases
 
 ENV_PREFIX = "RLS_"
 REDIS_SCHEMES = (
@@ -117,6 +119,19 @@ def _header_name(text: str) -> str:
     return name
 
 
+UNIX_PREFIX = "unix:"
+
+
+def _grpc_address(text: str) -> str:
+    """HOST:PORT, or ``unix:PATH`` (``unix:///abs/path`` too) for a unix domain socket."""
+    if text.startswith(UNIX_PREFIX):
+        path = text.removeprefix(UNIX_PREFIX).removeprefix("//")
+        if not path.strip() or not (path.startswith("/") or text.count(":") == 1):
+            raise ValueError("must be unix:PATH, for example unix:/var/run/ratelimit.sock")
+        return text
+    return _address(text)
+
+
 def _address(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -174,8 +189,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "grpc_address",
-        _address,
-        "where the gRPC service listens (loopback by default)",
+        _grpc_address,
+        "where the gRPC service listens: HOST:PORT (loopback by default), or unix:PATH for a unix socket",
     ),
     Option(
         "backend",
@@ -319,6 +334,25 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "--response-headers: name of the seconds-until-reset header",
     ),
     Option(
+        "response_dynamic_metadata",
+        _bool,
+        "answer with envoyproxy/ratelimit's dynamic metadata (domain, descriptors, and the metadata of the "
+        "descriptors that pass), which Envoy stores under envoy.filters.http.ratelimit",
+        is_flag=True,
+    ),
+    Option(
+        "merge_domain_config",
+        _bool,
+        "merge config files that name the same domain (their top-level descriptors must differ)",
+        is_flag=True,
+    ),
+    Option(
+        "calendar_months",
+        _bool,
+        "unit: month is the UTC calendar month (reset at the first of the month), not 30 days from the epoch",
+        is_flag=True,
+    ),
+    Option(
         "warn_header",
         _header_name,
         "header sent on admitted requests past a rule's warn_at (soft limit), with or without --response-headers",
@@ -373,6 +407,9 @@ class Settings:
     limit_header: str = "RateLimit-Limit"
     remaining_header: str = "RateLimit-Remaining"
     reset_header: str = "RateLimit-Reset"
+    response_dynamic_metadata: bool = False
+    merge_domain_config: bool = False
+    calendar_months: bool = False
     warn_header: str = "X-RateLimit-Warning"
     request_log_sample: int = 100
     log_level: LogLevel = "info"
@@ -389,11 +426,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(option.flag, dest=option.name, metavar=option.name.upper(), help=help_text)
 
 
-def _value(option: Option, raw: str | None, environ: Mapping[str, str]) -> Any:
-    """One option's value: the flag's text, else its variable's, else the default."""
+def _value(option: Option, raw: str | None, environ: Mapping[str, str], alias: tuple[str, str] | None = None) -> Any:
+    """One option's value: the flag's text, else its variable's, else the envoyproxy/ratelimit
+    variable that stands for it (``alias``: its text and name), else the default."""
     source = option.flag
     if raw is None:
         raw, source = environ.get(option.env), option.env
+    if raw is None and alias is not None:
+        raw, source = alias
     if raw is None:
         if option.default is None:
             raise SettingsError(f"{option.flag} (or {option.env}) is required")
@@ -413,8 +453,32 @@ def option_value(name: str, flag: str | None, environ: Mapping[str, str] = os.en
 
 def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Settings:
     """Combine flags, environment and defaults; raises :class:`SettingsError` naming the culprit."""
-    values = {option.name: _value(option, getattr(arguments, option.name, None), environ) for option in SERVE_OPTIONS}
+    return resolve_with_notes(arguments, environ)[0]
+
+
+def resolve_with_notes(
+    arguments: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> tuple[Settings, list[Note]]:
+    """:func:`resolve`, with notes on the envoyproxy/ratelimit variables that changed nothing:
+    ``(variable, why)``, to be logged as warnings once logging is set up."""
+    try:
+        aliases, notes = reference_aliases(environ)
+    except ReferenceEnvError as error:
+        raise SettingsError(str(error)) from None
+    values: dict[str, Any] = {}
+    for option in SERVE_OPTIONS:
+        flag = getattr(arguments, option.name, None)
+        alias = aliases.get(option.name)
+        if alias is not None and (flag is not None or environ.get(option.env) is not None):
+            notes.append((alias[1], f"{option.flag if flag is not None else option.env} is set and wins"))
+        values[option.name] = _value(option, flag, environ, alias)
     settings = Settings(**values)
+    check_together(settings)
+    return settings, notes
+
+
+def check_together(settings: Settings) -> None:
+    """Settings that are valid alone but not together; :class:`SettingsError` says which."""
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise SettingsError("--tls-cert and --tls-key (RLS_TLS_CERT, RLS_TLS_KEY) go together")
     if settings.tls_client_ca and not settings.tls_cert:
@@ -429,7 +493,6 @@ def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.envir
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")
     if settings.redis_url:
         check_redis_url(settings)
-    return settings
 
 
 def check_redis_url(settings: Settings) -> None:

@@ -10,15 +10,32 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sidecar.config.errors import ConfigError, ConfigIssue
-from sidecar.config.model import DomainConfig, RateLimitConfig
-from sidecar.config.parse import DomainParser
+from sidecar.config.model import DescriptorNode, DomainConfig, Level, RateLimitConfig
+from sidecar.config.parse import DomainParser, unknown_replace
 from sidecar.config.yaml_source import MAX_FILE_BYTES, YamlError, load_yaml, too_large
 from sidecar.limiter.algorithms import Algorithm
 
 YAML_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How files are read, beyond their text: settings of the process, not of a file."""
+
+    merge_domains: bool = False
+    """``--merge-domain-config`` (``MERGE_DOMAIN_CONFIG``): files naming one domain are
+    merged, their top-level descriptors side by side; one in two files is an error."""
+    calendar_months: bool = False
+    """``--calendar-months`` (``USE_CALENDAR_MONTH_RATE_LIMIT``): ``unit: month`` is the
+    UTC calendar month instead of 30 days."""
+
+
+DEFAULT_OPTIONS = LoadOptions()
+MERGE_HINT = "set --merge-domain-config (MERGE_DOMAIN_CONFIG=true) to merge the files of one domain"
 
 
 def config_files(path: Path) -> list[Path]:
@@ -39,14 +56,16 @@ def config_files(path: Path) -> list[Path]:
     return files
 
 
-def parse_text(text: str, file: str, max_bytes: int = MAX_FILE_BYTES) -> tuple[DomainConfig | None, list[ConfigIssue]]:
+def parse_text(
+    text: str, file: str, max_bytes: int = MAX_FILE_BYTES, options: LoadOptions = DEFAULT_OPTIONS
+) -> tuple[DomainConfig | None, list[ConfigIssue]]:
     """Parse one file's text; returns the domain or the issues found."""
     try:
         document = load_yaml(text, max_bytes)
     except YamlError as problem:
         return None, [ConfigIssue(file, problem.line, "", str(problem))]
-    parser = DomainParser(file)
-    return parser.parse(document), parser.issues
+    parser = DomainParser(file, calendar_months=options.calendar_months)
+    return parser.parse(document, check_replaces=not options.merge_domains), parser.issues
 
 
 SYNC_MODE = "sync"
@@ -92,11 +111,14 @@ def read_capped(file: Path, max_bytes: int) -> bytes:
     return raw
 
 
-def load_config(path: str | Path, mode: str | None = None, max_bytes: int = MAX_FILE_BYTES) -> RateLimitConfig:
+def load_config(
+    path: str | Path, mode: str | None = None, max_bytes: int = MAX_FILE_BYTES, options: LoadOptions = DEFAULT_OPTIONS
+) -> RateLimitConfig:
     """Load and validate everything under ``path``; :class:`ConfigError` lists all issues.
 
     ``mode``: the Redis mode that will enforce it (``sync`` refuses token buckets).
     ``max_bytes`` (``--max-config-bytes``): a larger file is refused before it is read.
+    ``options``: merging domains across files, calendar months (:class:`LoadOptions`).
     """
     files = config_files(Path(path))
     issues: list[ConfigIssue] = []
@@ -120,23 +142,101 @@ def load_config(path: str | Path, mode: str | None = None, max_bytes: int = MAX_
             issues.append(ConfigIssue(name, line, "", problem))
             continue
         digest.update(name.encode() + b"\0" + raw + b"\0")
-        domain, found = parse_text(text, name, max_bytes)
+        domain, found = parse_text(text, name, max_bytes, options)
         issues.extend(found)
         if domain is None:
             continue
         if domain.name in domains:
             first = domains[domain.name]
+            if options.merge_domains:
+                domains[domain.name] = merge_domains(first, domain, issues)
+                continue
             issues.append(
                 ConfigIssue(
                     name,
                     domain.line,
                     "domain",
-                    f"duplicate domain {domain.name!r} (also in {first.source}:{first.line})",
+                    f"duplicate domain {domain.name!r} (also in {first.source}:{first.line}): {MERGE_HINT}",
                 )
             )
             continue
         domains[domain.name] = domain
+    if options.merge_domains:
+        issues += [issue for domain in domains.values() for issue in replace_issues(domain)]
     issues += mode_issues(domains, mode)
     if issues:
         raise ConfigError(issues)
     return RateLimitConfig(domains, tuple(str(file) for file in files), digest.hexdigest())
+
+
+def merge_domains(first: DomainConfig, second: DomainConfig, issues: list[ConfigIssue]) -> DomainConfig:
+    """``second``'s top-level descriptors added to ``first``'s, as envoyproxy/ratelimit merges
+    (``MERGE_DOMAIN_CONFIG``): a top-level descriptor in both files is an issue naming both."""
+    root = Level(dict(first.root.exact), {key: list(nodes) for key, nodes in first.root.wildcards.items()})
+    root.defaults = dict(first.root.defaults)
+    for node in second.root.nodes():
+        clash = same_place(root, node)
+        if clash is not None:
+            shown = node.key if node.value is None else f"{node.key}={node.value}"
+            issues.append(
+                ConfigIssue(
+                    second.source,
+                    node_line(node, second),
+                    "descriptors",
+                    f"duplicate descriptor {shown!r} in domain {first.name!r}, also in "
+                    f"{node_source(clash, first)}: keep it in one file",
+                )
+            )
+            continue
+        root.add(node)
+    return replace(
+        first,
+        root=root,
+        rules=first.rules + second.rules,
+        warns=first.warns or second.warns,
+        replace_refs=first.replace_refs + second.replace_refs,
+        sources=(*(first.sources or (first.source,)), second.source),
+    )
+
+
+def same_place(level: Level, node: DescriptorNode) -> DescriptorNode | None:
+    """The node of ``level`` that ``node`` would take the place of, if any."""
+    if node.value is None:
+        return level.defaults.get(node.key)
+    if node.wildcard is None:
+        return level.exact.get((node.key, node.value))
+    return next((other for other in level.wildcards.get(node.key, ()) if other.value == node.value), None)
+
+
+def node_rules(node: DescriptorNode) -> list[str]:
+    """Sources (``file:line``) of the rules at or under ``node``, in tree order."""
+    found = [rule.source for rule in (node.rule, *node.more) if rule is not None]
+    for child in node.children.nodes():
+        found += node_rules(child)
+    return found
+
+
+def node_source(node: DescriptorNode, domain: DomainConfig) -> str:
+    """Where ``node`` comes from: the first rule at or under it, else the domain's first file."""
+    sources = node_rules(node)
+    return sources[0] if sources else domain.source
+
+
+def node_line(node: DescriptorNode, domain: DomainConfig) -> int:
+    sources = node_rules(node)
+    return int(sources[0].rsplit(":", 1)[1]) if sources else domain.line
+
+
+def replace_issues(domain: DomainConfig) -> list[ConfigIssue]:
+    """``replaces`` naming no rule of the merged domain (checked per file when not merging)."""
+    names = {rule.name for rule in domain.rules if rule.name}
+    return [
+        ConfigIssue(
+            file,
+            line,
+            field,
+            unknown_replace(name),
+        )
+        for name, file, line, field in domain.replace_refs
+        if name not in names
+    ]

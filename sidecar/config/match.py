@@ -102,6 +102,32 @@ def detailed_stat_key(domain: str, descriptor: Any) -> str:
 OVERRIDE_SOURCE = "request override"
 
 
+def value_stat_key(domain: DomainConfig, entries: Sequence[Entry]) -> str:
+    """envoyproxy/ratelimit's stat key of a descriptor under ``value_to_metric``: at each
+    level, ``key_value`` with the configured value (a wildcard's pattern, and always so
+    under ``share_threshold``), except that a ``value_to_metric`` node matched by key only
+    or by a wildcard shows the request's value. Only for descriptors that matched a rule."""
+    parts = [domain.name]
+    level = domain.root
+    for entry in entries:
+        key, value = entry.key, entry.value
+        node = level.exact.get((key, value))
+        if node is None:
+            node = next((n for n in level.wildcards.get(key, ()) if n.wildcard is not None and n.wildcard(value)), None)
+            if node is not None:
+                shown = value if node.value_to_metric and not node.share_threshold else node.value
+                parts.append(f"{key}_{shown}")
+            else:
+                node = level.defaults.get(key)
+                parts.append(f"{key}_{value}" if node is not None and node.value_to_metric and value else key)
+        else:
+            parts.append(f"{key}_{value}")
+        if node is None:
+            break
+        level = node.children
+    return ".".join(parts)
+
+
 def override_stat_key(domain: str, descriptor: Any) -> str:
     """``domain.key1.key2...``: the stat key of a request override, its entries' keys only.
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from sidecar.limiter.algorithms import Algorithm
 from sidecar.limiter.protocol import Role
-from sidecar.limiter.windows import UNIT_SECONDS, Unit
+from sidecar.limiter.windows import CALENDAR_MONTH, UNIT_SECONDS, Unit
 
 ValueMatcher = Callable[[str], bool]
 UNIT_BY_SECONDS = {seconds: unit for unit, seconds in UNIT_SECONDS.items()}
@@ -51,6 +51,16 @@ class RateLimitRule:
     """``ban_duration``: how long a counter refuses everything once it went over."""
     where: str = ""
     """Path of the block inside its file (``descriptors[0].rate_limit``), for errors."""
+    count_past: bool = False
+    """``count_past_limit``: hits are always added, even past the limit and when the
+    request is refused (response-phase costs); 0-hit checks then refuse until the window ends."""
+    calendar: bool = False
+    """A ``month`` window that is the UTC calendar month (``--calendar-months``)."""
+    metadata: Mapping[str, object] | None = field(default=None, compare=False)
+    """The descriptor's ``metadata`` (JSON values), returned as response dynamic metadata
+    (``--response-dynamic-metadata``) when the descriptor passes."""
+    values_in_stats: bool = False
+    """``value_to_metric`` on some node of its path: the stat key holds request values."""
     unit_seconds: int = field(init=False, compare=False)
     """Window length (unit times multiplier); 0 for unlimited rules, which have no window."""
     limit: int = field(init=False, compare=False)
@@ -61,6 +71,8 @@ class RateLimitRule:
     def __post_init__(self) -> None:
         # Worked out once per (re)load: the request path reads them for every descriptor.
         seconds = self.unit.seconds * self.unit_multiplier if self.unit else 0
+        if self.calendar:
+            seconds = CALENDAR_MONTH
         limit = self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.requests_per_unit
         role = Role.SHADOW if self.shadow_mode else Role.QUOTA if self.quota_mode else Role.ENFORCED
         object.__setattr__(self, "unit_seconds", seconds)
@@ -98,6 +110,8 @@ class DescriptorNode:
     share_threshold: bool = False
     more: tuple[RateLimitRule, ...] = ()
     """Further limits of the node (``rate_limits``), enforced together with :attr:`rule`."""
+    value_to_metric: bool = False
+    """Put the request's value of this entry in the stat key (envoyproxy/ratelimit's flag)."""
 
     @property
     def counts_each_value(self) -> bool:
@@ -141,6 +155,11 @@ class DomainConfig:
     warns: bool = False
     """Whether any rule of the domain has ``warn_at``: the request path looks for soft
     limits only then."""
+    replace_refs: tuple[tuple[str, str, int, str], ...] = ()
+    """Every ``replaces`` name as ``(name, file, line, path)``: checked against the merged
+    domain when files are merged (``--merge-domain-config``)."""
+    sources: tuple[str, ...] = ()
+    """Every file the domain was read from (several when merged); empty: just :attr:`source`."""
 
 
 @dataclass(frozen=True, slots=True)

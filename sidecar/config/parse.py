@@ -22,7 +22,7 @@ from sidecar.config.model import (
 )
 from sidecar.config.yaml_source import MarkedMapping
 from sidecar.limiter.algorithms import ALGORITHM_NAMES, Algorithm, emission_interval_us
-from sidecar.limiter.windows import UNIT_NAMES, Unit
+from sidecar.limiter.windows import CALENDAR_MONTH, UNIT_NAMES, Unit
 
 ROOT_FIELDS = frozenset({"domain", "descriptors", "metadata"})
 DESCRIPTOR_FIELDS = frozenset(
@@ -37,6 +37,7 @@ DESCRIPTOR_FIELDS = frozenset(
         "share_threshold",
         "quota_mode",
         "metadata",
+        "value_to_metric",
     }
 )
 RATE_LIMIT_FIELDS = frozenset(
@@ -51,9 +52,10 @@ RATE_LIMIT_FIELDS = frozenset(
         "unit_multiplier",
         "burst",
         "ban_duration",
+        "count_past_limit",
     }
 )
-FLAG_FIELDS = ("shadow_mode", "detailed_metric", "share_threshold", "quota_mode")
+FLAG_FIELDS = ("shadow_mode", "detailed_metric", "share_threshold", "quota_mode", "value_to_metric")
 MAX_REQUESTS_PER_UNIT = 2**32 - 1
 """The proto carries ``requests_per_unit`` as uint32."""
 MAX_WINDOW_SECONDS = 100 * 365 * 86_400
@@ -71,16 +73,22 @@ PathStep = tuple[str, str | None]
 class DomainParser:
     """Validates one file's document; collects issues instead of stopping at the first."""
 
-    def __init__(self, file: str) -> None:
+    def __init__(self, file: str, *, calendar_months: bool = False) -> None:
         self.file = file
+        self.calendar_months = calendar_months
+        """``--calendar-months``: a ``month`` window is the UTC calendar month."""
         self.issues: list[ConfigIssue] = []
         self.rules: list[RateLimitRule] = []
         self.domain = ""
         self._replace_refs: list[tuple[str, int, str]] = []
         """Every ``replaces`` name with its line and path, checked once all rules are known."""
 
-    def parse(self, document: Any) -> DomainConfig | None:
-        """Return the domain, or None when any issue was found."""
+    def parse(self, document: Any, *, check_replaces: bool = True) -> DomainConfig | None:
+        """Return the domain, or None when any issue was found.
+
+        ``check_replaces=False`` leaves the ``replaces`` names to be checked against the
+        whole domain once its files are merged (they are in :attr:`DomainConfig.replace_refs`).
+        """
         if not isinstance(document, MarkedMapping):
             kind = "an empty file" if document is None else type(document).__name__
             self._issue(1, "", f"expected a mapping with 'domain' and 'descriptors', got {kind}")
@@ -93,11 +101,15 @@ class DomainParser:
             self.domain = domain
         root = Level()
         self._parse_level(document, "descriptors", "", [], root)
-        self._check_replaces(document.line)
+        if check_replaces:
+            self._check_replaces(document.line)
         if self.issues:
             return None
         warns = any(rule.warn_at is not None for rule in self.rules)
-        return DomainConfig(self.domain, root, self.file, tuple(self.rules), document.line_of("domain"), warns)
+        refs = tuple((name, self.file, line, field) for name, line, field in self._replace_refs)
+        return DomainConfig(
+            self.domain, root, self.file, tuple(self.rules), document.line_of("domain"), warns, refs, (self.file,)
+        )
 
     def _parse_level(
         self,
@@ -106,6 +118,8 @@ class DomainParser:
         path: str,
         config_path: list[PathStep],
         level: Level,
+        *,
+        values_in_stats: bool = False,
     ) -> None:
         where = f"{path}.{field}" if path else field
         items = parent.get(field)
@@ -115,7 +129,12 @@ class DomainParser:
             self._issue(parent.line_of(field), where, "must be a list of descriptors")
             return
         if len(config_path) >= MAX_DEPTH:
-            self._issue(parent.line_of(field), where, f"descriptors nested deeper than {MAX_DEPTH}")
+            self._issue(
+                parent.line_of(field),
+                where,
+                f"descriptors nested deeper than {MAX_DEPTH} (a limit of ours, not of envoyproxy/ratelimit: "
+                "Envoy sends a few entries per descriptor, so flatten the tree)",
+            )
             return
         seen: dict[PathStep, int] = {}
         for index, item in enumerate(items):
@@ -123,7 +142,7 @@ class DomainParser:
             if not isinstance(item, MarkedMapping):
                 self._issue(parent.line_of(field), item_path, "must be a mapping with a 'key'")
                 continue
-            node = self._parse_descriptor(item, item_path, config_path, seen)
+            node = self._parse_descriptor(item, item_path, config_path, seen, values_in_stats)
             if node is not None:
                 level.add(node)
 
@@ -133,6 +152,7 @@ class DomainParser:
         path: str,
         config_path: list[PathStep],
         seen: dict[PathStep, int],
+        values_in_stats: bool,
     ) -> DescriptorNode | None:
         self._unknown_fields(item, DESCRIPTOR_FIELDS, path)
         key = item.get("key")
@@ -154,16 +174,36 @@ class DomainParser:
             self._issue(item.line, path, f"duplicate descriptor {shown!r} (first on line {seen[step]})")
         seen[step] = item.line
         node_path = [*config_path, step]
-        rules = self._node_limits(item, path, node_path, flags)
+        values_in_stats = values_in_stats or flags["value_to_metric"]
+        metadata = self._metadata(item, path)
+        rules = self._node_limits(item, path, node_path, flags, (metadata, values_in_stats))
         children = Level()
-        self._parse_level(item, "descriptors", path, node_path, children)
+        self._parse_level(item, "descriptors", path, node_path, children, values_in_stats=values_in_stats)
         if key is None:
             return None
         rule = rules[0] if rules else None
-        return DescriptorNode(key, value, rule, children, wildcard, flags["share_threshold"], tuple(rules[1:]))
+        return DescriptorNode(
+            key, value, rule, children, wildcard, flags["share_threshold"], tuple(rules[1:]), flags["value_to_metric"]
+        )
+
+    def _metadata(self, item: MarkedMapping, path: str) -> dict[str, Any] | None:
+        """``metadata``: a mapping of JSON values, carried on the node's rules."""
+        if "metadata" not in item:
+            return None
+        value, line = item["metadata"], item.line_of("metadata")
+        problem = json_problem(value, top=True)
+        if problem is not None:
+            self._issue(line, f"{path}.metadata", f"{problem} (metadata becomes a google.protobuf.Struct)")
+            return None
+        return plain_json(value)  # type: ignore[no-any-return]
 
     def _node_limits(
-        self, item: MarkedMapping, path: str, node_path: list[PathStep], flags: dict[str, bool]
+        self,
+        item: MarkedMapping,
+        path: str,
+        node_path: list[PathStep],
+        flags: dict[str, bool],
+        carried: tuple[dict[str, Any] | None, bool],
     ) -> list[RateLimitRule]:
         """``rate_limit`` and every entry of ``rate_limits`` (an extension), in that order.
 
@@ -184,7 +224,7 @@ class DomainParser:
                 blocks += [(entry, f"{path}.rate_limits[{index}]", line) for index, entry in enumerate(entries)]
         rules: list[RateLimitRule] = []
         for block, where, line in blocks:
-            rule = self._parse_rate_limit(block, where, line, node_path, flags)
+            rule = self._parse_rate_limit(block, where, line, node_path, flags, carried=carried)
             if rule is not None:
                 rules.append(rule)
         self._check_limits_together(rules)
@@ -241,6 +281,8 @@ class DomainParser:
         line: int,
         node_path: list[PathStep],
         flags: dict[str, bool],
+        *,
+        carried: tuple[dict[str, Any] | None, bool],
     ) -> RateLimitRule | None:
         if not isinstance(block, MarkedMapping):
             self._issue(line, where, "must be a mapping")
@@ -257,6 +299,13 @@ class DomainParser:
         multiplier = self._unit_multiplier(block, where, unit, unlimited)
         burst = self._burst(block, where, named, requests)
         ban_seconds = self._ban_duration(block, where, unlimited)
+        count_past = self._flag(block, "count_past_limit", where)
+        if count_past and unlimited:
+            self._issue(
+                block.line_of("count_past_limit"),
+                f"{where}.count_past_limit",
+                "must not be set when unlimited (nothing is counted)",
+            )
         # Only a rate written as 0: an invalid one has its own issue already.
         written = block.get("requests_per_unit")
         if algorithm is Algorithm.TOKEN_BUCKET and type(written) is int and written == 0:
@@ -265,7 +314,8 @@ class DomainParser:
                 f"{where}.requests_per_unit",
                 "must be at least 1 for a token_bucket (it is the refill rate)",
             )
-        seconds = unit.seconds * multiplier if unit else 0
+        calendar = self._calendar(block, where, unit, multiplier, algorithm)
+        seconds = CALENDAR_MONTH if calendar else unit.seconds * multiplier if unit else 0
         interval = (
             emission_interval_us(seconds, requests)
             if algorithm is Algorithm.TOKEN_BUCKET and requests and seconds
@@ -291,6 +341,10 @@ class DomainParser:
             interval_us=interval,
             ban_seconds=ban_seconds,
             where=where,
+            count_past=count_past,
+            calendar=calendar,
+            metadata=carried[0],
+            values_in_stats=carried[1],
         )
         self.rules.append(rule)
         return rule
@@ -316,16 +370,47 @@ class DomainParser:
             )
             return None
 
+    def _calendar(
+        self, block: MarkedMapping, where: str, unit: Unit | None, multiplier: int, algorithm: Algorithm
+    ) -> bool:
+        """Whether the window is the UTC calendar month; refuses what such a window cannot be."""
+        if unit is not None and unit.seconds * multiplier == CALENDAR_MONTH:
+            self._issue(
+                block.line_of("unit_multiplier"),
+                f"{where}.unit_multiplier",
+                f"a window of exactly {CALENDAR_MONTH} s is reserved for calendar months: use another multiplier",
+            )
+        if not self.calendar_months or unit is not Unit.MONTH:
+            return False
+        if multiplier != 1:
+            self._issue(
+                block.line_of("unit_multiplier"),
+                f"{where}.unit_multiplier",
+                "calendar months (--calendar-months) come one at a time: remove unit_multiplier, or use unit: day",
+            )
+        if algorithm is not Algorithm.FIXED_WINDOW:
+            self._issue(
+                block.line_of("algorithm"),
+                f"{where}.algorithm",
+                "calendar months (--calendar-months) are fixed windows: remove the algorithm, or use unit: day",
+            )
+        return True
+
     def _requests_per_unit(self, block: MarkedMapping, where: str, unlimited: bool) -> int:
         field = f"{where}.requests_per_unit"
         if "requests_per_unit" not in block:
             if not unlimited:
-                self._issue(block.line, field, "is required")
+                # envoyproxy/ratelimit reads a missing number as 0: every request refused.
+                self._issue(
+                    block.line,
+                    field,
+                    "is required (write 0 to refuse every request, as a missing one does in envoyproxy/ratelimit)",
+                )
             return 0
         value = block["requests_per_unit"]
         line = block.line_of("requests_per_unit")
         if unlimited:
-            self._issue(line, field, "must not be set when unlimited")
+            self._issue(line, field, "must not be set when unlimited (remove it, or remove unlimited)")
             return 0
         if isinstance(value, bool) or not isinstance(value, int):
             self._issue(line, field, f"must be a whole number, got {value!r}")
@@ -418,7 +503,7 @@ class DomainParser:
             return None
         name = block["name"]
         if not isinstance(name, str) or not name:
-            self._issue(block.line_of("name"), f"{where}.name", "must be a non-empty string")
+            self._issue(block.line_of("name"), f"{where}.name", "must be a non-empty string (remove it for no name)")
             return None
         return name
 
@@ -452,14 +537,20 @@ class DomainParser:
         names = {rule.name for rule in self.rules if rule.name}
         for name, ref_line, field in self._replace_refs:
             if name not in names:
-                self._issue(ref_line or line, field, f"no rate_limit in this domain is named {name!r}")
+                self._issue(
+                    ref_line or line,
+                    field,
+                    unknown_replace(name),
+                )
 
     def _unknown_fields(self, mapping: MarkedMapping, allowed: frozenset[str], path: str) -> None:
         for key in mapping:
             if key not in allowed:
                 where = f"{path}.{key}" if path else str(key)
                 expected = ", ".join(sorted(allowed))
-                self._issue(mapping.line_of(key), where, f"unknown field (expected one of {expected})")
+                self._issue(
+                    mapping.line_of(key), where, f"unknown field (expected one of {expected}): fix or remove it"
+                )
 
     def _issue(self, line: int, path: str, message: str) -> None:
         self.issues.append(ConfigIssue(self.file, line, path, message))
@@ -474,3 +565,42 @@ def parse_duration(value: Any) -> int | None:
     if isinstance(value, str) and DURATION.fullmatch(value.strip()):
         return sum(int(number) * DURATION_UNITS[unit] for number, unit in DURATION_PART.findall(value))
     return None
+
+
+JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def json_problem(value: Any, *, top: bool = False, depth: int = 0) -> str | None:
+    """Why ``value`` is not a JSON object (``top``) or value, or None when it is."""
+    problem: str | None = None
+    if depth > MAX_DEPTH:
+        problem = f"nested deeper than {MAX_DEPTH}"
+    elif isinstance(value, dict):
+        keys = [key for key in value if not isinstance(key, str)]
+        problem = f"keys must be strings, got {keys[0]!r}" if keys else None
+        items = list(value.values())
+    elif top:
+        problem = f"must be a mapping, got {type(value).__name__}"
+    elif isinstance(value, list):
+        items = value
+    elif not isinstance(value, JSON_SCALARS):
+        problem = f"holds a {type(value).__name__}, which is not a JSON value (quote it)"
+    if problem is None and isinstance(value, dict | list):
+        problem = next((found for found in (json_problem(item, depth=depth + 1) for item in items) if found), None)
+    return problem
+
+
+def plain_json(value: Any) -> Any:
+    """``value`` with :class:`MarkedMapping` turned into plain dicts."""
+    if isinstance(value, dict):
+        return {key: plain_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain_json(item) for item in value]
+    return value
+
+
+def unknown_replace(name: str) -> str:
+    """The issue of a ``replaces`` entry naming no rule (a check envoyproxy/ratelimit does not make)."""
+    return (
+        f"no rate_limit in this domain is named {name!r}: it would replace nothing (fix the name, or remove the entry)"
+    )

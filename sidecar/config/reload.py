@@ -36,7 +36,7 @@ from pathlib import Path
 import structlog
 
 from sidecar.config.errors import ConfigError
-from sidecar.config.load import config_files, load_config
+from sidecar.config.load import DEFAULT_OPTIONS, LoadOptions, config_files, load_config
 from sidecar.config.model import RateLimitConfig
 from sidecar.config.yaml_source import MAX_FILE_BYTES
 
@@ -85,7 +85,9 @@ def settle_after_load() -> None:
         gc.freeze()
 
 
-def load_quietly(path: str | Path, mode: str | None = None, max_bytes: int = MAX_FILE_BYTES) -> RateLimitConfig:
+def load_quietly(
+    path: str | Path, mode: str | None = None, max_bytes: int = MAX_FILE_BYTES, options: LoadOptions = DEFAULT_OPTIONS
+) -> RateLimitConfig:
     """:func:`load_config` with full collections paused, and the GIL handed over more often
     (:data:`LOAD_SWITCH_INTERVAL`) so the event loop waits less for it: for a worker thread."""
     interval = sys.getswitchinterval()
@@ -93,7 +95,7 @@ def load_quietly(path: str | Path, mode: str | None = None, max_bytes: int = MAX
         sys.setswitchinterval(min(interval, LOAD_SWITCH_INTERVAL))
     try:
         with full_collections_paused():
-            return load_config(path, mode, max_bytes)
+            return load_config(path, mode, max_bytes, options)
     finally:
         sys.setswitchinterval(interval)
 
@@ -130,9 +132,12 @@ class ConfigReloader:
         mode: str | None = None,
         *,
         max_bytes: int = MAX_FILE_BYTES,
+        options: LoadOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.path = path
         self.mode = mode
+        self.options = options
+        """Merging domains, calendar months: as the startup load had them."""
         """The Redis mode enforcing the config (see :func:`~sidecar.config.load.mode_issues`)."""
         self.max_bytes = max_bytes
         """``--max-config-bytes``: a larger file is refused before it is read."""
@@ -148,7 +153,7 @@ class ConfigReloader:
                 log.debug("config_unchanged", trigger=trigger, parsed=False, config_digest=self.current().digest[:12])
                 return False
             try:
-                config = await asyncio.to_thread(load_quietly, self.path, self.mode, self.max_bytes)
+                config = await asyncio.to_thread(load_quietly, self.path, self.mode, self.max_bytes, self.options)
             except ConfigError as error:
                 self._refuse(trigger, [str(issue) for issue in error.issues])
                 return False

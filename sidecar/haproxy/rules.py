@@ -62,6 +62,11 @@ def rule_problem(rule: RateLimitRule, flavour: Flavour) -> str | None:
         return None
     if rule.quota_mode:
         return "quota_mode (reject only when every quota descriptor is over) is not exported"
+    if rule.count_past:
+        return (
+            "count_past_limit (costs reported after the response, counted past the limit) is not exported: "
+            "HAProxy counts one hit per request and has no response-phase cost"
+        )
     if rule.algorithm is Algorithm.TOKEN_BUCKET:
         return (
             f"algorithm token_bucket (burst {rule.burst}, refilled at {rate_of(rule)}): HAProxy 2.6 has no token "

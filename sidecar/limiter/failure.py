@@ -145,7 +145,7 @@ class FailurePolicy:
     ) -> tuple[Decision, tuple[int, ...]]:
         self.decisions += 1
         decision = self._decide_locally(checks, now) if self.mode == "local" else self._without_counting(checks)
-        if not decision.admitted:
+        if not decision.admitted and not any(check.count_past for check in checks):
             return decision, (0,) * len(checks)
         _, _, consume = decide(checks, decision.counts, decision.limits, self.admit_all)
         spent = tuple(check.hits if spend else 0 for check, spend in zip(checks, consume, strict=True))

@@ -97,7 +97,7 @@ class MemoryLimiter:
         counts = self._would_be_counts(checks, windows)
         limits = tuple(share_of_limit(check.limit, self.instances) for check in checks)
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
-        if admitted:
+        if admitted or True in consume:  # refused: only count_past_limit checks consume
             for check, window, spend in zip(checks, windows, consume, strict=True):
                 if spend and check.hits:
                     self._add(window, check.key, check.hits)
@@ -111,7 +111,7 @@ class MemoryLimiter:
         counts, states = self._extended_counts(checks, now)
         limits = tuple(share_of_limit(check.limit, self.instances) for check in checks)
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
-        if admitted:
+        if admitted or True in consume:
             for check, state, spend in zip(checks, states, consume, strict=True):
                 if spend and check.hits:
                     self._spend(check, state, now)

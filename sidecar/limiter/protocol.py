@@ -3,7 +3,10 @@
 A request is all-or-nothing: if any enforced descriptor is over its limit, no
 descriptor of that request consumes hits, so a counter always equals the hits that
 were admitted against it (envoyproxy/ratelimit increments every counter even for a
-rejected request, issues #440 and #1060). Backends differ only in where counts live;
+rejected request, issues #440 and #1060). The one exception is a rule with
+``count_past_limit``: its hits are a cost already incurred (a response's tokens,
+reported with ``apply_on_stream_done``), so they are always added, and a check with
+0 hits on that counter is then refused until the window ends. Backends differ only in where counts live;
 they all apply :func:`decide` to the counts they see, so the policy lives in one place.
 """
 
@@ -58,6 +61,9 @@ class Check(NamedTuple):
     """Token bucket only: microseconds per token (GCRA's emission interval)."""
     ban_seconds: int = 0
     """``ban_duration``: once over, the counter refuses everything for this long."""
+    count_past: bool = False
+    """``count_past_limit``: its hits are added whatever the verdict, even past the limit
+    and in a refused request (a cost already incurred, such as a response's tokens)."""
 
 
 class Decision(NamedTuple):
@@ -125,7 +131,8 @@ def decide(
     Returns ``(admitted, over, consume)``: whether the request passes, which checks
     are over their limit, and which counters must add their hits. ``admit_all`` is
     global shadow mode: verdicts are still computed but every request passes, and
-    since every request is then admitted every check consumes.
+    since every request is then admitted every check consumes. A ``count_past`` check
+    (``count_past_limit``) always consumes: the one exception to all-or-nothing.
     """
     over = tuple(count > limit for count, limit in zip(counts, limits, strict=True))
     blocked = False
@@ -139,7 +146,7 @@ def decide(
             quota_all_over = quota_all_over and is_over
     admitted = admit_all or not (blocked or (quota_seen and quota_all_over))
     consume = tuple(
-        admitted and (admit_all or not is_over or check.role is Role.SHADOW)
+        (admitted and (admit_all or not is_over or check.role is Role.SHADOW)) or check.count_past
         for check, is_over in zip(checks, over, strict=True)
     )
     return admitted, over, consume

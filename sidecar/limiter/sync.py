@@ -398,7 +398,7 @@ class SyncLimiter:
     ) -> Decision:
         """Run the shared admission rule and record admitted hits as pending."""
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
-        if admitted:
+        if admitted or True in consume:  # refused: only count_past_limit checks consume
             for check, counter, spend in zip(checks, counters, consume, strict=True):
                 if spend and check.hits and not counter.remembered:
                     self._drop(check.hits)

@@ -66,9 +66,11 @@ def lowered_check(check: Check, own: int, previous_part: int | None) -> Check:
     total is unknown goes as a sliding window and the script weighs the previous
     window itself.
     """
+    # Not clamped at 0: hits counted past the limit (count_past_limit) can leave less
+    # than nothing, and a check of 0 hits must then still be over.
     if previous_part is None:
-        return check._replace(limit=max(0, check.limit - own))
-    lowered = max(0, check.limit - own - previous_part)
+        return check._replace(limit=check.limit - own)
+    lowered = check.limit - own - previous_part
     return check._replace(limit=lowered, algorithm=Algorithm.FIXED_WINDOW)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -41,6 +41,8 @@ from sidecar.service.servicer import RateLimitService, Refusal
 log = structlog.get_logger(__name__)
 
 PATH = "/json"
+HEALTH_PATH = "/healthcheck"
+"""envoyproxy/ratelimit's health check on its HTTP port: 200 ``OK``, 500 while not serving."""
 MAX_BODY_BYTES = 64 * 1024
 """Largest body parsed. JSON is parsed in Python on the event loop, so the cap also bounds
 how long one request can hold it (about a millisecond per 10 KiB); every request the
@@ -177,8 +179,11 @@ class JsonEndpoint:
         read_timeout: float = READ_TIMEOUT,
         idle_timeout: float = IDLE_TIMEOUT,
         max_body: int = MAX_BODY_BYTES,
+        serving: Callable[[], bool] = lambda: True,
     ) -> None:
         self.service = service
+        self.serving = serving
+        """Whether ``GET /healthcheck`` answers 200 (envoyproxy/ratelimit's health path on its HTTP port)."""
         self.max_connections = max_connections
         self.read_timeout = read_timeout
         self.idle_timeout = idle_timeout
@@ -234,6 +239,8 @@ class JsonEndpoint:
             return received
         head, body = received
         close = not keep_alive(head)
+        if head.path.split("?", 1)[0] == HEALTH_PATH and head.method in ("GET", "HEAD"):
+            return Answer(200, b"OK", close) if self.serving() else Answer(500, b"NOT_SERVING", close)
         if head.path != PATH:
             return Answer(404, error_body("NOT_FOUND", f"the decision endpoint is POST {PATH}"), close)
         if head.method != "POST":

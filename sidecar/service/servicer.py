@@ -25,12 +25,14 @@ from sidecar.config.match import (
     drop_replaced,
     match_descriptor,
     override_rule,
+    value_stat_key,
 )
-from sidecar.config.model import RateLimitConfig
+from sidecar.config.model import DomainConfig, RateLimitConfig
 from sidecar.limiter.protocol import Check, Decision, Limiter
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import ServiceStats
 from sidecar.service.headers import HeaderNames, ResponseHeaders
+from sidecar.service.metadata import dynamic_metadata_field, response_metadata
 from sidecar.service.reported import Applied, reported_index
 from sidecar.service.validate import request_problem
 from sidecar.service.wire import (
@@ -77,6 +79,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         *,
         response_headers: bool = False,
         header_names: HeaderNames | None = None,
+        dynamic_metadata: bool = False,
     ) -> None:
         self.config = config
         """Swapped as a whole on reload; the handler reads it once per request."""
@@ -91,6 +94,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self.response_headers = response_headers
         """``--response-headers``: the one flag the request path checks (with the domain's soft limits)."""
         self.headers = ResponseHeaders(header_names or HeaderNames(), response_headers)
+        self.dynamic_metadata = dynamic_metadata
+        """``--response-dynamic-metadata``: answer with envoyproxy/ratelimit's dynamic metadata."""
         self.tracing: Tracing | None = None
         """OpenTelemetry spans (sidecar.tracing), set by the server when OTEL_* turns them on;
         with it None the request path pays this one attribute check."""
@@ -146,7 +151,10 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         domain = config.domains.get(request.domain)
         descriptors = request.descriptors
         if domain is None:
-            return True, overall(True) + PLAIN_OK_STATUS * len(descriptors)
+            response = overall(True) + PLAIN_OK_STATUS * len(descriptors)
+            if self.dynamic_metadata:
+                response += dynamic_metadata_field(response_metadata(request, (), None))
+            return True, response
         matches = drop_replaced(
             [
                 override_rule(domain.name, descriptor)
@@ -156,9 +164,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             ]
         )
         now = self.clock()
-        checks, applied = self._checks(request, matches)
+        checks, applied = self._checks(request, matches, domain)
         if not checks:
-            return True, self._respond([], applied, None, now, True)
+            response = self._respond([], applied, None, now, True)
+            if self.dynamic_metadata:
+                response += dynamic_metadata_field(response_metadata(request, applied, None))
+            return True, response
         decision = await self.limiter.check(checks, now)
         self._record(checks, applied, decision, now)
         if self.log_every and self.stats.requests % self.log_every == 0:
@@ -168,6 +179,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         if self.response_headers or domain.warns:
             headers = self.headers.pairs(checks, applied, decision, now, warns=domain.warns, stats=self.stats.rules)
             response += headers_fields(headers)
+        if self.dynamic_metadata:
+            response += dynamic_metadata_field(response_metadata(request, applied, decision))
         return admitted, response
 
     def _record(
@@ -187,7 +200,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     limit=decision.limits[index],
                 )
 
-    def _checks(self, request: Any, matches: Sequence[Match | None]) -> tuple[list[Check], list[Applied | None]]:
+    def _checks(
+        self, request: Any, matches: Sequence[Match | None], domain: DomainConfig
+    ) -> tuple[list[Check], list[Applied | None]]:
         default_hits = request.hits_addend or 1
         rule_stats = self.stats.rules
         checks: list[Check] = []
@@ -203,6 +218,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
             if rule.detailed_metric:  # request values in the key: the row expires when idle
                 row = rule_stats.row(detailed_stat_key(rule.domain, descriptor), rule.domain, minted=True)
+            elif rule.values_in_stats and rule.source != OVERRIDE_SOURCE:  # value_to_metric: likewise
+                row = rule_stats.row(value_stat_key(domain, descriptor.entries), rule.domain, minted=True)
             else:  # request overrides (keys chosen by the client) expire too
                 row = rule_stats.row(rule.stat_key, rule.domain, minted=rule.source == OVERRIDE_SOURCE)
             more = tuple(extra.rule for extra in match.more)
@@ -220,6 +237,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                         rule.algorithm,
                         rule.interval_us,
                         rule.ban_seconds,
+                        rule.count_past,
                     )
                 )
         return checks, applied
@@ -259,7 +277,15 @@ def check_of(match: Match, hits: int) -> Check:
     """The check one limit of a matched descriptor asks the backend for."""
     rule = match.rule
     return Check(
-        match.key, rule.unit_seconds, rule.limit, hits, rule.role, rule.algorithm, rule.interval_us, rule.ban_seconds
+        match.key,
+        rule.unit_seconds,
+        rule.limit,
+        hits,
+        rule.role,
+        rule.algorithm,
+        rule.interval_us,
+        rule.ban_seconds,
+        rule.count_past,
     )
 
 

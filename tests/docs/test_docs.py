@@ -28,6 +28,16 @@ def test_settings_table_matches_the_code() -> None:
     assert module.with_settings_table(text) == text, "run: .venv/bin/python scripts/update_docs.py"
 
 
+def test_reference_variables_table_matches_the_code() -> None:
+    """docs/migrating.md lists every envoyproxy/ratelimit variable as sidecar/reference_env.py maps it."""
+    module = update_docs()
+    page = DOCS / "migrating.md"
+    assert page == module.MIGRATING
+    text = page.read_text()
+    assert module.REFERENCE_START in text and module.REFERENCE_END in text, f"{page.name}: markers are missing"
+    assert module.with_reference_table(text) == text, "run: .venv/bin/python scripts/update_docs.py"
+
+
 @pytest.mark.parametrize("page", pages(), ids=lambda page: str(page.relative_to(ROOT)))
 def test_relative_links_point_to_existing_files_and_headings(page: Path) -> None:
     text = page.read_text()

@@ -66,7 +66,10 @@ def scrape(service: RateLimitService) -> dict[tuple[str, tuple[tuple[str, str], 
 
 
 def rule(stat: str, key: str, domain: str = "m") -> tuple[str, tuple[tuple[str, str], ...]]:
-    return (f"ratelimit_service_rate_limit_{stat}", (("domain", domain), ("key", key)))
+    """A per-rule series: ``key`` plus the reference's ``key1`` and ``key2`` (its first two parts)."""
+    first, _, rest = key.partition(".")
+    labels = (("domain", domain), ("key", key), ("key1", first), ("key2", rest.partition(".")[0]))
+    return (f"ratelimit_service_rate_limit_{stat}", labels)
 
 
 async def test_per_rule_counts_follow_envoyproxy_ratelimit(service: RateLimitService) -> None:

@@ -84,6 +84,7 @@ def decide_arguments(
             start,
             check.interval_us,
             check.ban_seconds,
+            int(check.count_past),
         )
     for hits, expire_at in pending.values():
         args += (hits, expire_at)

@@ -64,7 +64,7 @@ def verdict(
     if script is None or script == admitted:
         return admitted, over, consume
     spent = tuple(
-        script and (admit_all or not is_over or check.role is Role.SHADOW)
+        (script and (admit_all or not is_over or check.role is Role.SHADOW)) or check.count_past
         for check, is_over in zip(checks, over, strict=True)
     )
     return script, over, spent

@@ -458,7 +458,7 @@ LIMIT_ERRORS: dict[str, tuple[str, str, str]] = {
     "typo of a new field": (
         "{unit: second, requests_per_unit: 5, ban_durations: 10}",
         "ban_durations",
-        "unknown field (expected one of algorithm, ban_duration, burst, name, replaces, requests_per_unit,",
+        "unknown field (expected one of algorithm, ban_duration, burst, count_past_limit, name, replaces,",
     ),
     "ban_duration as quoted digits": (
         '{unit: second, requests_per_unit: 5, ban_duration: "45"}',

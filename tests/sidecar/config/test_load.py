@@ -114,7 +114,10 @@ def test_duplicate_domain_across_two_files(tmp_path):
     assert len(error.issues) == 1
     issue = error.issues[0]
     assert (issue.file, issue.line, issue.path) == (str(second), 2, "domain")
-    assert str(issue) == (f"{second}:2: domain: duplicate domain 'shared' (also in {first}:1)")
+    assert str(issue) == (
+        f"{second}:2: domain: duplicate domain 'shared' (also in {first}:1): "
+        "set --merge-domain-config (MERGE_DOMAIN_CONFIG=true) to merge the files of one domain"
+    )
 
 
 def test_errors_from_several_files_are_all_listed(tmp_path):

@@ -876,3 +876,17 @@ def test_a_route_without_a_tracker_for_the_ban_still_enforces_running_bans(tmp_p
         line for line in lines if " deny " in line and "table_gpt(0,rl_t_fixed_bans),sub(txn.rl_now) gt 0" in line
     ]
     assert [line.split(" if ")[1].split(" {")[0] for line in banned] == ["rl_route0 rl_has_k", "rl_route1 rl_has_k"]
+
+
+def test_costs_counted_past_the_limit_are_not_exported() -> None:
+    from sidecar.config.load import parse_text
+    from sidecar.haproxy.rules import rule_problem
+
+    text = (
+        "domain: t\ndescriptors:\n"
+        "  - {key: user, rate_limit: {unit: hour, requests_per_unit: 9, count_past_limit: true}}\n"
+    )
+    domain, _ = parse_text(text, "t.yaml")
+    assert domain is not None
+    problem = rule_problem(domain.rules[0], "fixed")
+    assert problem is not None and problem.startswith("count_past_limit")

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from sidecar.config.model import RateLimitRule
 from sidecar.limiter.windows import Unit
+from sidecar.service.metadata import dynamic_metadata_field
 from sidecar.service.wire import (
     CODE_OK,
     CODE_OVER_LIMIT,
@@ -29,6 +30,12 @@ from sidecar.service.wire import (
 Response = rls_pb2.RateLimitResponse
 UINT32 = st.integers(min_value=0, max_value=2**32 - 1)
 HEADER_TEXT = st.text(max_size=40)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+METADATA = st.none() | st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4)
 
 
 def rule(name: str | None = "per_user", requests_per_unit: int = 20, unit: Unit = Unit.SECOND) -> RateLimitRule:
@@ -43,7 +50,7 @@ def rule(name: str | None = "per_user", requests_per_unit: int = 20, unit: Unit 
         quota_mode=False,
         detailed_metric=False,
         stat_key="svc.user",
-        counter_id=f"svc\0user\0{name}\0{requests_per_unit}",
+        counter_id=f"svc\0user\0{name}\0{requests_per_unit}\0{unit.seconds}",  # as real ids, the window in it
         source="test.yaml:1",
     )
 
@@ -78,8 +85,9 @@ def test_the_varint_table_ends_where_the_loop_takes_over():
         max_size=6,
     ),
     headers=st.lists(st.tuples(HEADER_TEXT, HEADER_TEXT), max_size=4),
+    metadata=METADATA,
 )
-def test_responses_are_byte_for_byte_what_protobuf_writes(admitted, statuses, headers):
+def test_responses_are_byte_for_byte_what_protobuf_writes(admitted, statuses, headers, metadata):
     parts = StatusParts()
     expected = Response(overall_code=OK if admitted else OVER_LIMIT)
     written = [overall(admitted)]
@@ -104,7 +112,11 @@ def test_responses_are_byte_for_byte_what_protobuf_writes(admitted, statuses, he
     for name, value in headers:
         expected.response_headers_to_add.add(key=name, value=value)
     written.append(headers_fields(headers))
-    assert b"".join(written) == expected.SerializeToString()
+    if metadata is not None:  # dynamic_metadata (--response-dynamic-metadata): a Struct, map keys sorted
+        expected.dynamic_metadata.update(metadata)
+        written.append(dynamic_metadata_field(metadata))
+    assert b"".join(written) == expected.SerializeToString(deterministic=True)
+    assert Response.FromString(b"".join(written)) == expected
 
 
 def test_a_zero_reset_is_an_empty_duration_that_is_still_present():

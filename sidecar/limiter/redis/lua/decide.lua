@@ -8,7 +8,7 @@
 -- ARGV: admit_all (0|1), n, now in Unix microseconds (0: Redis TIME), grace seconds,
 --       then per check: limit, hits, role (0 enforced, 1 shadow, 2 quota), expire_at,
 --       algorithm (0 fixed, 1 sliding, 2 token bucket), unit seconds, window start,
---       interval in microseconds (token bucket), ban seconds,
+--       interval in microseconds (token bucket), ban seconds, count past limit (0|1),
 --       then per pending add: hits, expire_at.
 -- Reply: {admitted (0|1), count of each check..., total of each pending key...}, then,
 --        if any check has a ban duration, when each check's ban ends (Unix seconds; 0
@@ -26,6 +26,8 @@
 -- in use once the request takes its hits (the TAT moves one interval per hit). A banned
 -- counter counts limit + max(1, hits): over, whatever it holds. Over checks with a ban
 -- duration are banned afterwards, unless a ban is running (it is not extended).
+-- A check that counts past its limit (count_past_limit) adds its hits whatever the
+-- verdict: the one exception to all-or-nothing.
 --
 -- The clock is Redis TIME unless the caller passes one: every replica then charges and
 -- refills token buckets on one clock (scripts are replicated by their effects, so TIME
@@ -41,7 +43,7 @@
 -- so expiry costs one call per key and window; a bucket's key expires once it is full.
 
 local HEADER = 4
-local STRIDE = 9
+local STRIDE = 10
 local admit_all = ARGV[1] == '1'
 local n = tonumber(ARGV[2])
 local given_now = tonumber(ARGV[3])
@@ -206,16 +208,16 @@ end
 local admitted = admit_all or not (blocked or (quota_seen and quota_all_over))
 if admitted then
   reply[1] = 1
-  for i = 1, n do
-    local at = HEADER + STRIDE * (i - 1)
-    local spend = admit_all or not over[i] or ARGV[at + 3] == '1'
-    if spend and tonumber(ARGV[at + 2]) > 0 then
-      if ARGV[at + 5] == '2' then
-        local expires = math.ceil(tats[i] / 1000) + 1000 * grace
-        redis.call('SET', KEYS[3 * i - 2], digits(tats[i]), 'PXAT', digits(expires))
-      else
-        add(KEYS[3 * i - 2], ARGV[at + 2], ARGV[at + 4])
-      end
+end
+for i = 1, n do
+  local at = HEADER + STRIDE * (i - 1)
+  local spend = ARGV[at + 10] == '1' or (admitted and (admit_all or not over[i] or ARGV[at + 3] == '1'))
+  if spend and tonumber(ARGV[at + 2]) > 0 then
+    if ARGV[at + 5] == '2' then
+      local expires = math.ceil(tats[i] / 1000) + 1000 * grace
+      redis.call('SET', KEYS[3 * i - 2], digits(tats[i]), 'PXAT', digits(expires))
+    else
+      add(KEYS[3 * i - 2], ARGV[at + 2], ARGV[at + 4])
     end
   end
 end

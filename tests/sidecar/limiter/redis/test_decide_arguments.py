@@ -89,9 +89,9 @@ def test_script_arguments_per_algorithm() -> None:
     ]  # fmt: skip
     assert args == [
         1, 3, 1_700_000_045_250_000, EXPIRY_GRACE_SECONDS,
-        10, 1, 0, expiries[0], 0, 60, 0, 0, 0,
-        20, 2, 1, expiries[1], 1, 60, MINUTE, 0, 0,
-        5, 3, 2, expiries[2], 2, 60, 0, INTERVAL, 30,
+        10, 1, 0, expiries[0], 0, 60, 0, 0, 0, 0,
+        20, 2, 1, expiries[1], 1, 60, MINUTE, 0, 0, 0,
+        5, 3, 2, expiries[2], 2, 60, 0, INTERVAL, 30, 0,
         4, 99,
     ]  # fmt: skip
 
