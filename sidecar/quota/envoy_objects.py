@@ -11,47 +11,51 @@ from __future__ import annotations
 
 import datetime
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import betterproto2
-from envoy_data_plane.envoy.config.core.v3 import GrpcService, GrpcServiceEnvoyGrpc
-from envoy_data_plane.envoy.config.core.v3 import TypedExtensionConfig as EnvoyTypedConfig
-from envoy_data_plane.envoy.extensions.filters.http.rate_limit_quota.v3 import (
-    RateLimitQuotaBucketSettings,
-    RateLimitQuotaBucketSettingsBucketIdBuilder,
-    RateLimitQuotaBucketSettingsBucketIdBuilderValueBuilder,
-    RateLimitQuotaBucketSettingsDenyResponseSettings,
-    RateLimitQuotaBucketSettingsExpiredAssignmentBehavior,
-    RateLimitQuotaBucketSettingsNoAssignmentBehavior,
-    RateLimitQuotaFilterConfig,
-)
-from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import HttpFilter
-from envoy_data_plane.envoy.extensions.matching.common_inputs.network.v3 import SourceIpInput
-from envoy_data_plane.envoy.type.matcher.v3 import HttpRequestHeaderMatchInput
-from envoy_data_plane.envoy.type.v3 import HttpStatus, RateLimitStrategy, RateLimitStrategyBlanketRule, StatusCode
-from envoy_data_plane.google.protobuf import Any as AnyMessage
-from envoy_data_plane.xds.core.v3 import TypedExtensionConfig
-from envoy_data_plane.xds.type.matcher.v3 import (
-    Matcher,
-    MatcherMatcherList,
-    MatcherMatcherListFieldMatcher,
-    MatcherMatcherListPredicate,
-    MatcherMatcherListPredicatePredicateList,
-    MatcherMatcherListPredicateSinglePredicate,
-    MatcherOnMatch,
-    RegexMatcher,
-    RegexMatcherGoogleRe2,
-    StringMatcher,
-)
+
+with warnings.catch_warnings():
+    # The generated classes use a pydantic idiom deprecated since pydantic 2.12: a warning per
+    # class at import, about the package and not about this code.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from envoy_data_plane.envoy.config.core.v3 import GrpcService, GrpcServiceEnvoyGrpc
+    from envoy_data_plane.envoy.config.core.v3 import TypedExtensionConfig as EnvoyTypedConfig
+    from envoy_data_plane.envoy.extensions.filters.http.rate_limit_quota.v3 import (
+        RateLimitQuotaBucketSettings,
+        RateLimitQuotaBucketSettingsBucketIdBuilder,
+        RateLimitQuotaBucketSettingsBucketIdBuilderValueBuilder,
+        RateLimitQuotaBucketSettingsDenyResponseSettings,
+        RateLimitQuotaBucketSettingsExpiredAssignmentBehavior,
+        RateLimitQuotaBucketSettingsNoAssignmentBehavior,
+        RateLimitQuotaFilterConfig,
+    )
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import HttpFilter
+    from envoy_data_plane.envoy.extensions.matching.common_inputs.network.v3 import SourceIpInput
+    from envoy_data_plane.envoy.type.matcher.v3 import HttpRequestHeaderMatchInput
+    from envoy_data_plane.envoy.type.v3 import HttpStatus, RateLimitStrategy, RateLimitStrategyBlanketRule, StatusCode
+    from envoy_data_plane.google.protobuf import Any as AnyMessage
+    from envoy_data_plane.xds.core.v3 import TypedExtensionConfig
+    from envoy_data_plane.xds.type.matcher.v3 import (
+        Matcher,
+        MatcherMatcherList,
+        MatcherMatcherListFieldMatcher,
+        MatcherMatcherListPredicate,
+        MatcherMatcherListPredicatePredicateList,
+        MatcherMatcherListPredicateSinglePredicate,
+        MatcherOnMatch,
+        RegexMatcher,
+        RegexMatcherGoogleRe2,
+        StringMatcher,
+    )
 
 Predicate = MatcherMatcherListPredicate
 Fallback = Literal["allow", "deny"]
 
 FILTER_NAME = "envoy.filters.http.rate_limit_quota"
-FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig"
-SETTINGS_TYPE = "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings"
 REPORTING_SECONDS = 5
 """Envoy 1.40 reports every 5 s whatever ``reporting_interval`` says (one message for all
 buckets); 5 s is written so that the config says what happens."""
