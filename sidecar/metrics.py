@@ -17,7 +17,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -28,6 +28,9 @@ from prometheus_client.core import (
     UnknownMetricFamily,
 )
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from sidecar.quota.registry import QuotaRegistry
 
 RULE_STATS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode", "warned")
 TOTAL_HITS, OVER_LIMIT, NEAR_LIMIT, WITHIN_LIMIT, SHADOW_MODE, WARNED = range(len(RULE_STATS))
@@ -227,13 +230,19 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
 class SidecarCollector(Collector):
     """Reads the service's and the backend's numbers when Prometheus scrapes."""
 
-    def __init__(self, stats: ServiceStats, snapshot: Callable[[], LimiterSnapshot]) -> None:
+    def __init__(
+        self, stats: ServiceStats, snapshot: Callable[[], LimiterSnapshot], quota: QuotaRegistry | None = None
+    ) -> None:
         self.stats = stats
         self.snapshot = snapshot
+        self.quota = quota
+        """Quota mode's registry: its stats and live gauges (``ratelimit_sidecar_quota_*``)."""
 
     def collect(self) -> Iterator[Metric]:
         yield from self.stats.families()
         yield from limiter_families(self.snapshot())
+        if self.quota is not None:
+            yield from self.quota.stats.families(self.quota.gauges)
 
 
 def render(registry: Any) -> bytes:

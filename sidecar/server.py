@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -27,6 +28,9 @@ from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import RuleStats, ServiceStats, SidecarCollector
+from sidecar.quota import service as quota
+from sidecar.quota.registry import QuotaRegistry, QuotaSettings
+from sidecar.quota.stats import QuotaStats
 from sidecar.service import SERVICE_NAME, RateLimitService, add_to_server
 from sidecar.settings import Settings
 
@@ -191,18 +195,15 @@ class Sidecar:
                 warning=settings.warn_header,
             ),
         )
+        self.quota = quota.QuotaService(QuotaRegistry(config, quota_settings(settings), QuotaStats()))
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.port = 0
         self.serving = False
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SidecarCollector(self.stats, self.service.limiter.snapshot))
+        self.registry.register(SidecarCollector(self.stats, self.service.limiter.snapshot, self.quota.registry))
         ProcessCollector(registry=self.registry)
-        self.admin = AdminEndpoint(
-            self.registry,
-            lambda: config_json(self.service.config, self.stats.config_loaded_at),
-            lambda: self.serving,
-        )
+        self.admin = AdminEndpoint(self.registry, self._config_json, lambda: self.serving)
         self.watcher: ConfigWatcher | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self.reloader = ConfigReloader(
@@ -213,16 +214,25 @@ class Sidecar:
             enforcing_mode(settings),
         )
 
+    def _config_json(self) -> dict[str, Any]:
+        """``/config``: the rules, and each live quota bucket's current assignment."""
+        shown = config_json(self.service.config, self.stats.config_loaded_at)
+        shown["quota"] = self.quota.registry.describe()
+        return shown
+
     def _install(self, config: RateLimitConfig) -> None:
-        """Swap the config the request path reads (one assignment: no request sees half of it)."""
+        """Swap the config the request path reads (one assignment: no request sees half of it),
+        and push every quota bucket's assignment under it to every open stream."""
         self.service.config = config
         self.stats.config_loaded(config.digest)
+        self.quota.registry.reassign(config)
 
     async def start(self) -> None:
         """Bind, start serving, and only then report SERVING."""
         add_to_server(self.service, self.server)
+        quota.add_to_server(self.quota, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        names = (SERVICE_NAME, quota.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         address = self.settings.grpc_address
         credentials = server_credentials(self.settings)
@@ -248,7 +258,7 @@ class Sidecar:
                 raise StartupError(f"cannot listen on {self.settings.metrics_address}: {error.strerror}") from None
         await self.service.limiter.start()
         await self.server.start()
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, quota.SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
         if self.settings.watch_config:
@@ -344,6 +354,18 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     finally:
         remove_handlers()
     log.info("sidecar_stopped")
+
+
+def quota_settings(settings: Settings) -> QuotaSettings:
+    """The quota service's share of the settings (``--instances`` and ``--shadow-mode`` too)."""
+    return QuotaSettings(
+        ttl=settings.quota_ttl,
+        idle_abandon=settings.quota_idle_abandon,
+        max_buckets=settings.quota_max_buckets,
+        max_buckets_per_stream=settings.quota_max_buckets_per_stream,
+        instances=settings.instances,
+        admit_all=settings.shadow_mode,
+    )
 
 
 def enforcing_mode(settings: Settings) -> str | None:
