@@ -196,6 +196,8 @@ class RunResult:
     p50_ms: float
     p99_ms: float
     sidecar_cpu_percent: float | None = None
+    sidecar_cpu_seconds: float = 0.0
+    sidecar_window_seconds: float = 0.0
 
 
 _UNITS_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}
@@ -240,12 +242,13 @@ def wrk_binary() -> str:
 
 def run_wrk(
     port: int, duration: int, arguments: argparse.Namespace, pid: int | None = None
-) -> tuple[str, float | None]:
-    """One wrk run; with ``pid``, that process's CPU % of a core over the steady part of the run."""
+) -> tuple[str, tuple[float, float] | None]:
+    """One wrk run; with ``pid``, that process's CPU seconds over the steady part of the run and
+    that part's length (clock ticks are 10 ms: summed over rounds, the figure gets finer)."""
     process = subprocess.Popen(
         wrk_argv(port, duration, arguments), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    percent = None
+    cpu = None
     try:
         if pid is not None and duration > CPU_SKIP_START + CPU_SKIP_END:
             time.sleep(CPU_SKIP_START)
@@ -253,7 +256,7 @@ def run_wrk(
             time.sleep(duration - CPU_SKIP_START - CPU_SKIP_END)
             after, end = cpu_seconds(pid), time.monotonic()
             if before is not None and after is not None:
-                percent = (after - before) / (end - start) * 100
+                cpu = (after - before, end - start)
         output, _ = process.communicate(timeout=duration + 30)
     finally:
         if process.poll() is None:
@@ -261,14 +264,18 @@ def run_wrk(
             process.wait()
     if process.returncode != 0:
         raise RuntimeError(f"wrk failed ({process.returncode}): {output.strip()[-500:]}")
-    return output, percent
+    return output, cpu
 
 
 def measure(servers: Servers, variant: str, number: int, arguments: argparse.Namespace) -> RunResult:
     envoy = servers.envoys[variant]
     sidecar = servers.quota_sidecar if variant == "quota" else None
-    output, percent = run_wrk(envoy.ports.listen, arguments.duration, arguments, sidecar.pid if sidecar else None)
-    return RunResult(variant, number, sidecar_cpu_percent=percent, **parse_wrk(output))
+    output, cpu = run_wrk(envoy.ports.listen, arguments.duration, arguments, sidecar.pid if sidecar else None)
+    result = RunResult(variant, number, **parse_wrk(output))
+    if cpu is not None:
+        result.sidecar_cpu_seconds, result.sidecar_window_seconds = cpu
+        result.sidecar_cpu_percent = cpu[0] / cpu[1] * 100
+    return result
 
 
 # ---------------------------------------------------------------------------------
@@ -329,7 +336,7 @@ def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
         runs = [result for result in results if result.variant == variant]
         if not runs:
             continue
-        cpu = [run.sidecar_cpu_percent for run in runs if run.sidecar_cpu_percent is not None]
+        window = sum(run.sidecar_window_seconds for run in runs)
         rows[variant] = {
             "label": label,
             "rps": statistics.median(run.requests_per_second for run in runs),
@@ -337,7 +344,8 @@ def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
             "p99_ms": statistics.median(run.p99_ms for run in runs),
             "non_2xx": sum(run.non_2xx for run in runs),
             "errors": sum(run.socket_errors for run in runs),
-            "sidecar_cpu_percent": statistics.median(cpu) if cpu else None,
+            # all rounds' steady parts together: one figure at 10 ms / total-window resolution
+            "sidecar_cpu_percent": sum(run.sidecar_cpu_seconds for run in runs) / window * 100 if window else None,
         }
     reference = rows.get(REFERENCE, {}).get("rps") or 0.0
     for row in rows.values():
@@ -348,7 +356,7 @@ def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
 def table(rows: dict[str, dict[str, Any]], arguments: argparse.Namespace) -> str:
     lines = [
         f"| variant (median of {arguments.rounds} x {arguments.duration:g} s) | req/s | x (b) | p50 ms | p99 ms "
-        "| non-2xx | socket errors | sidecar CPU % of a core |",
+        "| non-2xx | socket errors | sidecar CPU % of a core (all rounds) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows.values():
