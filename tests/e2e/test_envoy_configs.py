@@ -12,7 +12,7 @@ from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, envoy_binary, ingress_manager
 
 SHIPPED = sorted(ENVOY_CONFIGS.glob("*.yaml"))
 PER_REQUEST = [path for path in SHIPPED if path.name != "quota.yaml"]
-"""The configs with the ratelimit filter, which ``render`` rewrites (quota.yaml: tests/e2e/test_quota_export.py)."""
+"""The configs with the ratelimit filter, which ``render`` rewrites (quota.yaml: test_quota_envoy_configs.py)."""
 
 
 def validate(path: Path) -> subprocess.CompletedProcess[str]:

@@ -2,7 +2,7 @@
 listed as not exported, and the refusal of a token-bucket ``no_assignment_behavior``.
 
 Whether Envoy accepts the output is checked with the real binary in
-``tests/e2e/test_quota_export.py``; these tests pin the translation itself.
+``tests/e2e/test_quota_envoy_configs.py``; these tests pin the translation itself.
 """
 
 from __future__ import annotations
