@@ -27,16 +27,16 @@ offer an algorithm (sync mode refuses token buckets) is reported as skipped, wit
 
 Examples::
 
-    python loadtest/accuracy.py --quick                         # everything, short (CI)
-    python loadtest/accuracy.py --quick --scenario balanced_5x,low_limit --modes local,sync,strict
-    python loadtest/accuracy.py --quick --scenario sliding_steady,sliding_boundary,token_bucket
-    python loadtest/accuracy.py                                 # full run, for README
-    python loadtest/accuracy.py --quick --readme README.md      # and rewrite README's accuracy block
+    python -m loadtest.accuracy --quick                         # everything, short (CI)
+    python -m loadtest.accuracy --quick --scenario balanced_5x,low_limit --modes local,sync,strict
+    python -m loadtest.accuracy --quick --scenario sliding_steady,sliding_boundary,token_bucket
+    python -m loadtest.accuracy                                 # full run, for docs/accuracy.md
+    python -m loadtest.accuracy --quick --readme docs/accuracy.md   # and rewrite its accuracy block
 
 It prints a Markdown table (and one per algorithm), the goals of design.md section 5
 with verdicts, the command that reproduces the figures and the machine's core count,
 and writes the same figures as JSON (``--json``, default ``loadtest/results/accuracy.json``),
-the README block included (``readme_block``; ``--readme FILE`` writes it into FILE).
+the docs block included (``readme_block``; ``--readme FILE`` writes it into FILE, docs/accuracy.md).
 Every child process is stopped at the end, also on Ctrl-C or error.
 """
 
@@ -55,17 +55,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from loadtest.accuracy_harness import processes, report, runner
+from loadtest.accuracy_harness.processes import REDIS_SERVER, RedisServer
+from loadtest.accuracy_harness.scenarios import Scenario, catalogue
+from loadtest.common import bounded_float, machine_facts, parse_cpus, positive_int, reproduce_command, run_cli
+from stack.processes import process_group
+
 HERE = Path(__file__).resolve().parent
-for entry in (str(HERE), str(HERE.parent)):  # loadtest/ (common, the harness), the checkout (stack)
-    if entry not in sys.path:
-        sys.path.insert(0, entry)
-
-from accuracy_harness import processes, report, runner  # noqa: E402
-from accuracy_harness.processes import REDIS_SERVER, RedisServer  # noqa: E402
-from accuracy_harness.scenarios import Scenario, catalogue  # noqa: E402
-from common import bounded_float, machine_facts, parse_cpus, positive_int, reproduce_command, run_cli  # noqa: E402
-
-from stack.processes import process_group  # noqa: E402
 
 REPO = HERE.parent
 DEFAULT_JSON = REPO / "loadtest" / "results" / "accuracy.json"
@@ -76,7 +72,7 @@ POSITIVE_SECONDS = bounded_float(0, 60, include_low=False)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="accuracy.py",
+        prog="python -m loadtest.accuracy",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -119,16 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--readme",
         type=Path,
         metavar="FILE",
-        help="rewrite the block between <!-- accuracy:start --> and <!-- accuracy:end --> of FILE (README.md)",
+        help="rewrite the block between <!-- accuracy:start --> and <!-- accuracy:end --> of FILE (docs/accuracy.md)",
     )
     return parser
 
 
 def command_line(arguments: argparse.Namespace) -> str:
     """The command that reproduces the figures, every option spelled out."""
-    return reproduce_command(
-        ["python", "loadtest/accuracy.py"], arguments, skip={"json", "keep_logs", "dump_calls", "readme"}
-    )
+    return reproduce_command(["python", "-m", "loadtest.accuracy"], arguments, skip={"json", "keep_logs", "dump_calls"})
 
 
 def environment() -> dict[str, Any]:
@@ -411,7 +405,7 @@ def _remove(path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
-    return run_cli("accuracy.py", functools.partial(run, arguments), (signal.SIGTERM,))
+    return run_cli("loadtest.accuracy", functools.partial(run, arguments), (signal.SIGTERM,))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ prebuilt wire bytes of ``RateLimitResponse(overall_code=OK)`` without reading th
 difference between this and the sidecar is therefore the cost of our own code
 (validation, matching, the limiter, building the response), not of gRPC.
 
-    python loadtest/bare_servicer.py --grpc-address 127.0.0.1:50051
+    python -m loadtest.bare_servicer --grpc-address 127.0.0.1:50051
 
 For calibration and for splitting the sidecar's cost under real gRPC load, the
 handler can instead do part of the sidecar's work (``--work``) or burn a fixed
@@ -23,7 +23,7 @@ amount of CPU (``--spin-us``):
                 path in this minimal process (a control for ``sidecar serve``);
 - ``floor``     a lower bound on any handler that answers these requests: match each
                 descriptor, count it in one dict (emptied every second) and write its
-                status with ``sidecar.wire``; no validation, windows, all-or-nothing
+                status with ``sidecar.service.wire``; no validation, windows, all-or-nothing
                 or metrics. Not a rate limiter, a yardstick for the ratio's goal.
 
 Stops on SIGTERM or SIGINT, and by itself after ``--max-seconds`` (default one
@@ -45,11 +45,11 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sidecar import wire
 from sidecar.config.match import match_descriptor
 from sidecar.limiter.windows import seconds_until_reset
 from sidecar.server import SERVER_OPTIONS
-from sidecar.service import SERVICE_NAME, add_to_server
+from sidecar.service import wire
+from sidecar.service.servicer import SERVICE_NAME, add_to_server
 
 CONSTANT_RESPONSE = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK).SerializeToString()
 WORKS = ("none", "sized", "validate", "decide", "handler", "floor")
@@ -101,8 +101,8 @@ class PartialRateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: i
     def __init__(self, work: str, config_path: str) -> None:
         from sidecar.config import load_config
         from sidecar.limiter.memory import MemoryLimiter
-        from sidecar.service import RateLimitService
-        from sidecar.validate import request_problem
+        from sidecar.service.servicer import RateLimitService
+        from sidecar.service.validate import request_problem
 
         self.work = work
         self.validate = request_problem
@@ -166,7 +166,7 @@ def build_servicer(work: str, spin_us: float, config_path: str) -> Any:
     if work == "handler":
         from sidecar.config import load_config
         from sidecar.limiter.memory import MemoryLimiter
-        from sidecar.service import RateLimitService
+        from sidecar.service.servicer import RateLimitService
 
         return RateLimitService(load_config(config_path), MemoryLimiter())
     return PartialRateLimitService(work, config_path)

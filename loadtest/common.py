@@ -1,8 +1,8 @@
-"""Pieces shared by the load-test tools: ``grpc_bench.py`` and the accuracy harness (``accuracy.py``).
+"""Pieces shared by the load-test tools: ``grpc_bench`` and the accuracy harness (``accuracy``).
 
-A top-level module, not a package: both tools run as scripts (``python loadtest/grpc_bench.py``,
-``python loadtest/accuracy.py``), so ``loadtest/`` is first on ``sys.path`` and ``import common``
-finds this file, in the tools and in the load-generator processes they spawn alike.
+The tools run as modules of the ``loadtest`` package (``python -m loadtest.grpc_bench``,
+``python -m loadtest.accuracy``, from the checkout), and import this one as
+``loadtest.common``, in the tools and in the load-generator processes they spawn alike.
 """
 
 from __future__ import annotations

@@ -53,9 +53,9 @@ on Ctrl-C, SIGTERM or error.
 
 Examples::
 
-    python loadtest/compare.py                           # ~10 s recording, 3 rounds (about 3 minutes)
-    python loadtest/compare.py --quick                   # ~4 s recording, 1 round, 1 s throughput phases
-    python loadtest/compare.py --server-cpus 0 --client-cpus 1 --docs
+    python -m loadtest.compare                           # ~10 s recording, 3 rounds (about 3 minutes)
+    python -m loadtest.compare --quick                   # ~4 s recording, 1 round, 1 s throughput phases
+    python -m loadtest.compare --server-cpus 0 --client-cpus 1 --docs
 """
 
 from __future__ import annotations
@@ -79,15 +79,20 @@ from typing import Any
 
 import uvloop
 
+from loadtest.common import (
+    bounded_float,
+    machine_facts,
+    parse_cpus,
+    percentile,
+    positive_int,
+    reproduce_command,
+    run_cli,
+)
+from loadtest.compare_harness import analysis, client, paths, plot, report, sliding
+from loadtest.compare_harness.recording import MIN_DURATION, Recording, record
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for entry in (str(REPO), str(HERE)):  # stack/ lives in the checkout; compare_harness and common next to this file
-    if entry not in sys.path:
-        sys.path.insert(0, entry)
-
-from common import bounded_float, machine_facts, parse_cpus, percentile, positive_int, reproduce_command, run_cli  # noqa: E402
-from compare_harness import analysis, client, paths, plot, report, sliding  # noqa: E402
-from compare_harness.recording import MIN_DURATION, Recording, record  # noqa: E402
 
 RESULTS = REPO / "loadtest" / "results"
 DOCS_PNG = REPO / "docs" / "compare.png"
@@ -275,7 +280,7 @@ def progress_throughput(figures: dict[str, Any], rounds: int) -> str:
 
 def command_line(arguments: argparse.Namespace) -> str:
     return reproduce_command(
-        ["python", "loadtest/compare.py"], arguments, skip={"json", "md", "png", "docs", "keep_logs"}
+        ["python", "-m", "loadtest.compare"], arguments, skip={"json", "md", "png", "docs", "keep_logs"}
     )
 
 
@@ -464,7 +469,7 @@ def select_paths(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="compare.py",
+        prog="python -m loadtest.compare",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -516,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(arguments, key) is None:
             setattr(arguments, key, value)
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    return run_cli("compare.py", functools.partial(run, arguments), signals)
+    return run_cli("loadtest.compare", functools.partial(run, arguments), signals)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,12 @@ Pinning: ``--server-cpus`` pins every server (Envoys, sidecars, redis-server, ap
 ``--client-cpus`` the load generator (this process); giving only one pins the other to the
 remaining usable cpus. Nothing is pinned by default. On 2 cores::
 
-    python loadtest/envoy_latency.py --server-cpus 0 --client-cpus 1
+    python -m loadtest.envoy_latency --server-cpus 0 --client-cpus 1
 
 Examples::
 
-    python loadtest/envoy_latency.py                                   # 200 req/s, 3 rounds x 10 s per variant
-    python loadtest/envoy_latency.py --rate 500 --duration 5 --rounds 5 --json loadtest/results/envoy-latency.json
+    python -m loadtest.envoy_latency                                   # 200 req/s, 3 rounds x 10 s per variant
+    python -m loadtest.envoy_latency --rate 500 --duration 5 --rounds 5 --json loadtest/results/envoy-latency.json
 
 Every child process is stopped at the end, also on Ctrl-C, SIGTERM or error.
 """
@@ -59,16 +59,22 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from common import bounded_float, machine_facts, parse_cpus, percentile, positive_int, reproduce_command, run_cli
-from http_load import Connection, HttpError, Pool
+
+from loadtest.common import (
+    bounded_float,
+    machine_facts,
+    parse_cpus,
+    percentile,
+    positive_int,
+    reproduce_command,
+    run_cli,
+)
+from loadtest.http_load import Connection, HttpError, Pool
+from stack.components import RedisProcess, SidecarProcess, UpstreamProcess
+from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, envoy_binary
+from stack.processes import ProcessGroup
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # the stack package lives in the checkout, not in the installed project
-
-from stack.components import RedisProcess, SidecarProcess, UpstreamProcess  # noqa: E402
-from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, envoy_binary  # noqa: E402
-from stack.processes import ProcessGroup  # noqa: E402
 
 EXAMPLE_CONFIG = REPO / "examples" / "config"
 PATH = "/latency"
@@ -353,7 +359,7 @@ def envoy_version() -> str:
 
 
 def command_line(arguments: argparse.Namespace) -> str:
-    return reproduce_command(["python", "loadtest/envoy_latency.py"], arguments, skip={"json"})
+    return reproduce_command(["python", "-m", "loadtest.envoy_latency"], arguments, skip={"json"})
 
 
 def pinning(arguments: argparse.Namespace) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
@@ -433,7 +439,7 @@ def run(arguments: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="envoy_latency.py",
+        prog="python -m loadtest.envoy_latency",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

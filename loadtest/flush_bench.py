@@ -11,7 +11,7 @@ as a sync replica sends them, in alternating rounds of the two ways a flush can 
 Prints the median client CPU (this process) and wall time per flush of each, and
 their ratio. Bounded: ``--rounds`` x ``--flushes`` flushes, then Redis is stopped.
 
-    python loadtest/flush_bench.py --counters 130 --flushes 50 --rounds 5
+    python -m loadtest.flush_bench --counters 130 --flushes 50 --rounds 5
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import subprocess
 import sys
 import time
 
-from common import free_port, positive_int
 from redis.asyncio import Redis
 
-from sidecar.limiter.redis_store import RedisStore
+from loadtest.common import free_port, positive_int
+from sidecar.limiter.redis.store import RedisStore
 
 WAYS = ("batch", "per-counter")
 
@@ -84,7 +84,7 @@ def main() -> int:
         redis.terminate()
         redis.wait(timeout=10)
     print(
-        f"command: python loadtest/flush_bench.py --counters {arguments.counters} "
+        f"command: python -m loadtest.flush_bench --counters {arguments.counters} "
         f"--flushes {arguments.flushes} --rounds {arguments.rounds}"
     )
     medians = {}

@@ -1,7 +1,7 @@
 """Keep-alive HTTP/1.1 on asyncio for the load tools, with nothing beyond the standard library.
 
-A top-level module like ``common.py``: ``envoy_latency.py`` and the comparison harness
-(``compare_harness/client.py``) run with ``loadtest/`` first on ``sys.path``. One request
+Used by ``loadtest.envoy_latency`` and the comparison harness
+(``loadtest.compare_harness.client``). One request
 at a time per :class:`Connection`; a :class:`Pool` keeps idle connections to one port and
 opens new ones, up to a limit, when none is idle.
 """

@@ -5,9 +5,9 @@ in time and count, and stops what it started; each prints one row: the load it h
 (requests/s and p99), the bad inputs it tried, the admitted hits Redis lost (0, except
 the measured bound of a replica killed with SIGKILL), and whether the invariant held.
 
-    python loadtest/reliability.py --quick        # CI-sized, a few minutes
-    python loadtest/reliability.py                # longer soak and floods, ~15 minutes
-    python loadtest/reliability.py --areas faults,clock
+    python -m loadtest.reliability --quick        # CI-sized, a few minutes
+    python -m loadtest.reliability                # longer soak and floods, ~15 minutes
+    python -m loadtest.reliability --areas faults,clock
 
 Exit status 0 when every row held, 1 otherwise (a row that cannot run on this machine
 says so and does not fail the report).
@@ -28,21 +28,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-for entry in (str(HERE), str(HERE.parent)):  # loadtest/ (common, the harness), the checkout (stack)
-    if entry not in sys.path:
-        sys.path.insert(0, entry)
-
-from common import machine_facts, parse_cpus, reproduce_command, run_cli  # noqa: E402
-from reliability_harness import Context, Row  # noqa: E402
+from loadtest.common import machine_facts, parse_cpus, reproduce_command, run_cli
+from loadtest.reliability_harness import Context, Row
 
 AREAS = {
-    "bad-input": "reliability_harness.bad_input",
-    "flood": "reliability_harness.flood",
-    "soak": "reliability_harness.soak",
-    "faults": "reliability_harness.faults",
-    "clock": "reliability_harness.clock_skew",
-    "security": "reliability_harness.security",
+    "bad-input": "loadtest.reliability_harness.bad_input",
+    "flood": "loadtest.reliability_harness.flood",
+    "soak": "loadtest.reliability_harness.soak",
+    "faults": "loadtest.reliability_harness.faults",
+    "clock": "loadtest.reliability_harness.clock_skew",
+    "security": "loadtest.reliability_harness.security",
 }
 """Report order: what each ``--areas`` name runs (a module with ``run(Context) -> list[Row]``)."""
 
@@ -93,7 +88,7 @@ def summary(rows: Sequence[Row]) -> str:
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="reliability.py",
+        prog="python -m loadtest.reliability",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -131,7 +126,7 @@ def report(arguments: argparse.Namespace) -> int:
     print()
     print(summary(rows))
     print("seconds per area: " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in timings.items()))
-    command = reproduce_command(["python", "loadtest/reliability.py"], arguments, skip={"json", "keep"})
+    command = reproduce_command(["python", "-m", "loadtest.reliability"], arguments, skip={"json", "keep"})
     print(f"reproduce: {command}")
     if arguments.json:
         document: dict[str, Any] = {
@@ -150,7 +145,7 @@ def report(arguments: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = parse_arguments(argv)
-    return run_cli("reliability.py", lambda: report(arguments), (signal.SIGTERM, signal.SIGHUP))
+    return run_cli("loadtest.reliability", lambda: report(arguments), (signal.SIGTERM, signal.SIGHUP))
 
 
 if __name__ == "__main__":

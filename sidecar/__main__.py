@@ -16,7 +16,8 @@ import grpc
 from sidecar import __version__
 from sidecar.client import ClientTLS, build_request, describe, health_status, query
 from sidecar.config import ConfigError, load_config
-from sidecar.haproxy import ExportError, add_export_arguments, run_export
+from sidecar.haproxy.export import add_export_arguments, run_export
+from sidecar.haproxy.model import ExportError
 from sidecar.logs import configure_logging
 from sidecar.server import StartupError, serve
 from sidecar.settings import SettingsError, add_serve_arguments, resolve

@@ -1,7 +1,7 @@
 """A small gRPC client for operators: ask the sidecar a question, or probe its health.
 
 Used by ``ratelimit-sidecar query`` / ``health`` and by the demo, so people can see
-decisions without installing grpcurl.
+decisions without installing grpcurl; its channels serve :mod:`sidecar.consumer` too.
 """
 
 from __future__ import annotations
@@ -81,14 +81,27 @@ class ClientTLS:
     key: str = ""
 
 
+def credentials(tls: ClientTLS) -> grpc.ChannelCredentials:
+    """Channel credentials from the PEM files ``tls`` names."""
+    chain = Path(tls.cert).read_bytes() if tls.cert else None
+    key = Path(tls.key).read_bytes() if tls.key else None
+    return grpc.ssl_channel_credentials(Path(tls.ca).read_bytes(), key, chain)
+
+
 def channel(address: str, tls: ClientTLS | None = None) -> grpc.Channel:
     """A plaintext channel, or a TLS one when ``tls`` is given."""
     if tls is None:
         return grpc.insecure_channel(address)
-    chain = Path(tls.cert).read_bytes() if tls.cert else None
-    key = Path(tls.key).read_bytes() if tls.key else None
-    credentials = grpc.ssl_channel_credentials(Path(tls.ca).read_bytes(), key, chain)
-    return grpc.secure_channel(address, credentials)
+    return grpc.secure_channel(address, credentials(tls))
+
+
+def aio_channel(
+    address: str, tls: ClientTLS | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    """:func:`channel` for asyncio (``grpc.aio``), as :mod:`sidecar.consumer` uses it."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, credentials(tls), options=list(options))
 
 
 def query(address: str, request: Any, timeout: float = 2.0, tls: ClientTLS | None = None) -> Any:

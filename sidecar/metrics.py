@@ -16,8 +16,8 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -37,9 +37,20 @@ TOTAL_HITS, OVER_LIMIT, NEAR_LIMIT, WITHIN_LIMIT, SHADOW_MODE, WARNED = range(le
 MAX_RULE_SERIES = 10_000
 """Cap on per-rule series: request values are unbounded, a scrape must not be."""
 MAX_STAT_KEY_LENGTH = 1024
-"""Longer stat keys (request values of ``detailed_metric`` rules and request overrides:
-up to 32 entries of 4096 characters) share the overflow row, so the series are
-bounded in size as well as in number."""
+"""Longer stat keys (request values of ``detailed_metric`` rules, the keys of request
+overrides: up to 32 entries of 4096 characters) share the overflow row."""
+MAX_RULE_SERIES_BYTES = 8 * 1024 * 1024
+"""Cap on the bytes the per-rule series add to ``/metrics`` (:func:`row_bytes` each):
+past it new rows share the overflow row, so ``/metrics`` stays within about this plus
+the service metrics however long the request values (10,000 rows of 1,000-character
+keys would otherwise render 64 MB)."""
+ROW_OVERHEAD = 80
+"""Bytes one rendered sample line takes besides its domain and key labels."""
+ROW_IDLE_SECONDS = 600.0
+"""A row minted from request values (``detailed_metric`` rules, request overrides, the
+overflow row) whose hits did not change for this long is dropped (:meth:`RuleStats.expire`)."""
+EXPIRE_EVERY_SECONDS = 60.0
+"""How often the server looks for idle rows."""
 OVERFLOW_SUFFIX = "_detailed_overflow"
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 FLUSH_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -66,9 +77,21 @@ class Buckets:
             cumulative.append((_bucket_label(bound), running))
         return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=self.total)
 
+    def copy(self) -> Buckets:
+        """The numbers as they are now (for a scrape rendered off the event loop)."""
+        copied = Buckets.__new__(Buckets)
+        copied.bounds, copied.counts, copied.total = self.bounds, list(self.counts), self.total
+        return copied
+
 
 def _bucket_label(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def row_bytes(stat_key: str, domain: str) -> int:
+    """What one per-rule row adds to ``/metrics``: a line per :data:`RULE_STATS`, each with
+    the domain and the key (the stat key without its ``domain.`` prefix) as labels."""
+    return len(RULE_STATS) * (ROW_OVERHEAD + len(domain) + len(stat_key))
 
 
 @dataclass
@@ -86,22 +109,58 @@ class RuleStats:
     near_ratio: float = 0.8
     rows: dict[str, list[int]] = field(default_factory=dict)
     domains: dict[str, str] = field(default_factory=dict)
+    minted: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Rows made from request values, which expire when idle: stat key to the hits seen at
+    the last :meth:`expire` and when they last changed."""
+    bytes: int = 0
+    """What the rows add to ``/metrics`` (:func:`row_bytes`), held under :data:`MAX_RULE_SERIES_BYTES`."""
+    idle_seconds: float = ROW_IDLE_SECONDS
 
-    def row(self, stat_key: str, domain: str) -> list[int]:
-        """The counts of ``stat_key``, created on first use; past :data:`MAX_RULE_SERIES`
-        keys (request values of ``detailed_metric`` rules and request overrides are
-        unbounded) new keys, and keys longer than :data:`MAX_STAT_KEY_LENGTH`, share one
-        ``<domain>_detailed_overflow`` row."""
+    def row(self, stat_key: str, domain: str, *, minted: bool = False) -> list[int]:
+        """The counts of ``stat_key``, created on first use.
+
+        ``minted``: the key holds request values (``detailed_metric`` rules, request
+        overrides), so it is unbounded, and the row expires once idle. New keys past
+        :data:`MAX_RULE_SERIES` rows or :data:`MAX_RULE_SERIES_BYTES`, and keys longer
+        than :data:`MAX_STAT_KEY_LENGTH`, share one ``<domain>_detailed_overflow`` row.
+        """
         row = self.rows.get(stat_key)
         if row is None:
-            if len(self.rows) >= MAX_RULE_SERIES or len(stat_key) > MAX_STAT_KEY_LENGTH:
-                stat_key = domain + OVERFLOW_SUFFIX
+            size = row_bytes(stat_key, domain)
+            if (
+                len(self.rows) >= MAX_RULE_SERIES
+                or len(stat_key) > MAX_STAT_KEY_LENGTH
+                or self.bytes + size > MAX_RULE_SERIES_BYTES
+            ):
+                stat_key, minted = domain + OVERFLOW_SUFFIX, True
                 row = self.rows.get(stat_key)
                 if row is not None:
                     return row
+                size = row_bytes(stat_key, domain)
             row = self.rows[stat_key] = [0] * len(RULE_STATS)
             self.domains[stat_key] = domain
+            self.bytes += size
+            if minted:
+                self.minted[stat_key] = (-1, 0.0)
         return row
+
+    def expire(self, now: float) -> int:
+        """Drop request-minted rows whose hits did not change for :attr:`idle_seconds`
+        (seen by the calls of this method, made every :data:`EXPIRE_EVERY_SECONDS`);
+        returns how many went. Config rules' rows stay."""
+        dropped = 0
+        for stat_key, (seen, since) in list(self.minted.items()):
+            row = self.rows.get(stat_key)
+            if row is None:
+                del self.minted[stat_key]
+            elif row[TOTAL_HITS] != seen:
+                self.minted[stat_key] = (row[TOTAL_HITS], now)
+            elif now - since >= self.idle_seconds:
+                domain = self.domains.pop(stat_key)
+                del self.rows[stat_key], self.minted[stat_key]
+                self.bytes -= row_bytes(stat_key, domain)
+                dropped += 1
+        return dropped
 
     def record(self, row: list[int], hits: int, over: bool, *, shadow: bool, count: int, limit: int) -> None:
         """Count one check's hits; ``count`` includes them (the would-be count)."""
@@ -121,16 +180,31 @@ class RuleStats:
         row[WARNED] += hits
 
     def families(self) -> Iterator[Metric]:
-        for index, stat in enumerate(RULE_STATS):
-            family = UnknownMetricFamily(
-                f"ratelimit_service_rate_limit_{stat}",
-                f"Hits per rule: {stat.replace('_', ' ')} (envoyproxy/ratelimit naming)",
-                labels=("domain", "key"),
-            )
-            for stat_key, row in self.rows.items():
-                domain = self.domains[stat_key]
-                family.add_metric((domain, stat_key.removeprefix(domain + ".")), row[index])
-            yield family
+        return rule_families(self.frozen())
+
+    def frozen(self) -> FrozenRows:
+        """The rows as they are, taken at C speed on the event loop, so a thread can render
+        them while the loop adds and drops rows (the rows' ints are read live)."""
+        return self.domains.copy(), list(self.rows.items())
+
+
+FrozenRows = tuple[dict[str, str], list[tuple[str, list[int]]]]
+"""``(domain of each stat key, (stat key, row) pairs)``."""
+
+
+def rule_families(frozen: FrozenRows) -> Iterator[Metric]:
+    """The per-rule series of :meth:`RuleStats.frozen` rows."""
+    domains, rows = frozen
+    for index, stat in enumerate(RULE_STATS):
+        family = UnknownMetricFamily(
+            f"ratelimit_service_rate_limit_{stat}",
+            f"Hits per rule: {stat.replace('_', ' ')} (envoyproxy/ratelimit naming)",
+            labels=("domain", "key"),
+        )
+        for stat_key, row in rows:
+            domain = domains[stat_key]
+            family.add_metric((domain, stat_key.removeprefix(domain + ".")), row[index])
+        yield family
 
 
 @dataclass
@@ -158,6 +232,21 @@ class ServiceStats:
         self.config_loads["error"] += 1
 
     def families(self) -> Iterator[Metric]:
+        yield from self.service_families()
+        yield from self.rules.families()
+
+    def frozen(self) -> ServiceStats:
+        """A copy of the service's own numbers (the rules' rows left out: see
+        :meth:`RuleStats.frozen`), cheap enough for the event loop."""
+        return replace(
+            self,
+            rules=RuleStats(),
+            errors=dict(self.errors),
+            latency=self.latency.copy(),
+            config_loads=dict(self.config_loads),
+        )
+
+    def service_families(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(
             "ratelimit_sidecar_requests", "ShouldRateLimit calls answered, by overall code", labels=("code",)
         )
@@ -181,7 +270,6 @@ class ServiceStats:
             "Unix time the active config was loaded",
             value=self.config_loaded_at,
         )
-        yield from self.rules.families()
 
 
 @dataclass(frozen=True)
@@ -239,10 +327,55 @@ class SidecarCollector(Collector):
         """Quota mode's registry: its stats and live gauges (``ratelimit_sidecar_quota_*``)."""
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.stats.families()
-        yield from limiter_families(self.snapshot())
+        return self.frozen().collect()
+
+    def frozen(self) -> FrozenScrape:
+        """Copy the numbers now, on the event loop (well under a millisecond for 10,000
+        rows), so :meth:`FrozenScrape.collect` can turn them into text in a thread."""
+        snapshot = self.snapshot()
+        if snapshot.flush_seconds is not None or snapshot.flush_keys is not None:
+            snapshot = replace(
+                snapshot,
+                flush_seconds=snapshot.flush_seconds.copy() if snapshot.flush_seconds else None,
+                flush_keys=snapshot.flush_keys.copy() if snapshot.flush_keys else None,
+            )
+        quota = self.quota.frozen_stats() if self.quota is not None else None
+        return FrozenScrape(self.stats.frozen(), self.stats.rules.frozen(), snapshot, quota)
+
+
+class Collectable(Protocol):
+    """Anything that yields metric families (a frozen copy, safe in a thread)."""
+
+    def collect(self) -> Iterator[Metric]: ...
+
+
+@dataclass(frozen=True)
+class FrozenScrape:
+    """The numbers of one scrape, copied on the event loop; safe to collect in any thread."""
+
+    stats: ServiceStats
+    rules: FrozenRows
+    limiter: LimiterSnapshot
+    quota: Collectable | None = None
+    """Quota mode's numbers (``ratelimit_sidecar_quota_*``), copied likewise."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.stats.service_families()
+        yield from rule_families(self.rules)
+        yield from limiter_families(self.limiter)
         if self.quota is not None:
-            yield from self.quota.stats.families(self.quota.gauges)
+            yield from self.quota.collect()
+
+
+class Scrape:
+    """What ``/metrics`` renders: collectors, each collected (and rendered) in a worker thread."""
+
+    def __init__(self, *collectors: Any) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in self.collectors:
+            yield from collector.collect()
 
 
 def render(registry: Any) -> bytes:

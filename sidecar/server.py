@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -22,17 +22,23 @@ from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, RateLimitConfig, load_config
 from sidecar.config.reload import ConfigReloader, rule_count
 from sidecar.config.watch import ConfigWatcher
-from sidecar.headers import HeaderNames
-from sidecar.limiter.clock import SharedClock
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
+from sidecar.limiter.redis.clock import SharedClock
 from sidecar.limiter.windows import Clock, system_clock
-from sidecar.metrics import RuleStats, ServiceStats, SidecarCollector
+from sidecar.metrics import EXPIRE_EVERY_SECONDS, RuleStats, Scrape, ServiceStats, SidecarCollector
 from sidecar.quota import service as quota
 from sidecar.quota.registry import QuotaRegistry, QuotaSettings
 from sidecar.quota.stats import QuotaStats
-from sidecar.service import SERVICE_NAME, RateLimitService, add_to_server
+from sidecar.service.headers import HeaderNames
+from sidecar.service.json_api import JsonEndpoint
+from sidecar.service.servicer import SERVICE_NAME, RateLimitService, add_to_server
 from sidecar.settings import Settings
+from sidecar.tracing import start_tracing
+
+if TYPE_CHECKING:
+    from sidecar.limiter.redis.store import RedisStore
+    from sidecar.limiter.strict import StrictLimiter
 
 log = structlog.get_logger(__name__)
 
@@ -84,21 +90,18 @@ def build_redis_limiter(settings: Settings, clock: SharedClock | None = None) ->
     Imported here, only when chosen: redis-py takes 0.1-0.2 s to import, which the
     memory backend should not pay, and ``sync`` is loaded only when asked for.
     """
-    from sidecar.limiter.redis_store import RedisStore  # noqa: PLC0415 - lazy, see docstring
-    from sidecar.limiter.replicas import Replicas  # noqa: PLC0415 - lazy, see docstring
-
     clock = clock or SharedClock(settings.clock_offset)
     # The heartbeats sample Redis TIME only when given the SharedClock itself.
     beat_clock: Clock = clock if settings.clock_source == "redis" else clock.local
     if settings.mode == "strict":
-        from sidecar.limiter.strict import StrictLimiter  # noqa: PLC0415 - lazy, see docstring
-
-        return StrictLimiter.from_settings(settings, beat_clock)
+        return build_strict_limiter(settings, beat_clock)
     try:
         from sidecar.limiter.sync import SyncLimiter  # noqa: PLC0415 - lazy, see docstring
     except ImportError as error:
         raise StartupError(f"--mode sync is not available in this build ({error}); use --mode strict") from None
-    store = RedisStore.from_settings(settings)
+    from sidecar.limiter.redis.replicas import Replicas  # noqa: PLC0415 - lazy, see docstring
+
+    store = build_redis_store(settings)
     return SyncLimiter(
         store,
         Replicas(store, settings.heartbeat_interval, clock=beat_clock),
@@ -111,6 +114,47 @@ def build_redis_limiter(settings: Settings, clock: SharedClock | None = None) ->
         max_counters=settings.max_counters,
         clock=clock,
     )
+
+
+def build_redis_store(settings: Settings) -> RedisStore:
+    """A store for ``settings.redis_url``; connects lazily (call ``start``)."""
+    from redis.exceptions import RedisClusterException, RedisError  # noqa: PLC0415 - lazy, see build_redis_limiter
+
+    from sidecar.limiter.redis.connect import ENCODE_HINT, secrets_of  # noqa: PLC0415
+    from sidecar.limiter.redis.store import RedisStore  # noqa: PLC0415
+
+    try:
+        return RedisStore.for_url(
+            settings.redis_url,
+            cluster=settings.redis_cluster,
+            prefix=settings.redis_prefix,
+            request_timeout=settings.redis_timeout,
+        )
+    except (ValueError, TypeError, RedisError, RedisClusterException) as error:
+        # Settings checked the URL; what redis-py still refuses is told in one line, and its
+        # own words only if they hold no credential.
+        text = str(error)
+        if not text or any(secret in text for secret in secrets_of(settings.redis_url)):
+            text = f"{type(error).__name__} (check the query options; {ENCODE_HINT})"
+        raise StartupError(f"--redis-url / RLS_REDIS_URL: redis-py cannot use it: {text}") from None
+
+
+def build_strict_limiter(settings: Settings, clock: Clock = system_clock) -> StrictLimiter:
+    """Store, heartbeats and failure policy as the settings say; ``clock`` times the
+    heartbeats (a :class:`~sidecar.limiter.redis.clock.SharedClock` also samples Redis TIME)."""
+    from sidecar.limiter.failure import FailurePolicy  # noqa: PLC0415 - lazy, see build_redis_limiter
+    from sidecar.limiter.redis.replicas import Replicas  # noqa: PLC0415
+    from sidecar.limiter.strict import StrictLimiter  # noqa: PLC0415
+
+    store = build_redis_store(settings)
+    replicas = Replicas(store, settings.heartbeat_interval, clock=clock)
+    policy = FailurePolicy(
+        settings.redis_failure_mode,
+        lambda: replicas.live,
+        admit_all=settings.shadow_mode,
+        max_counters=settings.max_counters,
+    )
+    return StrictLimiter(store, replicas, policy, prefix=settings.redis_prefix, admit_all=settings.shadow_mode)
 
 
 def read_pem(path: str, what: str) -> bytes:
@@ -200,10 +244,21 @@ class Sidecar:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.port = 0
         self.serving = False
+        self.collector = SidecarCollector(self.stats, self.service.limiter.snapshot, self.quota.registry)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SidecarCollector(self.stats, self.service.limiter.snapshot, self.quota.registry))
-        ProcessCollector(registry=self.registry)
-        self.admin = AdminEndpoint(self.registry, self._config_json, lambda: self.serving)
+        self.registry.register(self.collector)
+        process = ProcessCollector(registry=self.registry)
+        self.admin = AdminEndpoint(
+            # Called on the event loop: copies the numbers; the text is made in a thread.
+            lambda: Scrape(self.collector.frozen(), process),
+            self._config_json,
+            lambda: self.serving,
+            write_timeout=settings.admin_write_timeout,
+            max_connections=settings.admin_max_connections,
+        )
+        self._expire_task: asyncio.Task[None] | None = None
+        self.json = JsonEndpoint(self.service)
+        """``POST /json`` (``--json-address``): the same request path as gRPC, as JSON over HTTP."""
         self.watcher: ConfigWatcher | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self.reloader = ConfigReloader(
@@ -256,13 +311,37 @@ class Sidecar:
                 await self.admin.start(self.settings.metrics_address)
             except OSError as error:
                 raise StartupError(f"cannot listen on {self.settings.metrics_address}: {error.strerror}") from None
+        if self.settings.json_address:
+            await self._start_json(self.settings.json_address)
         await self.service.limiter.start()
         await self.server.start()
         for name in ("", SERVICE_NAME, quota.SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
+        self._expire_task = asyncio.get_running_loop().create_task(self._expire_rows(), name="expire-rows")
         if self.settings.watch_config:
             await self._watch_config()
+
+    async def _expire_rows(self) -> None:
+        """Drop idle per-rule rows minted from request values, every minute."""
+        rules = self.stats.rules
+        while True:
+            await asyncio.sleep(EXPIRE_EVERY_SECONDS)
+            dropped = rules.expire(time.monotonic())
+            if dropped:
+                log.info("metric_rows_expired", rows=dropped, left=len(rules.rows))
+
+    async def _start_json(self, address: str) -> None:
+        if not is_loopback(address):
+            log.warning(
+                "json_exposed",
+                address=address,
+                hint="plain HTTP without TLS: anything that reaches this address can spend every limit",
+            )
+        try:
+            await self.json.start(address)
+        except OSError as error:
+            raise StartupError(f"cannot listen on {address}: {error.strerror}") from None
 
     async def _watch_config(self) -> None:
         """Reload on every change under the config path, from now on."""
@@ -285,6 +364,8 @@ class Sidecar:
         ``--shutdown-grace``; only then does it stop, cutting what is left (streams).
         """
         self.serving = False
+        if self._expire_task is not None:
+            self._expire_task.cancel()
         await self.health.enter_graceful_shutdown()
         if self.watcher is not None and self._watch_task is not None:
             self.watcher.stop()
@@ -292,6 +373,7 @@ class Sidecar:
         deadline = time.monotonic() + self.settings.shutdown_grace
         await self._wait_until_quiet(deadline)
         await self.server.stop(0)
+        await self.json.close()
         await self.service.limiter.close()
         await self.admin.close()
 
@@ -324,6 +406,11 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     stop = asyncio.Event()
     clock = SharedClock(settings.clock_offset)
     sidecar = Sidecar(settings, config, build_limiter(settings, clock), clock)
+    # OpenTelemetry: only the OTEL_* variables turn it on (sidecar/tracing.py); off, nothing is imported.
+    tracing = start_tracing(enforcing_mode(settings) or "memory")
+    if tracing is not None:
+        sidecar.service.tracing = tracing
+        tracing.hook(sidecar.service.limiter)
     reloads: set[asyncio.Task[bool]] = set()
 
     def reload_on_sighup() -> None:
@@ -338,6 +425,7 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
         address=settings.grpc_address,
         port=sidecar.port,
         metrics_address=settings.metrics_address or None,
+        json_address=settings.json_address or None,
         backend=settings.backend,
         mode=settings.mode if settings.backend == "redis" else None,
         instances=settings.instances,
@@ -351,6 +439,8 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
         await stop.wait()
         log.info("sidecar_draining", grace_seconds=settings.shutdown_grace)
         await sidecar.drain()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.close)  # the last spans, the final flush's included
     finally:
         remove_handlers()
     log.info("sidecar_stopped")
@@ -378,6 +468,10 @@ def serve(settings: Settings) -> None:
     ensure_bindable(settings.grpc_address)
     if settings.metrics_address:
         ensure_bindable(settings.metrics_address)
+    if settings.backend == "redis":
+        build_redis_store(settings)  # a client redis-py refuses ends startup here, before any log line
+    if settings.json_address:
+        ensure_bindable(settings.json_address)
     try:
         config = load_config(settings.config, enforcing_mode(settings))
     except ConfigError as error:

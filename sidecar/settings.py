@@ -9,13 +9,17 @@ default.
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import MISSING, dataclass
+from typing import Any, Literal, get_args
 
+from sidecar import admin
+from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
-from sidecar.limiter.sentinel import SentinelUrlError, is_sentinel_url, parse_sentinel_url
+from sidecar.limiter.redis.connect import SCHEME, RedisUrlError, SentinelUrlError, check_url, is_sentinel_url
 
 ENV_PREFIX = "RLS_"
 REDIS_SCHEMES = (
@@ -29,6 +33,13 @@ REDIS_SCHEMES = (
 )
 
 
+Backend = Literal["memory", "redis"]
+RedisMode = Literal["sync", "strict"]
+ClockSource = Literal["redis", "local"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["json", "console", "auto"]
+
+
 class SettingsError(ValueError):
     """A flag or environment variable has a value we cannot use; names which one."""
 
@@ -40,8 +51,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_float(text: str) -> float:
+def _finite_float(text: str) -> float:
+    """A float that is a number: ``nan`` and the infinities (``inf``, ``1e999``) are refused,
+    since every float setting is a duration, an offset or a fraction, and comparisons with
+    NaN are all false (``--clock-offset nan`` made every window NaN)."""
     value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _finite_float(text)
     if value < 0:
         raise ValueError("must not be negative")
     return value
@@ -62,7 +83,7 @@ def _key_prefix(text: str) -> str:
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value = _finite_float(text)
     if not value > 0:
         raise ValueError("must be greater than 0")
     return value
@@ -79,7 +100,7 @@ def _at_least(minimum: int, why: str) -> Callable[[str], int]:
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    value = _finite_float(text)
     if not 0 <= value <= 1:
         raise ValueError("must be between 0 and 1")
     return value
@@ -116,7 +137,10 @@ def _optional_address(text: str) -> str:
     return _address(text) if text.strip() else ""
 
 
-def _choice(*allowed: str) -> Callable[[str], str]:
+def _choice(closed_set: Any) -> Callable[[str], str]:
+    """A parser for one of a ``Literal``'s values (case-insensitive)."""
+    allowed: tuple[str, ...] = get_args(closed_set)
+
     def parse(text: str) -> str:
         lowered = text.strip().lower()
         if lowered not in allowed:
@@ -132,9 +156,14 @@ class Option:
 
     name: str
     parse: Callable[[str], Any]
-    default: Any
     help: str
     is_flag: bool = False
+
+    @property
+    def default(self) -> Any:
+        """The default, written once: on :class:`Settings` (None for a required setting)."""
+        default = Settings.__dataclass_fields__[self.name].default
+        return None if default is MISSING else default
 
     @property
     def flag(self) -> str:
@@ -146,201 +175,187 @@ class Option:
 
 
 SERVE_OPTIONS: tuple[Option, ...] = (
-    Option("config", _non_empty, None, "descriptor config: one YAML file or a directory of them (required)"),
+    Option("config", _non_empty, "descriptor config: one YAML file or a directory of them (required)"),
     Option(
         "grpc_address",
         _address,
-        "127.0.0.1:8081",
         "where the gRPC service listens (loopback by default)",
     ),
     Option(
         "backend",
-        _choice("memory", "redis"),
-        "memory",
+        _choice(Backend),
         "where counters live: memory (embedded) or redis",
     ),
     Option(
         "instances",
         _positive_int,
-        1,
         "memory backend: replicas sharing each limit without Redis; each enforces ceil(limit / N)",
     ),
     Option(
         "max_counters",
         _positive_int,
-        DEFAULT_MAX_COUNTERS,
         "cap on live counters held in this process; the window that ends first is evicted first",
     ),
     Option(
         "shadow_mode",
         _bool,
-        False,
         "report verdicts but admit every request (overall_code always OK)",
         is_flag=True,
     ),
     Option(
         "redis_url",
         str,
-        "",
         "redis://[user:password@]host:port[/db], rediss:// for TLS, redis+cluster:// for Redis Cluster, "
         "redis+sentinel://host:26379[,host:26379]/service[/db] for Sentinel (rediss+sentinel:// with TLS)",
     ),
     Option(
         "redis_cluster",
         _bool,
-        False,
         "treat --redis-url as a Redis Cluster seed node",
         is_flag=True,
     ),
     Option(
         "mode",
-        _choice("sync", "strict"),
-        "sync",
+        _choice(RedisMode),
         "redis backend: sync (local windows reconciled off the request path) or strict (an atomic script per request)",
     ),
     Option(
         "sync_interval",
         _positive_float,
-        0.05,
         "seconds between two flushes of pending hits to Redis (sync mode)",
     ),
     Option(
         "sync_max_overshoot",
         _fraction,
-        0.05,
         "sync mode: proven bound on hits admitted beyond a limit, as a fraction of it (0 = exact near the limit)",
     ),
     Option(
         "redis_timeout",
         _positive_float,
-        0.005,
         "longest a request waits for Redis (strict mode, sync-mode escalation), seconds",
     ),
     Option(
         "redis_failure_mode",
-        _choice("local", "open", "closed"),
-        "local",
+        _choice(FailureMode),
         "while Redis is unreachable: local (enforce limit / live replicas here), open (admit), closed (reject)",
     ),
-    Option("redis_prefix", _key_prefix, "rls", "prefix of every Redis key this sidecar writes"),
+    Option("redis_prefix", _key_prefix, "prefix of every Redis key this sidecar writes"),
     Option(
         "clock_source",
-        _choice("redis", "local"),
-        "redis",
+        _choice(ClockSource),
         "redis backend: cut windows on Redis's clock (TIME, sampled each heartbeat), so host clock skew "
         "does not matter; local: this host's clock",
     ),
     Option(
         "clock_offset",
-        float,
-        0.0,
+        _finite_float,
         "seconds added to this host's clock: a deliberate skew, for testing what skew does",
     ),
     Option(
         "heartbeat_interval",
         _positive_float,
-        1.0,
         "seconds between replica heartbeats in Redis; a replica missing 3 is dead",
     ),
     Option(
         "shutdown_grace",
         _non_negative_float,
-        10.0,
         "seconds in-flight calls get to finish on SIGTERM/SIGINT",
     ),
     Option(
         "tls_cert",
         str,
-        "",
         "PEM certificate (chain) for the gRPC server; with --tls-key turns TLS on",
     ),
-    Option("tls_key", str, "", "PEM private key of --tls-cert"),
+    Option("tls_key", str, "PEM private key of --tls-cert"),
     Option(
         "tls_client_ca",
         str,
-        "",
         "PEM CA bundle: require client certificates signed by it (mutual TLS)",
     ),
     Option(
         "watch_config",
         _bool,
-        True,
         "reload the config when its file or directory changes (ConfigMap updates too); SIGHUP always reloads",
     ),
     Option(
         "metrics_address",
         _optional_address,
-        "127.0.0.1:9090",
         "plain HTTP for /metrics (Prometheus), /config and /healthz; empty turns it off",
+    ),
+    Option(
+        "admin_write_timeout",
+        _positive_float,
+        "seconds an admin client (/metrics, /config, /healthz) gets to read its whole answer; "
+        "slower readers are dropped",
+    ),
+    Option(
+        "admin_max_connections",
+        _positive_int,
+        "admin connections open at once; more get a short 503",
+    ),
+    Option(
+        "json_address",
+        _optional_address,
+        "plain HTTP POST /json: ShouldRateLimit as JSON for apps that do not speak gRPC (no TLS: keep it on "
+        "loopback, for example 127.0.0.1:8082); empty turns it off",
     ),
     Option(
         "near_limit_ratio",
         _fraction,
-        0.8,
         "a hit counts as near_limit in the metrics once its counter reaches this fraction of the limit",
     ),
     Option(
         "response_headers",
         _bool,
-        False,
         "add RateLimit-Limit/-Remaining/-Reset (and Retry-After when refused) for the tightest limit "
         "to each response through Envoy (response_headers_to_add)",
         is_flag=True,
     ),
-    Option("limit_header", _header_name, "RateLimit-Limit", "--response-headers: name of the limit header"),
+    Option("limit_header", _header_name, "--response-headers: name of the limit header"),
     Option(
         "remaining_header",
         _header_name,
-        "RateLimit-Remaining",
         "--response-headers: name of the remaining-hits header",
     ),
     Option(
         "reset_header",
         _header_name,
-        "RateLimit-Reset",
         "--response-headers: name of the seconds-until-reset header",
     ),
     Option(
         "warn_header",
         _header_name,
-        "X-RateLimit-Warning",
         "header sent on admitted requests past a rule's warn_at (soft limit), with or without --response-headers",
     ),
     Option(
         "request_log_sample",
         _positive_int,
-        100,
         "at --log-level debug, log one decision in this many (1 = every request)",
     ),
     Option(
         "quota_ttl",
         _at_least(3, "refreshed every third of it, Envoy needs whole seconds"),
-        60,
         "quota mode: assignment_time_to_live (whole seconds) of every bucket assignment; pushed again every TTL/3",
     ),
     Option(
         "quota_idle_abandon",
         _at_least(10, "Envoy reports usage every 5 s"),
-        120,
         "quota mode: seconds without a request after which a bucket is abandoned (abandon_action) and forgotten",
     ),
     Option(
         "quota_max_buckets",
         _positive_int,
-        100_000,
         "quota mode: cap on live buckets in this process; new buckets beyond it get ALLOW_ALL and no state",
     ),
     Option(
         "quota_max_buckets_per_stream",
         _positive_int,
-        20_000,
         "quota mode: cap on live buckets per Envoy stream; new buckets beyond it get ALLOW_ALL and no state",
     ),
-    Option("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
+    Option("log_level", _choice(LogLevel), "log level"),
     Option(
         "log_format",
-        _choice("json", "console", "auto"),
-        "auto",
+        _choice(LogFormat),
         "json, console, or auto (console on a terminal)",
     ),
 )
@@ -352,19 +367,19 @@ class Settings:
 
     config: str
     grpc_address: str = "127.0.0.1:8081"
-    backend: str = "memory"
+    backend: Backend = "memory"
     instances: int = 1
     max_counters: int = DEFAULT_MAX_COUNTERS
     shadow_mode: bool = False
     redis_url: str = ""
     redis_cluster: bool = False
-    mode: str = "sync"
+    mode: RedisMode = "sync"
     sync_interval: float = 0.05
     sync_max_overshoot: float = 0.05
     redis_timeout: float = 0.005
-    redis_failure_mode: str = "local"
+    redis_failure_mode: FailureMode = "local"
     redis_prefix: str = "rls"
-    clock_source: str = "redis"
+    clock_source: ClockSource = "redis"
     clock_offset: float = 0.0
     heartbeat_interval: float = 1.0
     shutdown_grace: float = 10.0
@@ -373,6 +388,9 @@ class Settings:
     tls_client_ca: str = ""
     watch_config: bool = True
     metrics_address: str = "127.0.0.1:9090"
+    admin_write_timeout: float = admin.WRITE_TIMEOUT
+    admin_max_connections: int = admin.MAX_CONNECTIONS
+    json_address: str = ""
     near_limit_ratio: float = 0.8
     response_headers: bool = False
     limit_header: str = "RateLimit-Limit"
@@ -384,8 +402,8 @@ class Settings:
     quota_idle_abandon: int = 120
     quota_max_buckets: int = 100_000
     quota_max_buckets_per_stream: int = 20_000
-    log_level: str = "info"
-    log_format: str = "auto"
+    log_level: LogLevel = "info"
+    log_format: LogFormat = "auto"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -433,25 +451,36 @@ def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.envir
         )
     if settings.backend == "redis" and not settings.redis_url:
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")
-    if settings.redis_url and not settings.redis_url.startswith(REDIS_SCHEMES):
-        raise SettingsError(
-            f"--redis-url / RLS_REDIS_URL {settings.redis_url!r}: must start with one of {', '.join(REDIS_SCHEMES)}"
-        )
-    if is_sentinel_url(settings.redis_url):
-        check_sentinel_url(settings)
+    if settings.redis_url:
+        check_redis_url(settings)
     return settings
 
 
-def check_sentinel_url(settings: Settings) -> None:
-    """A Sentinel URL must parse and cannot also be a Cluster.
+def check_redis_url(settings: Settings) -> None:
+    """The Redis URL must have a scheme we know and parse as redis-py will read it; a
+    Sentinel URL cannot also be a Cluster.
 
-    The message never repeats the URL: it may hold a password.
+    Messages never repeat the URL, nor any piece of it that may belong to a password
+    (only a scheme is shown, when it looks like one).
     """
+    url = settings.redis_url
+    if not url.startswith(REDIS_SCHEMES):
+        scheme, sep, _ = url.partition("://")
+        named = f" {scheme!r}" if sep and SCHEME.fullmatch(scheme) else ""
+        known = [option.removesuffix("://") for option in REDIS_SCHEMES]
+        close = difflib.get_close_matches(scheme.lower(), known, n=1) if named else []
+        hint = f" (did you mean {close[0]}://?)" if close else ""
+        raise SettingsError(
+            f"--redis-url / RLS_REDIS_URL: unknown scheme{named}{hint}; "
+            f"must start with one of {', '.join(REDIS_SCHEMES)}"
+        )
     try:
-        parse_sentinel_url(settings.redis_url)
+        check_url(url)
     except SentinelUrlError as error:
         raise SettingsError(f"--redis-url / RLS_REDIS_URL (Sentinel): {error}") from None
-    if settings.redis_cluster:
+    except RedisUrlError as error:
+        raise SettingsError(f"--redis-url / RLS_REDIS_URL: {error}") from None
+    if is_sentinel_url(url) and settings.redis_cluster:
         raise SettingsError("--redis-cluster cannot be combined with a Sentinel URL: Sentinel serves one master")
 
 

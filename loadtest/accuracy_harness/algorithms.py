@@ -60,9 +60,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import percentile
-
-from accuracy_harness.analysis import OK, OVER_LIMIT, Calls
+from loadtest.accuracy_harness.analysis import OK, OVER_LIMIT, Calls
+from loadtest.common import percentile
 
 MICROSECONDS = 1_000_000
 CLOCK_MARGIN = 0.001

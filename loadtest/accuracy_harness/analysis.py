@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import percentile
-
-from accuracy_harness.driver import CODE_ERROR, CODE_NOT_SENT, ReplicaRecord
-from accuracy_harness.redis_watch import OWN_COMMANDS, parse_key
+from loadtest.accuracy_harness.driver import CODE_ERROR, CODE_NOT_SENT, ReplicaRecord
+from loadtest.accuracy_harness.redis_watch import OWN_COMMANDS, parse_key
+from loadtest.common import percentile
 
 OK = 1
 OVER_LIMIT = 2

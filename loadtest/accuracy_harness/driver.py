@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from common import METHOD, overall_code, run_worker
+
+from loadtest.common import METHOD, overall_code, run_worker
 
 CODE_ERROR = -1
 """Recorded as the code of a call that failed (its status name goes to ``errors``)."""

@@ -17,8 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from common import free_port, health_serving, start_child
-
+from loadtest.common import free_port, health_serving, start_child
 from stack.processes import Child as StackChild
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """Read the sidecars' Redis counters before they expire, and map them back to descriptors.
 
-A window key lives until ``window end + 5 s`` (``sidecar.limiter.keys``), so reading
+A window key lives until ``window end + 5 s`` (``sidecar.limiter.redis.keys``), so reading
 only after the sidecars stop would miss the early windows of a run. The harness
 polls every ``POLL_INTERVAL`` seconds (SCAN + MGET of ``<prefix>:*`` keys) while the
 traffic runs, once more after the sidecars have exited, and keeps the largest value
@@ -80,7 +80,7 @@ def digest_map(config_dir: Path, key: str, values: Sequence[str]) -> dict[str, i
 
         from sidecar.config import load_config
         from sidecar.config.match import match_descriptor
-        from sidecar.limiter.keys import counter_digest
+        from sidecar.limiter.redis.keys import counter_digest
     except ImportError:
         return {}
     config = load_config(str(config_dir))

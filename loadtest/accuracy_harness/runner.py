@@ -19,19 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import Worker, cpu_seconds, start_worker, stop_workers, worker_answer
-
-from accuracy_harness import algorithms, analysis, scenarios
-from accuracy_harness.driver import RUN_GRACE, WARMUP_CALLS, ReplicaRecord, WorkerSpec, worker_main
-from accuracy_harness.processes import (
+from loadtest.accuracy_harness import algorithms, analysis, scenarios
+from loadtest.accuracy_harness.driver import RUN_GRACE, WARMUP_CALLS, ReplicaRecord, WorkerSpec, worker_main
+from loadtest.accuracy_harness.processes import (
     REPO,
     ChildStartError,
     RedisServer,
     Sidecar,
     wait_all_serving,
 )
-from accuracy_harness.redis_watch import CounterWatch, command_calls, digest_map
-from accuracy_harness.scenarios import Scenario
+from loadtest.accuracy_harness.redis_watch import CounterWatch, command_calls, digest_map
+from loadtest.accuracy_harness.scenarios import Scenario
+from loadtest.common import Worker, cpu_seconds, start_worker, stop_workers, worker_answer
 from stack.processes import ProcessGroup
 
 MODES = ("local", "sync", "strict")

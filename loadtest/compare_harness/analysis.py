@@ -30,10 +30,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import percentile
-
-from compare_harness.client import Outcome, Replay
-from compare_harness.recording import BURST, Planned, Recording
+from loadtest.common import percentile
+from loadtest.compare_harness.client import Outcome, Replay
+from loadtest.compare_harness.recording import BURST, Planned, Recording
 
 ADMITTED, REJECTED = 200, 429
 DEFAULT_MARGIN = 0.002

@@ -17,9 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from http_load import Connection, HttpError, Pool
-
-from compare_harness.recording import Planned
+from loadtest.compare_harness.recording import Planned
+from loadtest.http_load import Connection, HttpError, Pool
 
 ERROR = 0
 """The status recorded when no response came (timeout, refused or broken connection)."""

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import cpu_seconds
-
-from compare_harness import haproxy_config
+from loadtest.common import cpu_seconds
+from loadtest.compare_harness import haproxy_config
 from stack.components import RedisProcess, SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.haproxy import HAProxyPorts, HAProxyProcess

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from compare_harness.analysis import BIN_WIDTH, TRAILING_STEP
-from compare_harness.paths import LABELS
-from compare_harness.recording import Recording
-from compare_harness.report import schedule_ideal
+from loadtest.compare_harness.analysis import BIN_WIDTH, TRAILING_STEP
+from loadtest.compare_harness.paths import LABELS
+from loadtest.compare_harness.recording import Recording
+from loadtest.compare_harness.report import schedule_ideal
 
 COLOURS = {
     "envoy_memory": "#1f77b4",

@@ -7,8 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from compare_harness.paths import LABELS
-from compare_harness.recording import Recording
+from loadtest.compare_harness.paths import LABELS
+from loadtest.compare_harness.recording import Recording
 
 SUMMED = (
     "sent",

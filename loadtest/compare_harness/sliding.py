@@ -41,9 +41,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from compare_harness.analysis import DEFAULT_MARGIN
-from compare_harness.client import Replay
-from compare_harness.recording import Recording
+from loadtest.compare_harness.analysis import DEFAULT_MARGIN
+from loadtest.compare_harness.client import Replay
+from loadtest.compare_harness.recording import Recording
 
 ADMITTED, REJECTED = 200, 429
 OURS, HAPROXY = "envoy_sliding", "haproxy_sliding"

@@ -22,10 +22,13 @@ one row each:
   limit per load. Each must be refused with issues naming the file and a line, or be
   accepted and then answer requests built from its own descriptors without INTERNAL.
 
-The inputs and the invariants live in :mod:`reliability_harness.hostile`, shared with the
-tests; this module runs them, counts the outcomes and writes the rows.
+The inputs live in :mod:`~loadtest.reliability_harness.hostile_requests` and
+:mod:`~loadtest.reliability_harness.hostile_configs`, the in-process handler in
+:mod:`~loadtest.reliability_harness.in_process`, the invariants in
+:mod:`~loadtest.reliability_harness.bounds_oracle`, all shared with the tests; this
+module runs them, counts the outcomes and writes the rows.
 
-``python -m reliability_harness.bad_input [--full]`` (from ``loadtest/``) runs it alone.
+``python -m loadtest.reliability_harness.bad_input [--full]`` runs it alone.
 """
 
 from __future__ import annotations
@@ -45,29 +48,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reliability_harness.hostile import (
-    EXAMPLES,
+from loadtest.reliability_harness.bounds_oracle import outcome_problem
+from loadtest.reliability_harness.hostile_configs import config_cases, exercise, refusal_problems
+from loadtest.reliability_harness.hostile_requests import (
     MAX_MESSAGE_BYTES,
     RSS_GROWTH_LIMIT,
-    SteppingClock,
-    TimeLimitExceeded,
-    call,
-    config_cases,
-    exercise,
     expected_codes,
-    fuzz_config,
-    make_service,
     mutate,
-    outcome_problem,
     random_edits,
     random_invalid_utf8,
     random_request,
     raw_payloads,
-    refusal_problems,
     send_raw,
+)
+from loadtest.reliability_harness.in_process import (
+    EXAMPLES,
+    SteppingClock,
+    TimeLimitExceeded,
+    call,
+    fuzz_config,
+    make_service,
     time_limit,
 )
-from reliability_harness.support import (
+from loadtest.reliability_harness.support import (
     CHANNEL_OPTIONS,
     LOADTEST,
     METHOD,
@@ -136,7 +139,7 @@ HANG_SECONDS = 20.0
 def fuzz_case(rng: random.Random, tally: Tally) -> Any:
     """The next request: random messages half the time, else parsed from mutated bytes or
     from bytes with invalid UTF-8 in a string field (None: not a message)."""
-    from sidecar.service import parse_request
+    from sidecar.service.servicer import parse_request
 
     kind = tally.cases % 4
     if kind in (0, 1):
@@ -151,7 +154,7 @@ def fuzz_case(rng: random.Random, tally: Tally) -> Any:
 
 def request_fuzz(context: Context) -> Row:
     """Random and mutated requests through the handler, in this process."""
-    from sidecar.limiter.keys import MAX_INLINE_CHARS
+    from sidecar.limiter.counters import MAX_INLINE_CHARS
     from sidecar.metrics import MAX_STAT_KEY_LENGTH
 
     count, budget = (3_000, 10.0) if context.quick else (60_000, 30.0)
@@ -225,7 +228,7 @@ def request_fuzz(context: Context) -> Row:
 
 
 def send_all(address: str, payloads: Iterator[bytes], tally: Tally, in_flight: int = 32) -> None:
-    """:func:`~reliability_harness.hostile.send_raw` on a channel of its own, counting the codes."""
+    """:func:`~loadtest.reliability_harness.hostile_requests.send_raw` on a channel of its own, counting the codes."""
     import grpc
 
     with grpc.insecure_channel(

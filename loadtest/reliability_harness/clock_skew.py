@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from reliability_harness.support import (
+from loadtest.reliability_harness.support import (
     CHANNEL_OPTIONS,
     METHOD,
     Context,

@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 import uvloop
 
-from reliability_harness.support import (
+from loadtest.reliability_harness.support import (
     CHANNEL_OPTIONS,
     CODE_ERROR,
     METHOD,
@@ -135,9 +135,9 @@ class SoakResult:
 
 def request_payloads() -> list[bytes]:
     """``grpc_bench``'s Envoy-like ``mixed`` pool for domain ``demo`` (``examples/config``)."""
-    import grpc_bench
+    from loadtest.grpc_bench.mix import request_pool
 
-    return [request.SerializeToString() for request in grpc_bench.request_pool("mixed", POOL, seed=7, salt="soak")]
+    return [request.SerializeToString() for request in request_pool("mixed", POOL, seed=7, salt="soak")]
 
 
 def cycler(size: int) -> Any:

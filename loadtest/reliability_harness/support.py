@@ -1,8 +1,7 @@
 """Pieces the reliability scenarios share: children, metrics, memory, requests, rows.
 
-Importing this module puts the repository and ``loadtest/`` on ``sys.path`` (so the
-scenarios run as ``python -m reliability_harness.<name>`` from ``loadtest/`` too) and
-re-exports what the scenarios use from ``stack`` and ``common``.
+It re-exports what the scenarios use from ``stack`` and ``loadtest.common``; each scenario
+also runs alone as ``python -m loadtest.reliability_harness.<name>`` from the checkout.
 """
 
 from __future__ import annotations
@@ -25,19 +24,15 @@ from typing import Any
 
 import grpc
 
+from loadtest.accuracy_harness.redis_watch import parse_key
+from loadtest.common import METHOD, cpu_seconds, overall_code, percentile
+from loadtest.reliability_harness import Context, Row
+from stack.components import REDIS_SERVER, RedisProcess, SidecarProcess
+from stack.processes import Child, ProcessGroup, StartError, free_port, process_group
+
 HERE = Path(__file__).resolve().parent
 LOADTEST = HERE.parent
 REPO = LOADTEST.parent
-for _entry in (str(REPO), str(LOADTEST)):
-    if _entry not in sys.path:
-        sys.path.append(_entry)
-
-from accuracy_harness.redis_watch import parse_key  # noqa: E402
-from common import METHOD, cpu_seconds, overall_code, percentile  # noqa: E402
-
-from reliability_harness import Context, Row  # noqa: E402
-from stack.components import REDIS_SERVER, RedisProcess, SidecarProcess  # noqa: E402
-from stack.processes import Child, ProcessGroup, StartError, free_port, process_group  # noqa: E402
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -237,7 +232,7 @@ def redis_client(port: int, timeout: float = 10.0) -> Any:
 
 class CounterNames:
     """Redis digests of descriptors, computed as the sidecar does: the rule's counter key
-    from the match tree (``sidecar.config.match_descriptor``), hashed by ``sidecar.limiter.keys``."""
+    from the match tree (``sidecar.config.match_descriptor``), hashed by ``sidecar.limiter.redis.keys``."""
 
     def __init__(self, config_dir: Path, domain: str) -> None:
         from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
@@ -249,7 +244,7 @@ class CounterNames:
 
     def digest(self, entries: Sequence[tuple[str, str]]) -> str:
         from sidecar.config import match_descriptor
-        from sidecar.limiter.keys import counter_digest
+        from sidecar.limiter.redis.keys import counter_digest
 
         match = match_descriptor(self.domain, [self.entry(key=key, value=value) for key, value in entries])
         if match is None:
@@ -317,9 +312,9 @@ def rss(pid: int) -> int:
 
 def core_busy_seconds() -> dict[int, float]:
     """Busy seconds of each core since boot (``grpc_bench``'s reading of /proc/stat)."""
-    import grpc_bench
+    from loadtest.grpc_bench import drive
 
-    return dict(grpc_bench.core_busy_seconds())
+    return dict(drive.core_busy_seconds())
 
 
 @dataclass
@@ -462,7 +457,7 @@ def print_rows(rows: Sequence[Row]) -> None:
 
 
 def main(run: Callable[[Context], list[Row]], argv: Sequence[str] | None = None) -> int:
-    """``python -m reliability_harness.<module> [--full] [--directory DIR]``."""
+    """``python -m loadtest.reliability_harness.<module> [--full] [--directory DIR]``."""
     import argparse
     import tempfile
 

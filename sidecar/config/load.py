@@ -15,7 +15,7 @@ from pathlib import Path
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import DomainConfig, RateLimitConfig
 from sidecar.config.parse import DomainParser
-from sidecar.config.yaml_source import YamlError, load_yaml
+from sidecar.config.yaml_source import MAX_FILE_BYTES, YamlError, load_yaml, too_large
 from sidecar.limiter.algorithms import Algorithm
 
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -39,10 +39,10 @@ def config_files(path: Path) -> list[Path]:
     return files
 
 
-def parse_text(text: str, file: str) -> tuple[DomainConfig | None, list[ConfigIssue]]:
+def parse_text(text: str, file: str, max_bytes: int = MAX_FILE_BYTES) -> tuple[DomainConfig | None, list[ConfigIssue]]:
     """Parse one file's text; returns the domain or the issues found."""
     try:
-        document = load_yaml(text)
+        document = load_yaml(text, max_bytes)
     except YamlError as problem:
         return None, [ConfigIssue(file, problem.line, "", str(problem))]
     parser = DomainParser(file)
@@ -76,10 +76,27 @@ def mode_issues(domains: Mapping[str, DomainConfig], mode: str | None) -> list[C
     ]
 
 
-def load_config(path: str | Path, mode: str | None = None) -> RateLimitConfig:
+def read_capped(file: Path, max_bytes: int) -> bytes:
+    """The file's bytes; :class:`YamlError` naming its size, before reading, past ``max_bytes``.
+
+    A file that grows while it is read (or claims size 0, as some special files do) is
+    read no further than one byte past the cap.
+    """
+    size = file.stat().st_size
+    if size > max_bytes:
+        raise YamlError(too_large(size, max_bytes))
+    with file.open("rb") as handle:
+        raw = handle.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise YamlError(f"file grew over the {max_bytes:,}-byte cap (--max-config-bytes) while being read")
+    return raw
+
+
+def load_config(path: str | Path, mode: str | None = None, max_bytes: int = MAX_FILE_BYTES) -> RateLimitConfig:
     """Load and validate everything under ``path``; :class:`ConfigError` lists all issues.
 
     ``mode``: the Redis mode that will enforce it (``sync`` refuses token buckets).
+    ``max_bytes`` (``--max-config-bytes``): a larger file is refused before it is read.
     """
     files = config_files(Path(path))
     issues: list[ConfigIssue] = []
@@ -88,9 +105,12 @@ def load_config(path: str | Path, mode: str | None = None) -> RateLimitConfig:
     for file in files:
         name = str(file)
         try:
-            raw = file.read_bytes()
+            raw = read_capped(file, max_bytes)
         except OSError as error:
             issues.append(ConfigIssue(name, 0, "", f"cannot read: {error}"))
+            continue
+        except YamlError as too_large_file:
+            issues.append(ConfigIssue(name, 0, "", str(too_large_file)))
             continue
         try:
             text = raw.decode("utf-8")
@@ -100,7 +120,7 @@ def load_config(path: str | Path, mode: str | None = None) -> RateLimitConfig:
             issues.append(ConfigIssue(name, line, "", problem))
             continue
         digest.update(name.encode() + b"\0" + raw + b"\0")
-        domain, found = parse_text(text, name)
+        domain, found = parse_text(text, name, max_bytes)
         issues.extend(found)
         if domain is None:
             continue

@@ -10,11 +10,12 @@ limit applies only when the descriptor's last entry lands on a node with a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from sidecar.config.model import DescriptorNode, DomainConfig, Level, RateLimitRule
-from sidecar.limiter.keys import MAX_INLINE_CHARS, hashed_counter_key
+from sidecar.limiter.counters import MAX_INLINE_CHARS, counter_key, hashed_counter_key
 from sidecar.limiter.protocol import CounterKey
+from sidecar.limiter.windows import Unit
 
 
 class Entry(Protocol):
@@ -34,7 +35,7 @@ class Match(NamedTuple):
     key: CounterKey
     """``(rule.counter_id, *values)``: the request values of key-only and unshared
     wildcard levels, so each distinct value gets its own counter (long values hashed,
-    see :func:`sidecar.limiter.keys.counter_key`)."""
+    see :func:`sidecar.limiter.redis.keys.counter_key`)."""
     more: tuple[Match, ...] = ()
     """The node's further limits (``rate_limits``), each with its own counter."""
 
@@ -84,7 +85,72 @@ def match_descriptor(domain: DomainConfig, entries: Sequence[Entry]) -> Match | 
 
 
 def limit_key(rule: RateLimitRule, values: list[str], chars: int) -> CounterKey:
-    """:func:`sidecar.limiter.keys.counter_key` for values whose length is known."""
+    """:func:`sidecar.limiter.redis.keys.counter_key` for values whose length is known."""
     if chars <= MAX_INLINE_CHARS:
         return (rule.counter_id, *values)
     return hashed_counter_key(rule.counter_id, values)
+
+
+# ---------------------------------------------------------------- request-level matching
+
+
+def detailed_stat_key(domain: str, descriptor: Any) -> str:
+    """``domain.key_value...`` with the request's own values, for ``detailed_metric`` rules."""
+    return ".".join([domain, *(f"{e.key}_{e.value}" if e.value else e.key for e in descriptor.entries)])
+
+
+OVERRIDE_SOURCE = "request override"
+
+
+def override_stat_key(domain: str, descriptor: Any) -> str:
+    """``domain.key1.key2...``: the stat key of a request override, its entries' keys only.
+
+    envoyproxy/ratelimit names an override's stats ``domain.key_value...`` with the
+    request's values, one series per value; any client could then mint a series per call.
+    Here every override of one domain and key shape shares one row (the values still get
+    counters of their own)."""
+    return ".".join([domain, *(entry.key for entry in descriptor.entries)])
+
+
+def override_rule(domain: str, descriptor: Any) -> Match:
+    """The limit a request carries itself (``descriptor.limit``): wins over the config.
+
+    Its counter is keyed by the descriptor's entries and unit, like envoyproxy/ratelimit,
+    so requests overriding with different numbers share one count; its metrics row by
+    the keys only (:func:`override_stat_key`).
+    """
+    unit = Unit(descriptor.limit.unit)
+    entries = [part for entry in descriptor.entries for part in (entry.key, entry.value)]
+    stat = override_stat_key(domain, descriptor)
+    counter_id = f"override\0{domain}\0{unit.seconds}"
+    rule = RateLimitRule(
+        domain=domain,
+        requests_per_unit=descriptor.limit.requests_per_unit,
+        unit=unit,
+        unlimited=False,
+        name=None,
+        replaces=frozenset(),
+        shadow_mode=False,
+        quota_mode=False,
+        detailed_metric=False,
+        stat_key=stat,
+        counter_id=counter_id,
+        source=OVERRIDE_SOURCE,
+    )
+    return Match(rule, counter_key(counter_id, entries))
+
+
+def drop_replaced(matches: list[Match | None]) -> list[Match | None]:
+    """Remove limits named in another matched limit's ``replaces`` (same request only)."""
+    replaced = {name for match in matches if match for limit in match.limits() for name in limit.rule.replaces}
+    if not replaced:
+        return matches
+    return [unreplaced(match, replaced) if match else None for match in matches]
+
+
+def unreplaced(match: Match, replaced: set[str]) -> Match | None:
+    """``match`` without its limits named in ``replaces``; None when none is left."""
+    kept = [limit for limit in match.limits() if limit.rule.name not in replaced]
+    if len(kept) == len(match.limits()):
+        return match
+    return kept[0]._replace(more=tuple(kept[1:])) if kept else None

@@ -12,12 +12,18 @@ from typing import Any
 import yaml
 
 MAX_FILE_BYTES = 8 * 1024 * 1024
-"""A descriptor config far larger than this is a mistake, not a config."""
+"""A descriptor config far larger than this is a mistake, not a config: the default of
+``--max-config-bytes``, checked before a file is read (:func:`~sidecar.config.load.load_config`)."""
 
 MAX_NODES = 200_000
 """Bound on YAML nodes, counted with every alias and merge key expanded, so alias
 bombs cannot expand without limit: neither in PyYAML's merge-key flattening nor in
 the config parser, which walks an aliased subtree once per reference."""
+
+
+def too_large(size: int, max_bytes: int) -> str:
+    """The issue of a file over the cap: its size and the cap, and the flag that sets it."""
+    return f"file is {size:,} bytes, over the {max_bytes:,}-byte cap (--max-config-bytes)"
 
 
 class YamlError(Exception):
@@ -122,10 +128,11 @@ def expanded_size(root: yaml.Node) -> int:
     return size(root)
 
 
-def load_yaml(text: str) -> Any:
-    """Parse one YAML document; raises :class:`YamlError` with a line number."""
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
-        raise YamlError(f"file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB")
+def load_yaml(text: str, max_bytes: int = MAX_FILE_BYTES) -> Any:
+    """Parse one YAML document of at most ``max_bytes`` (UTF-8); raises :class:`YamlError` with a line number."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise YamlError(too_large(size, max_bytes))
     try:
         # The reader refuses non-printable characters while the loader is built,
         # with a ReaderError that has a position but no mark and a two-line message.

@@ -36,20 +36,43 @@ never per request: an outage under load must not turn into a flood of log lines.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal, get_args
 
 import structlog
 
-from sidecar.limiter.keys import per_hit
-from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, MemoryLimiter
+from sidecar.limiter.ledger import OwedHits
+from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, MemoryLimiter, share_of_limit
 from sidecar.limiter.protocol import Check, Decision, Role, decide
+from sidecar.limiter.redis.keys import per_hit
 from sidecar.metrics import LimiterSnapshot
 
 log = structlog.get_logger(__name__)
 
-MODES = ("local", "open", "closed")
+FailureMode = Literal["local", "open", "closed"]
+MODES: tuple[FailureMode, ...] = get_args(FailureMode)
+
+
+def failure_limits(mode: FailureMode, checks: Sequence[Check], counts: Sequence[int], live: int) -> tuple[int, ...]:
+    """The limit each check is held to while Redis is unreachable: the one rule of every
+    Redis backend's failure mode, applied by :func:`~sidecar.limiter.protocol.decide`
+    to the would-be counts the backend knows.
+
+    ``local``: this replica's share, ``ceil(limit / live replicas)`` (the counts must
+    then be this replica's own hits). ``open``: never below the count, so nothing is
+    over. ``closed``: an enforced check is over whatever its count (nothing left, as
+    far as we can know); shadow and quota checks are held to nothing they could pass.
+    """
+    if mode == "local":
+        return tuple(share_of_limit(check.limit, live) for check in checks)
+    if mode == "open":
+        return tuple(max(check.limit, count) for check, count in zip(checks, counts, strict=True))
+    return tuple(
+        -1 if check.role is Role.ENFORCED else max(check.limit, count)
+        for check, count in zip(checks, counts, strict=True)
+    )
+
 
 Admitted = dict[str, tuple[int, int]]
 """Owed to Redis: ``{key: (amount, expire_at)}``, ``INCRBY`` amounts (hits, or a TAT's
@@ -63,7 +86,7 @@ class FailurePolicy:
 
     def __init__(
         self,
-        mode: str = "local",
+        mode: FailureMode = "local",
         live: Callable[[], int] = lambda: 1,
         *,
         admit_all: bool = False,
@@ -79,21 +102,10 @@ class FailurePolicy:
         """True between ``redis_unavailable`` and ``redis_recovered``."""
         self.decisions = 0
         """Requests decided here since the process started."""
-        self.dropped_hits = 0
-        """Admitted hits that could not be remembered (more than ``max_counters`` keys owed)."""
-        self.dropped_give_backs = 0
-        """Hits to give back that could not be remembered (Redis keeps them: errs towards rejecting)."""
+        self.ledger = OwedHits(max_counters)
+        """What this replica admitted (or must give back) and Redis does not hold yet."""
         self._local = MemoryLimiter(max_counters=max_counters, admit_all=admit_all)
-        self._owed: dict[str, list[int]] = {}
-        self._per_hit: dict[str, int] = {}
-        """Amount per hit of owed or in-flight keys that are not windows (token buckets), for
-        the hit counts reported; kept while the key is owed or in flight."""
-        self._in_flight: dict[str, int] = {}
-        self._held: dict[str, int] = {}
-        self._has_owed = asyncio.Event()
-        self._waiters: list[asyncio.Future[None]] = []
         self._since = 0.0
-        self._drop_logged = False
 
     # -- deciding --------------------------------------------------------------------
 
@@ -132,12 +144,7 @@ class FailurePolicy:
         owe: bool,
     ) -> tuple[Decision, tuple[int, ...]]:
         self.decisions += 1
-        if self.mode == "local":
-            decision = self._decide_locally(checks, now)
-        elif self.mode == "open":
-            decision = self._open(checks)
-        else:
-            decision = self._closed(checks)
+        decision = self._decide_locally(checks, now) if self.mode == "local" else self._without_counting(checks)
         if not decision.admitted:
             return decision, (0,) * len(checks)
         _, _, consume = decide(checks, decision.counts, decision.limits, self.admit_all)
@@ -145,7 +152,7 @@ class FailurePolicy:
         if owe:
             for check, key, expire_at, hits in zip(checks, keys, expire_ats, spent, strict=True):
                 if hits:
-                    self._owe(key, hits * per_hit(check), expire_at, now, per_hit(check))
+                    self.ledger.owe_amount(key, hits * per_hit(check), expire_at, now, per_hit(check))
         return decision, spent
 
     def _decide_locally(self, checks: Sequence[Check], now: float) -> Decision:
@@ -169,221 +176,16 @@ class FailurePolicy:
             if spent and check.hits:
                 self._local.record(check, now)
 
-    @staticmethod
-    def _open(checks: Sequence[Check]) -> Decision:
-        return Decision(
-            True,
-            tuple(False for _ in checks),
-            tuple(check.hits for check in checks),
-            tuple(check.limit for check in checks),
-        )
-
-    def _closed(self, checks: Sequence[Check]) -> Decision:
-        """Enforced checks are over (nothing left, as far as we can know); the others pass."""
-        over = tuple(check.role is Role.ENFORCED for check in checks)
-        return Decision(
-            self.admit_all or not any(over),
-            over,
-            tuple(
-                check.limit + check.hits if is_over else check.hits for check, is_over in zip(checks, over, strict=True)
-            ),
-            tuple(check.limit for check in checks),
-        )
+    def _without_counting(self, checks: Sequence[Check]) -> Decision:
+        """``open`` and ``closed``: the request's own hits against :func:`failure_limits`."""
+        counts = tuple(check.hits for check in checks)
+        limits = failure_limits(self.mode, checks, counts, self.live())
+        admitted, over, _ = decide(checks, counts, limits, self.admit_all)
+        return Decision(admitted, over, counts, tuple(max(0, limit) for limit in limits))
 
     def local_snapshot(self) -> LimiterSnapshot:
         """Counters of the local failure-mode limiter (the only counters strict mode holds)."""
         return self._local.snapshot()
-
-    # -- what Redis is owed ------------------------------------------------------------
-
-    @property
-    def owed_hits(self) -> int:
-        """Hits admitted here and not sent to Redis yet (in flight excluded)."""
-        return sum(hits for hits in self._hits(self._owed) if hits > 0)
-
-    @property
-    def owed_give_backs(self) -> int:
-        """Hits Redis holds but must give back, not sent yet (in flight excluded)."""
-        return -sum(hits for hits in self._hits(self._owed) if hits < 0)
-
-    def hits_in(self, adds: Mapping[str, Sequence[int]]) -> int:
-        """Hits (not give-backs) in owed or in-flight amounts such as a flush's ``adds``."""
-        return sum(hits for hits in self._hits(adds) if hits > 0)
-
-    def _hits(self, amounts: Mapping[str, Sequence[int]]) -> Iterable[int]:
-        """Each key's amount in hits (a token bucket's microseconds divided back)."""
-        per = self._per_hit
-        if not per:
-            return (amount for amount, *_ in amounts.values())
-        return (amount // per.get(key, 1) for key, (amount, *_) in amounts.items())
-
-    def reconciled(self) -> bool:
-        """Whether Redis holds every hit admitted here (nothing owed, in flight or held)."""
-        return not self._owed and not self._in_flight and not self._held
-
-    def owes(self) -> bool:
-        """Whether any hit waits for reconciliation (in flight excluded)."""
-        return bool(self._owed)
-
-    def settled(self, keys: Iterable[str]) -> bool:
-        """Whether Redis holds exactly what this replica admitted on ``keys``.
-
-        False while one of them has hits (or give-backs) owed, on their way, or held
-        (:meth:`hold`): Redis might not hold them yet, so an exact decision on that
-        counter must wait.
-        """
-        owed, in_flight, held = self._owed, self._in_flight, self._held
-        if not owed and not in_flight and not held:
-            return True
-        return not any(key in owed or key in in_flight or key in held for key in keys)
-
-    def hold(self, keys: Iterable[str]) -> None:
-        """Hits of ``keys`` are in doubt (a Redis call that may still count them is on the wire)."""
-        held = self._held
-        for key in keys:
-            held[key] = held.get(key, 0) + 1
-
-    def release(self, keys: Iterable[str]) -> None:
-        """Undo one :meth:`hold` of ``keys``: the doubt is resolved (and owed as needed)."""
-        held = self._held
-        for key in keys:
-            left = held.get(key, 0) - 1
-            if left > 0:
-                held[key] = left
-            else:
-                held.pop(key, None)
-        self._wake()
-
-    async def wait_settled(self, keys: Sequence[str]) -> None:
-        """Return once :meth:`settled` holds for ``keys`` (the caller bounds the wait)."""
-        while not self.settled(keys):
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            if len(self._waiters) >= WAITERS_PRUNE:
-                self._waiters = [pending for pending in self._waiters if not pending.done()]
-            self._waiters.append(waiter)
-            await waiter
-
-    def busy(self, keys: Iterable[str]) -> bool:
-        """Whether hits of one of ``keys`` are on their way to Redis right now.
-
-        A request on such a key must not ask Redis yet: Redis might not have the
-        hits, and this replica would count them as if they were not admitted.
-        """
-        in_flight = self._in_flight
-        return bool(in_flight) and any(key in in_flight for key in keys)
-
-    def take(self, keys: Iterable[str]) -> Admitted:
-        """Owed hits of ``keys`` only (to send with a request's own script); marks them in flight."""
-        if not self._owed:
-            return {}
-        taken: Admitted = {}
-        for key in keys:
-            entry = self._owed.pop(key, None)
-            if entry is not None:
-                taken[key] = (entry[0], entry[1])
-        self._mark_in_flight(taken)
-        return taken
-
-    def drain_admitted(self) -> Admitted:
-        """Every owed hit, to be flushed to Redis; marks them in flight until settled or restored."""
-        drained = {key: (hits, expire_at) for key, (hits, expire_at) in self._owed.items()}
-        self._owed.clear()
-        self._has_owed.clear()
-        self._mark_in_flight(drained)
-        return drained
-
-    def settle(self, adds: Mapping[str, tuple[int, int]]) -> None:
-        """Redis holds ``adds`` now."""
-        self._unmark_in_flight(adds)
-
-    def restore(self, adds: Mapping[str, tuple[int, int]]) -> None:
-        """Sending ``adds`` failed: owe them again."""
-        for key, (amount, expire_at) in adds.items():
-            self._owe(key, amount, expire_at, None, self._per_hit.get(key, 1))
-        self._unmark_in_flight(adds)
-
-    def owe(self, key: str, hits: int, expire_at: int, amount_per_hit: int = 1) -> bool:
-        """Add ``hits`` (negative: take them off) to what Redis is owed for ``key``.
-
-        For corrections: a negative entry is sent like any other (``INCRBY`` with a
-        negative amount), and entries of one key merge, so a correction is exact
-        whether what it corrects is still owed, on the wire, or already in Redis.
-        ``amount_per_hit`` is what one hit adds to the key (:func:`~sidecar.limiter.keys.per_hit`).
-        Returns False if it could not be remembered (see :attr:`dropped_hits` and
-        :attr:`dropped_give_backs`).
-        """
-        return self._owe(key, hits * amount_per_hit, expire_at, None, amount_per_hit) if hits else True
-
-    async def wait_owed(self) -> None:
-        """Return once some hit is owed."""
-        await self._has_owed.wait()
-
-    def _owe(self, key: str, amount: int, expire_at: int, now: float | None, amount_per_hit: int = 1) -> bool:
-        entry = self._owed.get(key)
-        if entry is not None:
-            entry[0] += amount
-            if not entry[0]:
-                self._forget(key)  # a correction cancelled what was owed: nothing to send
-                self._wake()
-                return True
-        elif len(self._owed) < self.max_counters or self._make_room(now):
-            self._owed[key] = [amount, expire_at]
-        else:
-            self._drop(amount // amount_per_hit)
-            return False
-        if amount_per_hit != 1:
-            self._per_hit[key] = amount_per_hit
-        self._has_owed.set()
-        return True
-
-    def _forget(self, key: str) -> None:
-        """Drop what is owed for ``key``, and its amount per hit once nothing of it is in flight."""
-        del self._owed[key]
-        if key not in self._in_flight:
-            self._per_hit.pop(key, None)
-
-    def _make_room(self, now: float | None) -> bool:
-        """Forget hits owed to windows that have ended, and to buckets full again by now
-        (their keys are gone from Redis anyway, or the hits no longer matter)."""
-        moment = time.time() if now is None else now
-        for key in [key for key, (_, expire_at) in self._owed.items() if expire_at <= moment]:
-            self._forget(key)
-        return len(self._owed) < self.max_counters
-
-    def _drop(self, hits: int) -> None:
-        if hits < 0:
-            self.dropped_give_backs -= hits
-        else:
-            self.dropped_hits += hits
-        if not self._drop_logged:
-            self._drop_logged = True
-            log.warning(
-                "failure_hits_dropped",
-                max_counters=self.max_counters,
-                hint="more distinct counters were admitted during the outage than --max-counters",
-            )
-
-    def _mark_in_flight(self, adds: Mapping[str, tuple[int, int]]) -> None:
-        for key in adds:
-            self._in_flight[key] = self._in_flight.get(key, 0) + 1
-
-    def _unmark_in_flight(self, adds: Mapping[str, tuple[int, int]]) -> None:
-        for key in adds:
-            left = self._in_flight.get(key, 0) - 1
-            if left > 0:
-                self._in_flight[key] = left
-            else:
-                self._in_flight.pop(key, None)
-                if key not in self._owed:
-                    self._per_hit.pop(key, None)
-        self._wake()
-
-    def _wake(self) -> None:
-        """Let every :meth:`wait_settled` look again."""
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
 
     # -- state changes -----------------------------------------------------------------
 
@@ -392,7 +194,7 @@ class FailurePolicy:
         if not available and not self.degraded:
             self.degraded = True
             self._since = time.monotonic()
-            self._drop_logged = False
+            self.ledger.log_next_drop()
             log.warning("redis_unavailable", reason=reason, failure_mode=self.mode, live_replicas=self.live())
         elif available and self.degraded:
             self.degraded = False
@@ -400,6 +202,6 @@ class FailurePolicy:
                 "redis_recovered",
                 outage_seconds=round(time.monotonic() - self._since, 3),
                 failure_decisions=self.decisions,
-                owed_hits=self.owed_hits,
-                dropped_hits=self.dropped_hits,
+                owed_hits=self.ledger.owed_hits,
+                dropped_hits=self.ledger.dropped_hits,
             )

@@ -46,15 +46,15 @@ from dataclasses import dataclass, field
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm, now_us
-from sidecar.limiter.batcher import DecisionBatcher
-from sidecar.limiter.failure import Admitted, FailurePolicy
-from sidecar.limiter.keys import check_window, per_hit, previous_window
+from sidecar.limiter.failure import FailurePolicy
+from sidecar.limiter.ledger import Admitted
 from sidecar.limiter.protocol import Check, Decision, decide
-from sidecar.limiter.redis_store import Counts, RedisStore, RedisUnavailable, stop_task
-from sidecar.limiter.replicas import Replicas
-from sidecar.limiter.windows import Clock, system_clock
+from sidecar.limiter.redis.availability import RedisUnavailable, stop_task
+from sidecar.limiter.redis.batcher import DecisionBatcher
+from sidecar.limiter.redis.keys import check_window, per_hit, previous_window
+from sidecar.limiter.redis.replicas import Replicas
+from sidecar.limiter.redis.store import Counts, RedisStore
 from sidecar.metrics import LimiterSnapshot
-from sidecar.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +106,8 @@ class StrictLimiter:
         self.store = store
         self.replicas = replicas
         self.policy = policy
+        self.ledger = policy.ledger
+        """Hits owed to Redis (the failure policy's ledger; corrections go there too)."""
         self.prefix = prefix
         self.admit_all = admit_all
         self.redis_time = redis_time
@@ -121,20 +123,6 @@ class StrictLimiter:
         """A flush whose reply was lost: sent again, as is, before anything newer."""
         """Last count Redis reported per window key, so ``local`` failure mode shares what is left."""
         store.add_listener(policy.on_redis_state)
-
-    @classmethod
-    def from_settings(cls, settings: Settings, clock: Clock = system_clock) -> StrictLimiter:
-        """Store, heartbeats and failure policy as the settings say; ``clock`` times the
-        heartbeats (a :class:`~sidecar.limiter.clock.SharedClock` also samples Redis TIME)."""
-        store = RedisStore.from_settings(settings)
-        replicas = Replicas(store, settings.heartbeat_interval, clock=clock)
-        policy = FailurePolicy(
-            settings.redis_failure_mode,
-            lambda: replicas.live,
-            admit_all=settings.shadow_mode,
-            max_counters=settings.max_counters,
-        )
-        return cls(store, replicas, policy, prefix=settings.redis_prefix, admit_all=settings.shadow_mode)
 
     async def start(self) -> None:
         """Connect (or start probing), join the replica set, start reconciling."""
@@ -179,11 +167,11 @@ class StrictLimiter:
         budget = self.store.request_timeout
         try:
             watched = [*call.keys, *read_keys(call)]
-            if not self.policy.settled(watched):
+            if not self.ledger.settled(watched):
                 loop = asyncio.get_running_loop()
                 started = loop.time()
                 async with asyncio.timeout(budget):
-                    await self.policy.wait_settled(watched)
+                    await self.ledger.wait_settled(watched)
                 budget -= loop.time() - started
                 if budget <= 0:
                     raise TimeoutError
@@ -220,7 +208,7 @@ class StrictLimiter:
         """The request was answered by the failure policy while its script may still run."""
         call.owed = [0] * len(call.checks)
         call.held = True
-        self.policy.hold(call.keys)
+        self.ledger.hold(call.keys)
         self._held.add(call)
         call.timer = asyncio.get_running_loop().call_later(2 * self.store.background_timeout, self._give_up, call)
 
@@ -249,7 +237,7 @@ class StrictLimiter:
     def _unhold(self, call: RedisCall) -> None:
         if call.held:
             call.held = False
-            self.policy.release(call.keys)
+            self.ledger.release(call.keys)
             self._held.discard(call)
             if call.timer is not None:
                 call.timer.cancel()
@@ -260,7 +248,7 @@ class StrictLimiter:
             zip(call.checks, call.keys, call.expire_ats, call.spent, consumed, strict=True)
         ):
             change = spent - script - call.owed[index]
-            if change and self.policy.owe(key, change, deadline, per_hit(check)):
+            if change and self.ledger.owe(key, change, deadline, per_hit(check)):
                 call.owed[index] += change
 
     # -- reconciling -------------------------------------------------------------------
@@ -284,7 +272,7 @@ class StrictLimiter:
                     return True
 
     def _next_flush(self) -> OwedFlush | None:
-        owed = self.policy.drain_admitted()
+        owed = self.ledger.drain_admitted()
         if not owed:
             return None
         self._sequence += 1
@@ -298,7 +286,7 @@ class StrictLimiter:
         except RedisUnavailable:
             return False
         self._unacknowledged = None
-        self.policy.settle(flush.adds)
+        self.ledger.settle(flush.adds)
         refused = [key for key in flush.adds if key not in totals]
         if refused:
             log.error("owed_hits_refused", keys=len(refused), hits=sum(flush.adds[key][0] for key in refused))
@@ -316,9 +304,9 @@ class StrictLimiter:
     def unreconciled_hits(self) -> int:
         """Admitted hits Redis may not hold yet: owed, held, or in a flush not acknowledged."""
         pending = self._unacknowledged
-        unsent = self.policy.hits_in(pending.adds) if pending else 0
+        unsent = self.ledger.hits_in(pending.adds) if pending else 0
         held = sum(sum(call.spent) for call in self._held)
-        return self.policy.owed_hits + unsent + held
+        return self.ledger.owed_hits + unsent + held
 
     async def close(self) -> None:
         """Apply late answers, leave the replica set, send what is still owed, close."""
@@ -329,7 +317,7 @@ class StrictLimiter:
         for call in list(self._held):
             self._give_up(call)  # its batch failed: no answer will come
         await self.replicas.close()
-        if self.policy.owes() or self._unacknowledged is not None:
+        if self.ledger.owes() or self._unacknowledged is not None:
             if not await self.store.probe():
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.store.background_timeout):
@@ -342,8 +330,8 @@ class StrictLimiter:
             failure_decisions=self.policy.decisions,
             late_answers=self.batcher.late_answers,
             unreconciled_hits=unreconciled,
-            unreturned_hits=self.policy.owed_give_backs,
-            dropped_hits=self.policy.dropped_hits,
+            unreturned_hits=self.ledger.owed_give_backs,
+            dropped_hits=self.ledger.dropped_hits,
             redis_round_trips_request_path=self.store.round_trips_request_path,
             redis_round_trips_background=self.store.round_trips_background,
         )
@@ -353,7 +341,7 @@ class StrictLimiter:
         """Whenever hits are owed and Redis is available, flush them."""
         while True:
             if self._unacknowledged is None:
-                await self.policy.wait_owed()
+                await self.ledger.wait_owed()
             await self.store.wait_available()
             if not await self.reconcile():
                 # Usually the failed flush marked Redis unavailable and the next wait blocks;

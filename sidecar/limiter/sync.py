@@ -47,17 +47,20 @@ import contextlib
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm, previous_weight, sliding_part
-from sidecar.limiter.batcher import DecisionBatcher
-from sidecar.limiter.keys import ban_key, counter_digest, expire_at, window_key
-from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, Bans, EvictionLog
+from sidecar.limiter.bounds import Bans, EvictionLog
+from sidecar.limiter.failure import FailureMode, failure_limits
+from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
-from sidecar.limiter.redis_store import Counts, RedisStore, RedisUnavailable, stop_task
-from sidecar.limiter.replicas import Replicas
+from sidecar.limiter.redis.availability import RedisUnavailable, stop_task
+from sidecar.limiter.redis.batcher import DecisionBatcher
+from sidecar.limiter.redis.keys import ban_key, counter_digest, expire_at, window_key
+from sidecar.limiter.redis.replicas import Replicas
+from sidecar.limiter.redis.store import Counts, RedisStore
+from sidecar.limiter.sync_counters import FlushBatch, WindowCounter, lowered_check
 from sidecar.limiter.windows import Clock, system_clock, window_start
 from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
 
@@ -66,78 +69,6 @@ log = structlog.get_logger(__name__)
 GROWTH_SMOOTHING = 0.5
 """EWMA weight of the newest growth sample: reacts within two syncs to a change."""
 DEFAULT_MAX_OVERSHOOT = 0.05
-
-
-@dataclass(slots=True)
-class WindowCounter:
-    """What this replica knows about one counter in one window."""
-
-    key: str
-    digest: str
-    expire_at: int
-    known: int = 0
-    """Global total last read from Redis (includes our flushed hits)."""
-    pending: int = 0
-    """Admitted here, not yet sent to Redis."""
-    inflight: int = 0
-    """Sent in a flush that has not been acknowledged yet."""
-    growth: float = 0.0
-    """EWMA of hits other replicas add between two of our syncs."""
-    own: int = 0
-    """Hits this replica admitted in the window (the ``local`` failure mode's measure)."""
-    touched: bool = True
-    """Used since the last flush: its total is worth reading back."""
-    busy: int = 0
-    """Requests deciding with this counter right now: it must not be evicted or expired
-    under them, or the hits they admit would land on a counter nobody flushes."""
-    ban_key: str | None = None
-    """Rules with ``ban_duration``: the counter's ban key, read back with every flush."""
-    previous_key: str | None = None
-    """Sliding window only: the previous window's key, read back with every flush."""
-    previous: int | None = None
-    """Sliding window only: the previous window's global total; None until known (every
-    decision on the counter escalates until then)."""
-
-    @property
-    def unflushed(self) -> int:
-        """Our hits Redis may not hold yet."""
-        return self.pending + self.inflight
-
-    def extra_reads(self) -> list[str]:
-        """Keys a flush reads besides the counter: the previous window, the ban."""
-        return [key for key in (self.previous_key, self.ban_key) if key is not None]
-
-
-def lowered_check(check: Check, own: int, previous_part: int | None) -> Check:
-    """The check an escalation sends: the limit lowered by our unflushed hits.
-
-    A sliding window whose previous total is known goes as a fixed window with the
-    limit also lowered by that total's weighted part, so the answer is the current
-    window's count, which :meth:`SyncLimiter._learn` can learn from; one whose previous
-    total is unknown goes as a sliding window and the script weighs the previous
-    window itself.
-    """
-    if previous_part is None:
-        return check._replace(limit=max(0, check.limit - own))
-    lowered = max(0, check.limit - own - previous_part)
-    return check._replace(limit=lowered, algorithm=Algorithm.FIXED_WINDOW)
-
-
-@dataclass(slots=True)
-class FlushBatch:
-    """One flush: what was sent, so the answer (or failure) can be applied."""
-
-    sent: dict[str, tuple[WindowCounter, int]]
-    reads: list[WindowCounter]
-    sequence: int
-    """Grows with every new batch; a retried batch keeps its number (idempotent flush)."""
-
-    bans: dict[str, int] = field(default_factory=dict)
-    """Bans decided here since the last flush: ``{ban key: until}`` (SET NX, so the first wins)."""
-
-    def counters(self) -> list[WindowCounter]:
-        """Every counter the flush sends hits for or reads back."""
-        return [counter for counter, _ in self.sent.values()] + self.reads
 
 
 class SyncLimiter:
@@ -151,7 +82,7 @@ class SyncLimiter:
         prefix: str = "rls",
         sync_interval: float = 0.05,
         request_budget: float = 0.005,
-        failure_mode: str = "local",
+        failure_mode: FailureMode = "local",
         admit_all: bool = False,
         max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
         max_counters: int = DEFAULT_MAX_COUNTERS,
@@ -398,22 +329,17 @@ class SyncLimiter:
                 counter.pending -= check.hits
 
     def _decide_without_redis(self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float) -> Decision:
-        """Redis is unreachable: apply the failure mode; admitted hits stay pending."""
+        """Redis is unreachable: apply the failure mode (:func:`~sidecar.limiter.failure.failure_limits`);
+        admitted hits stay pending.
+
+        ``local`` counts this replica's own hits of the window against its share (safe
+        capacity): if every replica does so, the total stays within the limit whatever
+        each one's stale view of the others, even in a burst where some escalations
+        were answered and others timed out. ``open`` and ``closed`` count what is known.
+        """
         self.failure_decisions += 1
-        if self.failure_mode == "local":
-            # Safe capacity: this replica's own hits in the window stay within its share
-            # of the limit. If every replica does so, the total stays within the limit
-            # whatever each one's stale view of the others, even in a burst where some
-            # escalations were answered and others timed out.
-            replicas = self.replicas.live
-            counts = self._would_be(checks, counters, own=True, now=now)
-            limits = tuple(math.ceil(check.limit / replicas) for check in checks)
-            return self._apply(checks, counters, counts, limits)
-        counts = self._would_be(checks, counters, now=now)
-        if self.failure_mode == "open":
-            limits = tuple(max(check.limit, count) for check, count in zip(checks, counts, strict=True))
-        else:
-            limits = tuple(-1 for _ in checks)
+        counts = self._would_be(checks, counters, own=self.failure_mode == "local", now=now)
+        limits = failure_limits(self.failure_mode, checks, counts, self.replicas.live)
         return self._apply(checks, counters, counts, limits)
 
     def _apply(

@@ -40,20 +40,17 @@ import yaml
 
 from sidecar.config.load import load_config
 from sidecar.config.model import DomainConfig, Level
-from sidecar.haproxy import (
+from sidecar.haproxy.export import pick_domain
+from sidecar.haproxy.from_envoy import (
     HTTP_CONNECTION_MANAGER,
     RATELIMIT_FILTER,
-    Const,
-    ExportError,
-    Fetch,
-    Problem,
-    candidates,
-    node_limits,
-    pick_domain,
     rate_limited_manager,
     read_envoy,
     string_match,
 )
+from sidecar.haproxy.model import Const, ExportError, Fetch, Problem
+from sidecar.haproxy.plan import candidates
+from sidecar.haproxy.rules import node_limits
 from sidecar.quota import envoy_objects as objects
 from sidecar.quota.envoy_objects import BucketValue, Fallback, Predicate
 

@@ -31,7 +31,7 @@ import structlog
 from sidecar.config.model import RateLimitConfig
 from sidecar.quota.assignments import Assignment, Kind, assign, default
 from sidecar.quota.buckets import BucketIdError, BucketKey, bucket_key, parse_bucket
-from sidecar.quota.stats import Gauges, QuotaStats
+from sidecar.quota.stats import FrozenQuota, Gauges, QuotaStats
 
 log = structlog.get_logger(__name__)
 
@@ -162,6 +162,10 @@ class QuotaRegistry:
         if self.streams.pop(stream.id, None) is not None:
             self.live -= len(stream.buckets)
             stream.buckets.clear()
+
+    def frozen_stats(self) -> FrozenQuota:
+        """This scrape's numbers, copied on the event loop (the text is made in a thread)."""
+        return self.stats.frozen(self.gauges())
 
     def gauges(self) -> Gauges:
         now = self.clock()

@@ -65,6 +65,21 @@ class QuotaStats:
         row[0] += allowed
         row[1] += denied
 
+    def frozen(self, gauges: Gauges) -> FrozenQuota:
+        """A copy of the numbers, taken on the event loop, to be collected in a scrape thread."""
+        copy = QuotaStats(
+            rules={key: list(row) for key, row in self.rules.items()},
+            defaults={key: list(row) for key, row in self.defaults.items()},
+            streams_opened=self.streams_opened,
+            reports=self.reports,
+            malformed=dict(self.malformed),
+            sent=dict(self.sent),
+            abandoned=dict(self.abandoned),
+            unmatched=dict(self.unmatched),
+            overflow=dict(self.overflow),
+        )
+        return FrozenQuota(copy, gauges)
+
     def families(self, gauges: Callable[[], Gauges]) -> Iterator[Metric]:
         yield from self._rule_families()
         defaults = CounterMetricFamily(
@@ -104,6 +119,17 @@ class QuotaStats:
             for (domain, stat_key), row in sorted(self.rules.items()):
                 family.add_metric((domain, stat_key.removeprefix(domain + ".")), row[index])
             yield family
+
+
+@dataclass(frozen=True)
+class FrozenQuota:
+    """Quota numbers of one scrape (see :meth:`QuotaStats.frozen`)."""
+
+    stats: QuotaStats
+    gauges: Gauges
+
+    def collect(self) -> Iterator[Metric]:
+        return self.stats.families(lambda: self.gauges)
 
 
 def _labelled(name: str, documentation: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:

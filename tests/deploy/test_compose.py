@@ -22,12 +22,14 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from deploy_support import COMPOSE_FILE, REPO, dockerfile_env, effective, read_dockerfile, stage_chain
 
 from sidecar.__main__ import _parser
 from sidecar.settings import resolve
 from stack.envoy import ENVOY_CONFIGS, envoy_binary, ingress_manager
 from stack.topology import StackOptions, _serve_args
+from tests.support.deploy import COMPOSE_FILE, REPO, dockerfile_env, effective, read_dockerfile, stage_chain
+
+pytestmark = [pytest.mark.envoy, pytest.mark.redis]
 
 DEMO_ENVOY_PORTS = (10000, 10001)
 """Where scripts/demo puts its Envoys (stack/demo.py: 10000 + replica index)."""

@@ -16,7 +16,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from deploy_support import (
+
+from sidecar.__main__ import _parser
+from sidecar.settings import SERVE_OPTIONS
+from tests.support.deploy import (
     DOCKERFILE,
     DOCKERIGNORE,
     REPO,
@@ -27,9 +30,6 @@ from deploy_support import (
     stage_chain,
     tool,
 )
-
-from sidecar.__main__ import _parser
-from sidecar.settings import SERVE_OPTIONS
 
 BASE_IMAGE = "python:3.11-slim-bookworm"
 BUILD_TOOLS = re.compile(
@@ -231,6 +231,6 @@ def test_dockerignore_sends_what_the_dockerfile_copies_and_nothing_else(stages: 
             relative = file.relative_to(REPO).as_posix()
             cached = "__pycache__" in relative or file.suffix in {".pyc", ".pyo"}
             assert in_context(relative) != cached, relative
-    for kept_out in (".git/HEAD", ".venv/bin/python", "tests/deploy/test_dockerfile.py", "loadtest/grpc_bench.py"):
+    for kept_out in (".git/HEAD", ".venv/bin/python", "tests/deploy/test_dockerfile.py", "loadtest/grpc_bench/cli.py"):
         assert not in_context(kept_out), kept_out
-    assert in_context("sidecar/limiter/lua/decide.lua")
+    assert in_context("sidecar/limiter/redis/lua/decide.lua")

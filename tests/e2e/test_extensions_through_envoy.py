@@ -16,13 +16,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from envoy_support import Reply, Session, fresh_window
 
 from stack.components import RedisProcess, SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.processes import process_group
+from tests.support.envoys import Reply, Session, fresh_window
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.envoy, pytest.mark.redis, pytest.mark.slow]
 ADDRESSES = (f"198.51.100.{number}" for number in itertools.count(1))
 
 CONFIG = textwrap.dedent(

@@ -17,13 +17,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from envoy_support import Reply, Session, fresh_window
 
 from stack.components import SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.processes import process_group
+from tests.support.envoys import Reply, Session, fresh_window
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 ADDRESSES = (f"198.51.100.{number}" for number in itertools.count(101))
 """A new client address per test (X-Forwarded-For: front.yaml trusts one hop)."""
 

@@ -26,8 +26,13 @@ from typing import Any
 import grpc
 import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2
-from envoy_support import wait_for
-from quota_support import (
+
+from sidecar.client import health_status
+from sidecar.quota.buckets import bucket_of
+from stack.components import UpstreamProcess
+from stack.processes import process_group
+from tests.support.envoys import wait_for
+from tests.support.quota_envoy import (
     QUOTA_CONFIG,
     RELOADED_CONFIG,
     QuotaEnvoy,
@@ -36,11 +41,6 @@ from quota_support import (
     quota_sidecar,
     rss_kib,
 )
-
-from sidecar.client import health_status
-from sidecar.quota.buckets import bucket_of
-from stack.components import UpstreamProcess
-from stack.processes import process_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.envoy]
 CLIENTS = (f"client-{time.time_ns()}-{n}" for n in itertools.count())

@@ -15,15 +15,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from envoy_support import RecordingRateLimitService, Reply, Session, descriptors, fresh_window, send, wait_for
 
 from sidecar.settings import Settings
 from stack.components import SidecarProcess, UpstreamProcess
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.processes import ProcessGroup, process_group
 from stack.topology import EXAMPLE_CONFIG, Stack, StackOptions, running_stack
+from tests.support.envoys import RecordingRateLimitService, Reply, Session, descriptors, fresh_window, send, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.envoy, pytest.mark.redis, pytest.mark.slow]
 ADDRESSES = (f"198.51.100.{number}" for number in itertools.count(1))
 """A new client address per test: counters never carry over between tests."""
 

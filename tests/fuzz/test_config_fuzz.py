@@ -6,7 +6,7 @@ that then answers requests built from its own keys and values without INTERNAL o
 an exception. Each load runs under a time limit, so a hang fails with its input.
 
 The base configs, mutators, hostile files and both checks are shared with the
-reliability report (``loadtest/reliability_harness/hostile.py``); the edits are drawn here.
+reliability report (``loadtest/reliability_harness/hostile_configs.py``); the edits are drawn here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
-from reliability_harness.hostile import (
+
+from loadtest.reliability_harness.hostile_configs import (
     ACCEPTED_HOSTILE,
     FIELD_NAMES,
     YAML_BITS,
@@ -31,11 +32,10 @@ from reliability_harness.hostile import (
     field_variants,
     flat_node_flood,
     hostile_files,
-    mutate,
     mutate_lines,
     refusal_problems,
 )
-
+from loadtest.reliability_harness.hostile_requests import mutate
 from sidecar.config import yaml_source
 from sidecar.config.errors import ConfigError
 from sidecar.config.load import load_config

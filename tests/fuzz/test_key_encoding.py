@@ -1,4 +1,4 @@
-"""Redis key names of counters (``sidecar.limiter.keys``): collision-free, bounded, one hash tag.
+"""Redis key names of counters (``sidecar.limiter.redis.keys``): collision-free, bounded, one hash tag.
 
 A counter key is the rule identity plus the request's descriptor values, any unicode
 (``_ : { } \\n`` included) and up to 4096 characters. The properties: two different
@@ -17,18 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.config.model import counter_id
-from sidecar.limiter.keys import (
-    DIGEST_BYTES,
-    HASHED_MARK,
-    MAX_INLINE_CHARS,
-    counter_digest,
-    counter_key,
-    counter_window,
-    encode_counter,
-    window_key,
-)
+from sidecar.limiter.counters import DIGEST_BYTES, HASHED_MARK, MAX_INLINE_CHARS, counter_key, encode_counter
 from sidecar.limiter.protocol import Check, Role
-from sidecar.limiter.scripts import decide_arguments
+from sidecar.limiter.redis.keys import counter_digest, counter_window, window_key
+from sidecar.limiter.redis.scripts import decide_arguments
 from sidecar.limiter.windows import Unit, window_start
 
 PROPERTY = settings(max_examples=300, deadline=None)

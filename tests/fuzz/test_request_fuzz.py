@@ -3,7 +3,7 @@
 Every call must end in one of two ways: a valid response (one status per descriptor,
 codes OK/OVER_LIMIT, numbers within uint32), or ``INVALID_ARGUMENT`` exactly when the
 request breaks a documented bound (README "Request bounds", restated as an independent
-oracle in ``loadtest/reliability_harness/hostile.py``, which the reliability report's
+oracle in ``loadtest/reliability_harness/bounds_oracle.py``, which the reliability report's
 bad-input scenario shares). Never INTERNAL, never another exception, never a hang, and
 the limiter's live counters never pass ``--max-counters``.
 """
@@ -17,7 +17,9 @@ import grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
-from reliability_harness.hostile import (
+
+from loadtest.reliability_harness.bounds_oracle import UINT32_MAX, UINT64_MAX, outcome_problem
+from loadtest.reliability_harness.hostile_requests import (
     CONFIG_KEYS,
     CONFIG_VALUES,
     DESCRIPTOR_REPEATS,
@@ -26,24 +28,20 @@ from reliability_harness.hostile import (
     INVALID_UTF8,
     ODD_UNITS,
     STRING_FIELDS,
-    UINT32_MAX,
-    UINT64_MAX,
     Descriptor,
     Entry,
     Override,
     mutate,
-    outcome_problem,
     with_invalid_utf8,
 )
-
 from sidecar.config.model import wildcard_matcher
-from sidecar.limiter.keys import MAX_INLINE_CHARS
+from sidecar.limiter.counters import MAX_INLINE_CHARS
 from sidecar.metrics import MAX_STAT_KEY_LENGTH
-from sidecar.service import parse_request
+from sidecar.service.servicer import parse_request
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# Keys and values of the fuzz config (``hostile.FUZZ_RULES``) so requests reach real rules,
+# Keys and values of the fuzz config (``in_process.FUZZ_RULES``) so requests reach real rules,
 # plus anything at all: unicode without lone surrogates (a protobuf string is UTF-8).
 SOME_KEY = st.sampled_from(CONFIG_KEYS)
 SOME_VALUE = st.sampled_from(CONFIG_VALUES)
@@ -108,8 +106,8 @@ def requests(draw: st.DrawFn, wild: bool | None = None) -> Any:
 
 
 def check_outcome(request: Any, response: Any, abort: Any) -> None:
-    """INVALID_ARGUMENT exactly when the request breaks a README bound (``hostile.bound_broken``,
-    written independently of ``sidecar.validate``), else a valid answer."""
+    """INVALID_ARGUMENT exactly when the request breaks a README bound (``bounds_oracle.bound_broken``,
+    written independently of ``sidecar.service.validate``), else a valid answer."""
     event("refused" if abort is not None else "answered")
     problem = outcome_problem(request, response, abort)
     assert problem is None, problem

@@ -1,0 +1,180 @@
+"""Whether Redis answers: one failure type for callers, up/down state, and the probe back.
+
+Every failure (refused connection, timeout, Redis error, Cluster error) surfaces as
+:class:`RedisUnavailable`, so callers apply their failure mode in one ``except``.
+While Redis is unavailable, calls fail at once instead of waiting for a timeout: the
+request path must never wait on a Redis that is known to be down. A background probe
+retries with exponential backoff (capped at one second) and flips the state back to
+available, telling the listeners (the failure policy logs it, limiters reconcile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
+
+from sidecar.limiter.redis.connect import scrub
+
+FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
+"""What a Redis call can raise when Redis is away or refuses; ``TimeoutError`` is an ``OSError``."""
+FIRST_BACKOFF = 0.01
+MAX_BACKOFF = 1.0
+TIMEOUTS_BEFORE_DOWN = 3
+"""Request-path timeouts in a row that mark Redis unavailable.
+
+One late answer on a busy machine should not switch every request to the failure
+mode; a refused or broken connection does at once.
+"""
+
+StateListener = Callable[[bool, str], None]
+"""Called with ``(available, reason)`` each time the state changes."""
+
+
+class RedisUnavailable(Exception):  # noqa: N818 - a state, not an error in our code; name fixed by the callers
+    """Redis could not answer (down, slow, refusing); apply the failure mode."""
+
+
+class Availability:
+    """Up/down state of one Redis, its listeners, and the probe that brings it back up."""
+
+    def __init__(
+        self, probe: Callable[[], Awaitable[None]], request_timeout: float, secrets: tuple[str, ...] = ()
+    ) -> None:
+        self._probe_once = probe
+        self._secrets = secrets
+        """Credentials of the URL: scrubbed from every reason this reports or logs."""
+        """One PING (and script loads); raises one of :data:`FAILURES` if Redis is not there."""
+        self.request_timeout = request_timeout
+        self.available = False
+        self.last_error = "not started"
+        self._timeouts_in_a_row = 0
+        self._reported: bool | None = None
+        """The state listeners last heard of (None before the first outage or success)."""
+        self._listeners: list[StateListener] = []
+        self._ready = asyncio.Event()
+        self._probe: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def add_listener(self, listener: StateListener) -> None:
+        """Be told ``(available, reason)`` on every change of state."""
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        """Probe once; if Redis is down, start probing in the background and return anyway."""
+        try:
+            await self._probe_once()
+        except FAILURES as error:
+            self.mark_down(self.describe(error))
+        else:
+            self.mark_up()
+
+    async def probe(self) -> bool:
+        """Try Redis once, now, instead of waiting for the backoff; returns :attr:`available`."""
+        if not self.available:
+            try:
+                await self._probe_once()
+            except FAILURES as error:
+                self.last_error = self.describe(error)
+            else:
+                self.mark_up()
+        return self.available
+
+    async def wait_available(self) -> None:
+        """Return once Redis is available (at once if it already is)."""
+        await self._ready.wait()
+
+    async def close(self) -> None:
+        """Stop probing."""
+        self._closed = True
+        if self._probe is not None:
+            await stop_task(self._probe)
+
+    def ensure_available(self) -> None:
+        """Raise :class:`RedisUnavailable` at once while Redis is known to be down."""
+        if not self.available:
+            raise RedisUnavailable(f"redis unavailable: {self.last_error}")
+
+    def answered(self) -> None:
+        """A call was answered in time: request-path timeouts are no longer in a row."""
+        self._timeouts_in_a_row = 0
+
+    def failed(self, error: BaseException, request_path: bool) -> RedisUnavailable:
+        """Record a failed call; returns the exception for the caller to raise."""
+        reason = self.describe(error)
+        if type(error) is ResponseError:
+            # A reply about this call (a key holding a non-integer, a busy script), not about
+            # the server: fail this call only, or one bad key would switch every request over.
+            return RedisUnavailable(f"redis refused the call: {reason}")
+        if request_path and isinstance(error, TimeoutError):
+            self._timeouts_in_a_row += 1
+            if self._timeouts_in_a_row < TIMEOUTS_BEFORE_DOWN:
+                return RedisUnavailable(f"redis did not answer within {self.request_timeout * 1000:g} ms")
+        self.mark_down(reason)
+        return RedisUnavailable(f"redis unavailable: {reason}")
+
+    def mark_down(self, reason: str) -> None:
+        """Fail fast from now on, probe in the background, tell listeners once per outage."""
+        reason = scrub(reason, self._secrets)
+        self.available = False
+        self._ready.clear()
+        self.last_error = reason
+        self._timeouts_in_a_row = 0
+        if not self._closed and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
+        if self._reported is not False:
+            self._reported = False
+            self._notify(False, reason)
+
+    def mark_up(self) -> None:
+        """Serve calls again; listeners hear of it only if they heard of the outage."""
+        self.available = True
+        self._ready.set()
+        self._timeouts_in_a_row = 0
+        if self._reported is False:
+            self._notify(True, "")
+        self._reported = True
+
+    def describe(self, error: BaseException) -> str:
+        """:func:`describe` without the URL's credentials (redis-py's messages may quote parts of it)."""
+        return scrub(describe(error), self._secrets)
+
+    def _notify(self, available: bool, reason: str) -> None:
+        for listener in self._listeners:
+            listener(available, reason)
+
+    async def _probe_until_up(self) -> None:
+        """Retry the probe with exponential backoff until Redis answers."""
+        delay = FIRST_BACKOFF
+        while not self._closed:
+            await asyncio.sleep(delay)
+            try:
+                await self._probe_once()
+            except FAILURES as error:
+                self.last_error = self.describe(error)
+                delay = min(delay * 2, MAX_BACKOFF)
+                continue
+            self.mark_up()
+            return
+
+
+async def stop_task(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended, cancelling again if needed.
+
+    One ``cancel()`` is not always enough: on Python 3.11, ``asyncio.wait_for`` (which
+    redis-py uses to send commands) swallows a cancellation that arrives just as the
+    send completes, and the task carries on (a heartbeat loop would then run forever).
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
+def describe(error: BaseException) -> str:
+    """One line naming an error, for logs and messages."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -1,0 +1,126 @@
+"""Coalesce the atomic decisions of one event-loop iteration into one Redis round trip.
+
+A Redis round trip costs far more Python time (socket write, read, parse) than the
+script it runs, so requests that need Redis in the same loop iteration share one
+pipelined write. Each request still waits only its own budget; if the answer comes
+later, the request has been answered otherwise (the failure mode) and the late
+answer is handed to a callback, so the caller can count what Redis really did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sidecar.limiter.protocol import Check
+from sidecar.limiter.redis.availability import RedisUnavailable
+from sidecar.limiter.redis.store import RedisStore
+
+LateAnswer = Callable[[list[int]], None]
+"""Receives the would-be counts of a decision that arrived after its budget."""
+Checks = Sequence[Check] | Callable[[], Sequence[Check]]
+"""A request's checks, or a function that gives them when its batch is sent."""
+
+
+@dataclass(slots=True)
+class PendingDecision:
+    """One request's script call, waiting to be sent with the others of its iteration."""
+
+    keys: Sequence[str]
+    checks: Checks
+    expire_ats: Sequence[int]
+    answer: asyncio.Future[list[int]]
+    now_us: int = 0
+    """The script's clock in microseconds; 0 for Redis ``TIME``."""
+
+
+class DecisionBatcher:
+    """Sends ``decide.lua`` calls in batches; one batch per loop iteration."""
+
+    def __init__(self, store: RedisStore, admit_all: bool = False, lock: asyncio.Lock | None = None) -> None:
+        self.store = store
+        self.admit_all = admit_all
+        self.lock = lock
+        """Held while a batch is on the wire, if given: whoever else takes it (sync mode's
+        flusher) never has a call in Redis at the same time as a batch."""
+        self.late_answers = 0
+        self._queue: list[PendingDecision] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def decide(
+        self,
+        keys: Sequence[str],
+        checks: Checks,
+        expire_ats: Sequence[int],
+        budget: float,
+        on_late: LateAnswer,
+        *,
+        now_us: int = 0,
+    ) -> list[int]:
+        """Would-be counts from the atomic script (it records the hits if it admits).
+
+        ``checks`` may be a function: it is called when the batch is sent, holding
+        :attr:`lock`, for limits that depend on state only settled then. ``now_us`` is
+        the script's clock (sliding weights, token buckets), 0 for Redis ``TIME``.
+        Raises :class:`RedisUnavailable`, or ``TimeoutError`` after ``budget`` seconds
+        (waiting for the lock included); after a timeout the call goes on and
+        ``on_late`` gets its answer.
+        """
+        loop = asyncio.get_running_loop()
+        pending = PendingDecision(keys, checks, expire_ats, loop.create_future(), now_us)
+        self._queue.append(pending)
+        if len(self._queue) == 1:
+            loop.call_soon(self._send)
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.answer), budget)
+        except TimeoutError:
+            pending.answer.add_done_callback(lambda answer: self._deliver_late(answer, on_late))
+            raise
+
+    async def drain(self) -> None:
+        """Wait for batches still on the wire, so late answers are applied before exit."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def _deliver_late(self, answer: asyncio.Future[list[int]], on_late: LateAnswer) -> None:
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        self.late_answers += 1
+        on_late(answer.result())
+
+    def _send(self) -> None:
+        batch, self._queue = self._queue, []
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[PendingDecision]) -> None:
+        """One round trip for the batch; each answer wakes its request."""
+        async with self.lock or contextlib.nullcontext():
+            requests = [
+                (item.keys, item.checks() if callable(item.checks) else item.checks, item.expire_ats) for item in batch
+            ]
+            nows = [item.now_us for item in batch]
+            try:
+                if any(nows):
+                    answers = await self.store.decide_batch(requests, self.admit_all, nows)
+                else:  # Redis TIME for every request (always so in sync mode): the plain call
+                    answers = await self.store.decide_batch(requests, self.admit_all)
+            except RedisUnavailable as error:
+                for item in batch:
+                    if not item.answer.done():
+                        item.answer.set_exception(error)
+                    item.answer.exception()  # an error nobody waits for any more is expected
+                return
+            # Answered while holding the lock: late answers (callbacks run in order) are
+            # applied before the lock's next holder (the owner's flush) goes on.
+            for item, answer in zip(batch, answers, strict=True):
+                if item.answer.done():
+                    continue
+                if isinstance(answer, RedisUnavailable):
+                    item.answer.set_exception(answer)
+                    item.answer.exception()  # nobody may be waiting any more
+                else:
+                    item.answer.set_result(answer)

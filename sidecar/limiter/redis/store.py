@@ -1,0 +1,596 @@
+"""Redis access for the limiter backends: few round trips, one failure type, reconnection.
+
+Every public call is one network round trip (a script or a pipeline) so its cost is
+predictable and countable: the accuracy harness reports ``round_trips_*`` per request.
+Every failure surfaces as :class:`~sidecar.limiter.redis.availability.RedisUnavailable`,
+and while Redis is known to be down calls fail at once
+(:mod:`sidecar.limiter.redis.availability`); the client comes from
+:func:`sidecar.limiter.redis.connect.connect`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+from sidecar.limiter.protocol import Check, decide
+from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnavailable, StateListener
+from sidecar.limiter.redis.connect import MIN_BACKGROUND_TIMEOUT, background_timeout, connect, secrets_of
+from sidecar.limiter.redis.keys import per_hit, replicas_key
+from sidecar.limiter.redis.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
+from sidecar.limiter.windows import Clock
+from sidecar.metrics import LimiterSnapshot
+
+Pending = Mapping[str, tuple[int, int]]
+
+
+class Counts(list[int]):
+    """One request's would-be counts from ``decide.lua`` (a list, index-aligned with its
+    checks), and when each check's ban ends where the request has bans (Unix seconds,
+    0 for none; empty when no check has a ban duration)."""
+
+    ban_ends: tuple[float, ...] = ()
+
+
+def counts_of(reply: Sequence[Any], checks: int, pending: int = 0) -> Counts:
+    """The :class:`Counts` in a ``decide.lua`` reply (see its header for the layout)."""
+    counts = Counts(int(value) for value in reply[1 : 1 + checks])
+    ends = reply[1 + checks + pending :]
+    if ends:
+        counts.ban_ends = tuple(float(value) for value in ends)
+    return counts
+
+
+"""Hits to add unconditionally: ``{window_key: (hits, expire_at)}``."""
+DecideRequest = tuple[Sequence[str], Sequence[Check], Sequence[int]]
+"""One request for :meth:`RedisStore.decide_batch`: window keys, checks, expiry times."""
+
+
+def same_slot(keys: Sequence[str]) -> bool:
+    """Whether every key maps to one Cluster slot (so one script may touch them all)."""
+    first = key_slot(keys[0].encode())
+    return all(key_slot(key.encode()) == first for key in keys[1:])
+
+
+class RedisStore:
+    """Counters, scripts and replica heartbeats in Redis or Redis Cluster."""
+
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        *,
+        prefix: str = "rls",
+        request_timeout: float = 0.005,
+        background_timeout: float = MIN_BACKGROUND_TIMEOUT,
+        secrets: tuple[str, ...] = (),
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.replicas_key = replicas_key(prefix)
+        """The sorted set of live replicas (heartbeats)."""
+        self.request_timeout = request_timeout
+        self.background_timeout = background_timeout
+        self.cluster = isinstance(client, RedisCluster)
+        self.availability = Availability(self._probe_once, request_timeout, secrets)
+        """Up/down state and the probe back; its listeners hear of every change."""
+        self.round_trips_request_path = 0
+        self.round_trips_background = 0
+        self.give_back_failures = 0
+        self.refused_hits = 0
+        """Hits :meth:`flush` could not add because their key does not hold a counter."""
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def for_url(
+        cls, url: str, *, cluster: bool = False, prefix: str = "rls", request_timeout: float = 0.005
+    ) -> RedisStore:
+        """A store for ``url`` (any scheme :func:`~sidecar.limiter.redis.connect.connect` takes);
+        connects lazily (call :meth:`start`)."""
+        return cls(
+            connect(url, cluster, request_timeout),
+            prefix=prefix,
+            request_timeout=request_timeout,
+            background_timeout=background_timeout(request_timeout),
+            secrets=secrets_of(url),
+        )
+
+    # -- life cycle -----------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """Whether Redis is taking calls (False from the first outage until a probe succeeds)."""
+        return self.availability.available
+
+    @property
+    def last_error(self) -> str:
+        """Why Redis was last found unavailable."""
+        return self.availability.last_error
+
+    def add_listener(self, listener: StateListener) -> None:
+        """Be told ``(available, reason)`` on every change of state."""
+        self.availability.add_listener(listener)
+
+    async def start(self) -> None:
+        """Connect and load the scripts; if Redis is down, start probing and return anyway.
+
+        A sidecar whose Redis is down at boot still serves (in its failure mode)
+        rather than crash-looping, and switches to Redis when the probe succeeds.
+        """
+        await self.availability.start()
+
+    async def probe(self) -> bool:
+        """Try Redis once, now, instead of waiting for the backoff; returns :attr:`available`.
+
+        For shutdown: hits still owed to Redis should not be lost to a backoff sleep.
+        """
+        return await self.availability.probe()
+
+    async def wait_available(self) -> None:
+        """Return once Redis is available (at once if it already is)."""
+        await self.availability.wait_available()
+
+    def note_request_timeout(self) -> None:
+        """A caller stopped waiting for a call still on the wire (its budget ran out).
+
+        Counts as a request-path timeout of :meth:`decide` does: enough of them in a
+        row mark Redis unavailable, so later requests stop waiting on it.
+        """
+        self.availability.failed(
+            TimeoutError(f"no answer within {self.request_timeout * 1000:g} ms"), request_path=True
+        )
+
+    async def close(self) -> None:
+        """Stop probing, let give-backs finish, close the connections."""
+        await self.availability.close()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.background_timeout)
+        await self.client.aclose()
+
+    # -- the calls ------------------------------------------------------------------
+
+    async def decide(
+        self,
+        keys: Sequence[str],
+        checks: Sequence[Check],
+        expire_ats: Sequence[int],
+        admit_all: bool,
+        pending: Pending | None = None,
+        *,
+        request_path: bool = True,
+        now_us: int = 0,
+    ) -> tuple[bool, list[int], dict[str, int]]:
+        """Add ``pending``, then decide ``checks`` all-or-nothing and record them if admitted.
+
+        Returns ``(admitted, counts, totals)``: each check's would-be count (see
+        ``lua/decide.lua``; repeated counters see earlier checks) and each pending key's
+        value afterwards (including hits this request consumed). ``keys`` holds one key
+        per check (:func:`~sidecar.limiter.redis.keys.check_window`); ``now_us`` is the
+        script's clock, 0 for Redis ``TIME``. One round trip. In Cluster mode, keys
+        spread over several slots cannot share a script; see :meth:`_decide_per_check`
+        for what that costs in atomicity.
+        """
+        pending = pending or {}
+        self.availability.ensure_available()
+        if not keys and not pending:
+            return True, [], {}
+        try:
+            async with asyncio.timeout(self.request_timeout if request_path else self.background_timeout):
+                if self.cluster and not same_slot([*keys, *pending]):
+                    result = await self._decide_per_check(
+                        keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path
+                    )
+                else:
+                    result = await self._decide_script(
+                        keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path
+                    )
+        except FAILURES as error:
+            raise self.availability.failed(error, request_path) from error
+        self.availability.answered()
+        return result
+
+    async def decide_batch(
+        self, requests: Sequence[DecideRequest], admit_all: bool, nows: Sequence[int] | None = None
+    ) -> list[list[int] | RedisUnavailable]:
+        """Several requests' decisions in one round trip; each is atomic on its own.
+
+        Returns each request's would-be counts (see :meth:`decide`), or the
+        :class:`RedisUnavailable` that request alone met (a key holding something that
+        is not a counter fails its own script, not the others, which did run). A
+        failure of the whole round trip raises. ``nows`` gives each request's script
+        clock in microseconds (default: Redis ``TIME`` for all). Callers that
+        coalesce the script calls of one event-loop iteration use this, and enforce
+        their own request budget around it: the call itself may take up to the
+        background timeout, so a late answer still tells the caller what Redis did.
+        In Cluster mode the requests go out concurrently, one script (or one per check
+        when they span slots) each, under that same background timeout, not the request
+        budget (a call cut off at the budget may still run, and nobody would hear of it).
+        """
+        self.availability.ensure_available()
+        clocks = list(nows) if nows is not None else [0] * len(requests)
+        if self.cluster:
+            answers = await asyncio.gather(
+                *(
+                    self._decide_in_cluster(keys, checks, expiries, admit_all, now_us)
+                    for (keys, checks, expiries), now_us in zip(requests, clocks, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            results: list[list[int] | RedisUnavailable] = []
+            for answer in answers:
+                if isinstance(answer, RedisUnavailable):
+                    results.append(answer)
+                elif isinstance(answer, BaseException):
+                    raise answer
+                else:
+                    results.append(answer)
+            return results
+        replies = await self._decide_pipeline(requests, admit_all, clocks)
+        missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            try:
+                await self._probe_once()  # reloads the scripts; NOSCRIPT means the call did not run
+            except FAILURES as error:
+                raise self.availability.failed(error, request_path=False) from error
+            retried = await self._decide_pipeline(
+                [requests[index] for index in missing], admit_all, [clocks[index] for index in missing]
+            )
+            for index, reply in zip(missing, retried, strict=True):
+                replies[index] = reply
+        return [
+            self.availability.failed(reply, request_path=True)
+            if isinstance(reply, Exception)
+            else counts_of(reply, len(checks))
+            for reply, (_, checks, _) in zip(replies, requests, strict=True)
+        ]
+
+    async def _decide_in_cluster(
+        self, keys: Sequence[str], checks: Sequence[Check], expire_ats: Sequence[int], admit_all: bool, now_us: int
+    ) -> list[int]:
+        """One request of a Cluster batch: a request-path call under the background timeout."""
+        if not keys:
+            return []
+        try:
+            async with asyncio.timeout(self.background_timeout):
+                decide_one = self._decide_script if same_slot(keys) else self._decide_per_check
+                decided = await decide_one(keys, checks, expire_ats, admit_all, {}, now_us=now_us, request_path=True)
+        except FAILURES as error:
+            raise self.availability.failed(error, request_path=False) from error
+        self.availability.answered()
+        return decided[1]
+
+    async def _decide_pipeline(
+        self, requests: Sequence[DecideRequest], admit_all: bool, nows: Sequence[int]
+    ) -> list[Any]:
+        """EVALSHA decide.lua once per request, pipelined; errors come back as values."""
+        pipe = self.client.pipeline(transaction=False)
+        for (keys, checks, expiries), now_us in zip(requests, nows, strict=True):
+            script_keys, args = decide_arguments(keys, checks, expiries, admit_all, {}, now_us=now_us)
+            pipe.evalsha(DECIDE.sha, len(script_keys), *script_keys, *args)
+        self._count(request_path=True)
+        try:
+            async with asyncio.timeout(self.background_timeout):
+                replies: list[Any] = await pipe.execute(raise_on_error=False)
+        except FAILURES as error:
+            raise self.availability.failed(error, request_path=False) from error
+        self.availability.answered()
+        return replies
+
+    async def flush(
+        self,
+        adds: Pending,
+        reads: Sequence[str] = (),
+        *,
+        once: tuple[str, int] | None = None,
+        live_since: float | None = None,
+        bans: Mapping[str, int] | None = None,
+    ) -> dict[str, int]:
+        """Add ``adds`` (INCRBY, EXPIREAT) and read ``reads`` in one pipeline.
+
+        Returns the current total of every key in ``adds`` and ``reads`` (absent keys
+        are 0). Not atomic as a whole, only per key, which is all a reconciliation
+        needs. Works in Cluster, where redis-py splits the pipeline by node.
+
+        A key Redis refuses to add to (it holds something that is not a counter) is
+        left out of the result and its hits are counted in :attr:`refused_hits`: the
+        other adds of the pipeline did land, so failing the whole call would make the
+        caller send them twice.
+
+        ``once=(owner, sequence)`` makes the adds idempotent: a retry with the same
+        owner, sequence and hits adds nothing if the first attempt landed, so a flush
+        whose reply was lost can be sent again safely. On plain Redis the adds and reads
+        are one ``flush_batch.lua`` call (a few hundred keys cost about a quarter of the
+        client CPU of one call per key); in Cluster, one ``flush_once.lua`` per key.
+
+        ``live_since`` also counts the replicas that beat since then, in the same round
+        trip, returned under :attr:`replicas_key`: a replica learns of a new peer within
+        one flush, not one heartbeat interval.
+
+        ``bans`` (``{ban key: until}``) are written first with ``SET NX EXAT until``, so
+        a ban already running is neither extended nor shortened, and the ban keys among
+        ``reads`` then tell when the ban in force ends.
+        """
+        self.availability.ensure_available()
+        bans = bans or {}
+        read_keys = [key for key in dict.fromkeys(reads) if key not in adds]
+        if not adds and not read_keys and not bans:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for key, until in bans.items():
+            pipe.set(key, until, exat=until, nx=True)
+        batched = self._queue_flush(pipe, adds, read_keys, once)
+        if live_since is not None:
+            pipe.zcount(self.replicas_key, live_since, "+inf")
+        replies = await self._background(pipe.execute(raise_on_error=False))
+        if once is not None and any(isinstance(reply, NoScriptError) for reply in replies):
+            await self._probe_once()  # reloads the scripts; NOSCRIPT means that call did not run
+            return await self.flush(adds, reads, once=once, live_since=live_since, bans=bans)
+        totals: dict[str, int] = {}
+        if live_since is not None:
+            live = replies.pop()
+            if not isinstance(live, BaseException):
+                totals[self.replicas_key] = int(live)
+        del replies[: len(bans)]  # SET NX: nothing to learn (a failed one is retried with the batch)
+        if batched:
+            replies = self._batch_replies(replies, len(adds) + len(read_keys))
+        stride = 2 if once is None else 1
+        add_replies, read_replies = replies[: stride * len(adds) : stride], replies[stride * len(adds) :]
+        for key, reply in zip([*adds, *read_keys], [*add_replies, *read_replies], strict=True):
+            if type(reply) is ResponseError:
+                self.refused_hits += adds[key][0] if key in adds else 0
+            elif isinstance(reply, BaseException):
+                raise self.availability.failed(reply, request_path=False) from reply
+            else:
+                totals[key] = int(reply or 0)
+        return totals
+
+    def _queue_flush(self, pipe: Any, adds: Pending, reads: Sequence[str], once: tuple[str, int] | None) -> bool:
+        """Queue a flush's adds and reads; True when they went as one ``flush_batch.lua`` call."""
+        if once is None or self.cluster:
+            self._queue_adds(pipe, adds, once)
+            for key in reads:
+                pipe.get(key)
+            return False
+        owner, sequence = once
+        args: list[int] = [sequence, len(adds)]
+        for hits, expire_at in adds.values():
+            args += (hits, expire_at)
+        keys = [f"{self.prefix}:flushed:{owner}", *adds, *reads]
+        pipe.execute_command("EVALSHA", FLUSH_BATCH.sha, len(keys), *keys, *args)
+        return True
+
+    @staticmethod
+    def _batch_replies(replies: list[Any], keys: int) -> list[Any]:
+        """``flush_batch.lua``'s one reply as one reply per key, as the per-key calls give them.
+
+        -1 marks a key that holds something other than a number: a ResponseError, so
+        its hits are counted as refused (an add) or it is left out (a read).
+        """
+        (reply,) = replies
+        if isinstance(reply, BaseException):
+            return [reply] * keys
+        refused = ResponseError("not a counter")
+        return [refused if value == -1 else value for value in reply]
+
+    @staticmethod
+    def _queue_adds(pipe: Any, adds: Pending, once: tuple[str, int] | None) -> None:
+        """INCRBY + EXPIREAT per key, or one idempotent ``flush_once.lua`` call per key."""
+        for key, (hits, expire_at) in adds.items():
+            if once is None:
+                pipe.incrby(key, hits)
+                pipe.expireat(key, expire_at)
+            else:
+                owner, sequence = once
+                # execute_command, not pipe.evalsha: redis-py blocks the evalsha method on
+                # Cluster pipelines, though it routes EVALSHA by its keys like any command.
+                marker = f"{key}:flushed:{owner}"
+                pipe.execute_command("EVALSHA", FLUSH_ONCE.sha, 2, key, marker, sequence, hits, expire_at)
+
+    def snapshot(
+        self, *, counters: int, evictions: int, replicas: int, pending_hits: int, **rest: Any
+    ) -> LimiterSnapshot:
+        """A Redis backend's metrics: its own numbers plus this store's state and round trips."""
+        return LimiterSnapshot(
+            counters=counters,
+            evictions=evictions,
+            redis_up=self.available,
+            replicas=replicas,
+            round_trips_request_path=self.round_trips_request_path,
+            round_trips_background=self.round_trips_background,
+            pending_hits=pending_hits,
+            **rest,
+        )
+
+    async def heartbeat(self, replica_id: str, now: float, ttl: float) -> int:
+        """Mark this replica alive, forget replicas silent for ``ttl``; returns live replicas (>= 1)."""
+        self.availability.ensure_available()
+        key = self.replicas_key
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zadd(key, {replica_id: now})
+        pipe.zremrangebyscore(key, "-inf", f"({now - ttl}")
+        pipe.zcard(key)
+        # The set disappears with the last replica instead of lingering forever.
+        pipe.expire(key, math.ceil(ttl) + 1)
+        replies = await self._background(pipe.execute())
+        return max(1, int(replies[2]))
+
+    async def server_time(self, local: Clock) -> tuple[float, float, float]:
+        """``(redis TIME, sent, received)``: Redis's clock, read between two ``local`` readings."""
+        self.availability.ensure_available()
+        sent = local()
+        reply = await self._background(self.client.time())
+        if isinstance(reply, dict):  # Redis Cluster asks one node per key slot holder: take one
+            reply = next(iter(reply.values()))
+        seconds, microseconds = reply
+        return seconds + microseconds / 1e6, sent, local()
+
+    async def leave(self, replica_id: str) -> None:
+        """Remove this replica from the live set (clean shutdown)."""
+        self.availability.ensure_available()
+        await self._background(self.client.zrem(self.replicas_key, replica_id))
+
+    # -- decide, two ways: one script, or one per check -----------------------------
+
+    async def _decide_script(
+        self,
+        keys: Sequence[str],
+        checks: Sequence[Check],
+        expire_ats: Sequence[int],
+        admit_all: bool,
+        pending: Pending,
+        *,
+        now_us: int,
+        request_path: bool,
+    ) -> tuple[bool, list[int], dict[str, int]]:
+        script_keys, args = decide_arguments(keys, checks, expire_ats, admit_all, pending, now_us=now_us)
+        reply = await self._run_script(DECIDE, script_keys, args, request_path=request_path)
+        values = [int(value) for value in reply]
+        totals = values[1 + len(checks) : 1 + len(checks) + len(pending)]
+        return values[0] == 1, counts_of(reply, len(checks), len(pending)), dict(zip(pending, totals, strict=True))
+
+    async def _decide_per_check(
+        self,
+        keys: Sequence[str],
+        checks: Sequence[Check],
+        expire_ats: Sequence[int],
+        admit_all: bool,
+        pending: Pending,
+        *,
+        now_us: int,
+        request_path: bool,
+    ) -> tuple[bool, list[int], dict[str, int]]:
+        """Cross-slot decision in Cluster: each check decided on its own slot, then the request.
+
+        One pipeline applies the pending adds and runs ``decide.lua`` once per check,
+        with that check alone and its own role, on the check's slot (a counter's window,
+        previous window, bucket and ban keys share one hash tag), so sliding windows,
+        token buckets and bans work exactly as in one script. Alone, a check consumes
+        its hits exactly when it would in an admitted request (within its limit, shadow,
+        or global shadow); :func:`protocol.decide` then runs over all the counts, and
+        what an overall-rejected request consumed is given back in the background, off
+        the request path (``DECRBY`` hits, or hits times the interval from a TAT).
+
+        Atomic per check only: admitted hits never exceed a limit (each script is exact
+        for its counter), but until a give-back lands, a concurrent request on the same
+        counter sees the hits and may be rejected although this request was not
+        admitted; a token bucket given back after a refill may return to a full bucket
+        slightly later than it would have. A counter named twice in a request sees the
+        earlier check's hits only if that check consumed them. Bans are set by each
+        over check whatever the request's fate, as in one script.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        for key, (hits, expire_at) in pending.items():
+            pipe.incrby(key, hits)
+            pipe.expireat(key, expire_at)
+        calls = [
+            decide_arguments([key], [check], [expire_at], admit_all, {}, now_us=now_us)
+            for key, check, expire_at in zip(keys, checks, expire_ats, strict=True)
+        ]
+        for script_keys, args in calls:
+            # execute_command: redis-py blocks pipe.evalsha on Cluster pipelines, though it
+            # routes EVALSHA by its keys like any command.
+            pipe.execute_command("EVALSHA", DECIDE.sha, len(script_keys), *script_keys, *args)
+        self._count(request_path)
+        replies = await pipe.execute(raise_on_error=False)
+        added, decided = replies[: 2 * len(pending)], replies[2 * len(pending) :]
+        await self._run_missing_scripts(calls, decided, request_path)
+        took = [
+            check.hits > 0 and not isinstance(reply, BaseException) and int(reply[0]) == 1
+            for reply, check in zip(decided, checks, strict=True)
+        ]
+        failure = next((reply for reply in [*added, *decided] if isinstance(reply, BaseException)), None)
+        if failure is not None:
+            self._give_back_later(keys, checks, took)  # the request fails: it keeps nothing
+            raise failure
+        counts = Counts(int(reply[1]) for reply in decided)
+        counts.ban_ends = tuple(float(reply[2]) if len(reply) > 2 else 0.0 for reply in decided)
+        admitted, _, consume = decide(checks, counts, [check.limit for check in checks], admit_all)
+        self._give_back_later(keys, checks, [spent and not spend for spent, spend in zip(took, consume, strict=True)])
+        totals = {key: int(added[2 * index]) for index, key in enumerate(pending)}
+        for key, check, spend in zip(keys, checks, consume, strict=True):
+            if spend and key in totals:
+                totals[key] += check.hits * per_hit(check)
+        return admitted, counts, totals
+
+    async def _run_missing_scripts(
+        self, calls: Sequence[tuple[list[str], list[int | str]]], replies: list[Any], request_path: bool
+    ) -> None:
+        """Send the calls Redis answered NOSCRIPT (so they did not run) again with their body."""
+        missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if not missing:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for index in missing:
+            script_keys, args = calls[index]
+            pipe.execute_command("EVAL", DECIDE.source, len(script_keys), *script_keys, *args)
+        self._count(request_path)
+        for index, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
+            replies[index] = reply
+
+    def _give_back_later(self, keys: Sequence[str], checks: Sequence[Check], marks: Sequence[bool]) -> None:
+        """Give back, in the background, the hits of the marked checks (their scripts consumed them)."""
+        amounts: dict[str, int] = {}
+        for key, check, marked in zip(keys, checks, marks, strict=True):
+            if marked:
+                amounts[key] = amounts.get(key, 0) + check.hits * per_hit(check)
+        if amounts:
+            self._spawn(self._give_back(amounts))
+
+    async def _give_back(self, amounts: Mapping[str, int]) -> None:
+        """DECRBY what a rejected request's per-check scripts consumed: hits, or a TAT's microseconds."""
+        pipe = self.client.pipeline(transaction=False)
+        for key, amount in amounts.items():
+            pipe.decrby(key, amount)
+        try:
+            await self._background(pipe.execute())
+        except RedisUnavailable:
+            # The counters stay too high until their window ends: false rejections, never overshoot.
+            self.give_back_failures += 1
+
+    async def _run_script(
+        self, script: Script, keys: Sequence[str], args: Sequence[int | str], *, request_path: bool
+    ) -> Any:
+        """EVALSHA; on NOSCRIPT (flushed, restarted, failed over) send the body once with EVAL."""
+        self._count(request_path)
+        try:
+            return await self.client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self._count(request_path)
+            return await self.client.eval(script.source, len(keys), *keys, *args)
+
+    def _spawn(self, call: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(call)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _count(self, request_path: bool) -> None:
+        if request_path:
+            self.round_trips_request_path += 1
+        else:
+            self.round_trips_background += 1
+
+    async def _background(self, call: Any) -> Any:
+        """Await one background round trip with the background timeout; failures -> RedisUnavailable."""
+        self._count(request_path=False)
+        try:
+            async with asyncio.timeout(self.background_timeout):
+                return await call
+        except FAILURES as error:
+            raise self.availability.failed(error, request_path=False) from error
+
+    async def _probe_once(self) -> None:
+        """One PING and the script loads; the scripts are loaded again after every outage."""
+        async with asyncio.timeout(self.background_timeout):
+            self._count(request_path=False)
+            await self.client.ping()
+            for script in SCRIPTS:
+                self._count(request_path=False)
+                sha = await self.client.script_load(script.source)
+                if sha != script.sha:
+                    raise RedisError(f"SCRIPT LOAD of {script.name} returned {sha}, expected {script.sha}")

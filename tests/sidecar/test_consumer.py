@@ -1,0 +1,273 @@
+"""sidecar.consumer: wait for a slot, fail fast, spend nothing when cancelled.
+
+The timing rules are tested on their own (deterministic clocks); the policies against
+the shared sidecar process (memory backend, domain ``it``: ``per_second`` 3/s,
+``per_minute`` 5/min, ``generous``); the in-flight cancellation with a slow ask put
+in place of the RPC. The shared budget across replicas through Redis is proven in
+``test_consumer_shared_budget.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+import uuid
+from typing import Any
+
+import pytest
+from envoy.service.ratelimit.v3 import rls_pb2
+from google.protobuf.duration_pb2 import Duration
+
+from sidecar.consumer import (
+    FAIL_FAST,
+    WAIT,
+    Consumer,
+    RateLimitExceeded,
+    Refused,
+    SidecarError,
+    SyncConsumer,
+    refusal,
+    request_payload,
+    window_end,
+)
+from tests.support.sidecars import Sidecar, free_port
+
+pytestmark = pytest.mark.slow
+
+MINUTE = rls_pb2.RateLimitResponse.RateLimit.MINUTE
+SECOND = rls_pb2.RateLimitResponse.RateLimit.SECOND
+
+
+def fresh() -> str:
+    return uuid.uuid4().hex
+
+
+def status(code: int, unit: int, reset: int, remaining: int = 0) -> Any:
+    return rls_pb2.RateLimitResponse.DescriptorStatus(
+        code=code,
+        current_limit=rls_pb2.RateLimitResponse.RateLimit(requests_per_unit=5, unit=unit),
+        limit_remaining=remaining,
+        duration_until_reset=Duration(seconds=reset),
+    )
+
+
+# ---------------------------------------------------------------------------- when to ask again
+
+
+def test_refusal_takes_the_latest_reset_of_the_limits_that_refused():
+    response = rls_pb2.RateLimitResponse(
+        overall_code=rls_pb2.RateLimitResponse.OVER_LIMIT,
+        statuses=[
+            status(rls_pb2.RateLimitResponse.OK, SECOND, 1, remaining=3),
+            status(rls_pb2.RateLimitResponse.OVER_LIMIT, MINUTE, 42),
+        ],
+    )
+    assert refusal(response) == Refused(42.0, 60.0)
+
+
+@pytest.mark.parametrize(
+    ("now", "reset", "window", "end"),
+    [
+        (1000.25, 1, 1, 1001.0),  # the next second
+        (1000.999, 1, 1, 1001.0),
+        (1000.0001, 1, 1, 1001.0),
+        (1030.5, 50, 60, 1080.0),  # the minute's end, not now + 50
+        (1030.5, 170, 60, 1200.0),  # a 5-minute window ends on a minute too
+        (1030.5, 50, 300, 1080.5),  # the unit disagrees with the reset (skewed clocks): now + reset
+    ],
+)
+def test_window_end_is_snapped_to_the_unit_when_the_reset_allows(now, reset, window, end):
+    assert window_end(now, Refused(reset, window)) == pytest.approx(end)
+
+
+def test_retries_spread_uniformly_over_the_window_and_never_past_the_deadline():
+    consumer = Consumer("127.0.0.1:1", wall=lambda: 1000.4, rng=random.Random(7))
+    delays = [consumer._retry_delay(Refused(1, 1), time_left=10.0) for _ in range(2000)]
+    assert all(delay is not None and 0.6 <= delay <= 1.6 for delay in delays)
+    tenths = [
+        sum(1 for delay in delays if delay is not None and 0.6 + k / 10 <= delay < 0.7 + k / 10) for k in range(10)
+    ]
+    assert min(tenths) > 150  # 200 expected in each tenth of the window
+    capped = [consumer._retry_delay(Refused(1, 1), time_left=0.9) for _ in range(200)]
+    assert all(delay is not None and delay <= 0.9 - 0.005 for delay in capped)
+    assert consumer._retry_delay(Refused(1, 1), time_left=0.5) is None  # the boundary is past the deadline
+    assert Consumer("x", wall=lambda: 1000.4, spread=False)._retry_delay(Refused(1, 1), 10.0) == pytest.approx(0.6)
+
+
+def test_requests_outside_the_bounds_fail_before_asking():
+    with pytest.raises(ValueError, match=r"descriptors\[0\].entries\[0\].key: must not be empty"):
+        request_payload("it", {"": "v"}, 1)
+    with pytest.raises(ValueError, match="hits"):
+        request_payload("it", "k=v", 0)
+    one = request_payload("it", "a=1,b=2", 1)
+    assert (
+        one == request_payload("it", [{"a": "1", "b": "2"}], 1) == request_payload("it", [[("a", "1"), ("b", "2")]], 1)
+    )
+
+
+# ---------------------------------------------------------------------------- against a sidecar
+
+
+async def test_admitted_at_once(shared_sidecar: Sidecar) -> None:
+    async with Consumer(shared_sidecar.address) as consumer:
+        permit = await consumer.acquire("it", {"generous": fresh()})
+        assert permit.attempts == 1
+        assert permit.remaining == 999_999
+        assert permit.waited < 1
+
+
+async def test_waiters_get_the_next_windows_and_no_window_admits_more_than_its_limit(shared_sidecar: Sidecar) -> None:
+    value = fresh()
+    admitted_at: list[float] = []
+    async with Consumer(shared_sidecar.address) as consumer:
+
+        async def one() -> None:
+            await consumer.acquire("it", {"per_second": value}, max_wait=4)
+            admitted_at.append(time.time())
+
+        started = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(7)))  # 3 per second: three windows
+        assert time.monotonic() - started < 4
+        windows: dict[int, int] = {}
+        for moment in admitted_at:
+            windows[math.floor(moment)] = windows.get(math.floor(moment), 0) + 1
+        assert max(windows.values()) <= 3
+        assert consumer.stats.granted == consumer.stats.acquired == 7
+
+
+async def test_fail_fast_and_no_waiting_in_vain(shared_sidecar: Sidecar) -> None:
+    value = fresh()
+    async with Consumer(shared_sidecar.address) as consumer:
+        for _ in range(5):
+            await consumer.acquire("it", {"per_minute": value})
+        started = time.monotonic()
+        with pytest.raises(RateLimitExceeded) as failed:
+            await consumer.acquire("it", {"per_minute": value}, max_wait=FAIL_FAST)
+        assert failed.value.attempts == 1
+        seconds_left = 60 - time.time() % 60
+        if seconds_left > 2.5:  # the minute's budget comes back after the deadline: fail now, not in 2 s
+            with pytest.raises(RateLimitExceeded) as failed:
+                await consumer.acquire("it", {"per_minute": value}, max_wait=2)
+            assert failed.value.retry_after is not None and failed.value.retry_after > 2
+        assert time.monotonic() - started < 0.5
+        assert consumer.stats.failed_fast >= 1
+        assert consumer.stats.granted == 5
+
+
+async def test_cancelled_waits_spend_nothing(shared_sidecar: Sidecar) -> None:
+    value = fresh()
+    async with Consumer(shared_sidecar.address) as consumer:
+        for _ in range(3):
+            await consumer.acquire("it", {"per_second": value})
+        waiters = [
+            asyncio.ensure_future(consumer.acquire("it", {"per_second": value}, max_wait=WAIT)) for _ in range(5)
+        ]
+        await asyncio.sleep(0.02)  # each has been refused and sleeps until its retry
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert consumer.stats.cancelled == 5
+        assert consumer.stats.granted == 3
+        await asyncio.sleep(1.05)  # the next second: its whole budget is there
+        permit = await consumer.acquire("it", {"per_second": value}, max_wait=FAIL_FAST)
+        assert permit.remaining == 2
+
+
+async def test_context_manager_and_decorator(shared_sidecar: Sidecar) -> None:
+    value = fresh()
+    async with Consumer(shared_sidecar.address) as consumer:
+        async with consumer.slot("it", {"pair_b": value}) as permit:
+            assert permit.remaining == 1
+
+        @consumer.limited("it", {"pair_b": value}, max_wait=FAIL_FAST)
+        async def call_provider(x: int) -> int:
+            return x * 2
+
+        assert await call_provider(21) == 42
+        with pytest.raises(RateLimitExceeded):
+            await call_provider(1)
+        assert call_provider.__name__ == "call_provider"
+
+
+def test_sync_wrapper(shared_sidecar: Sidecar) -> None:
+    value = fresh()
+    with SyncConsumer(shared_sidecar.address) as consumer:
+        with consumer.slot("it", {"pair_b": value}) as permit:
+            assert permit.remaining == 1
+
+        @consumer.limited("it", {"pair_b": value}, max_wait=FAIL_FAST)
+        def call_provider() -> str:
+            return "called"
+
+        assert call_provider() == "called"
+        with pytest.raises(RateLimitExceeded):
+            call_provider()
+        assert consumer.stats.granted == 2
+
+
+async def test_sidecar_errors_are_raised_at_once() -> None:
+    async with Consumer(f"127.0.0.1:{free_port()}", rpc_timeout=0.5) as consumer:
+        with pytest.raises(SidecarError) as failed:
+            await consumer.acquire("it", {"k": "v"})
+        assert failed.value.code.name in {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
+
+
+# ---------------------------------------------------------------------------- an ask in flight when the caller leaves
+
+
+def admitted_response() -> Any:
+    return rls_pb2.RateLimitResponse(
+        overall_code=rls_pb2.RateLimitResponse.OK, statuses=[status(rls_pb2.RateLimitResponse.OK, MINUTE, 30, 3)]
+    )
+
+
+def refused_response() -> Any:
+    return rls_pb2.RateLimitResponse(
+        overall_code=rls_pb2.RateLimitResponse.OVER_LIMIT,
+        statuses=[status(rls_pb2.RateLimitResponse.OVER_LIMIT, SECOND, 1)],
+    )
+
+
+def scripted_asks(consumer: Consumer, script: list[tuple[float, Any]]) -> list[float]:
+    """Put scripted asks (delay, response) in place of the RPC; returns when each ask started."""
+    started: list[float] = []
+
+    async def ask(payload: bytes) -> Any:
+        started.append(time.monotonic())
+        delay, response = script.pop(0)
+        await asyncio.sleep(delay)
+        consumer.stats.asks += 1
+        if response.overall_code == rls_pb2.RateLimitResponse.OK:
+            consumer.stats.granted += 1
+        return response
+
+    consumer._ask = ask  # type: ignore[method-assign]
+    return started
+
+
+async def test_an_ask_admitted_after_its_caller_left_is_kept_for_the_next_caller() -> None:
+    # Refused 10 ms before a second ends; the retry at the boundary is admitted, but answers
+    # after the caller's deadline. Then a caller cancelled while its ask is in flight.
+    consumer = Consumer("127.0.0.1:1", wall=lambda: 1000.99 if len(asks) < 2 else 1001.0, spread=False)
+    asks = scripted_asks(consumer, [(0.0, refused_response()), (0.5, admitted_response()), (0.2, admitted_response())])
+    started = time.monotonic()
+    with pytest.raises(RateLimitExceeded) as failed:
+        await consumer.acquire("it", {"k": "v"}, max_wait=0.3)
+    assert 0.29 < time.monotonic() - started < 0.35  # left at its deadline, not when the answer came
+    assert failed.value.retry_after is None
+    assert len(asks) == 2
+    caller = asyncio.ensure_future(consumer.acquire("it", {"k": "v"}, max_wait=WAIT))
+    await asyncio.sleep(0.05)
+    caller.cancel()  # cancelled with its ask in flight
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await asyncio.sleep(0.5)
+    stats = consumer.stats
+    assert (stats.timed_out, stats.cancelled, stats.orphaned, stats.granted) == (1, 1, 2, 2)
+    permit = await consumer.acquire("it", {"k": "v"})  # handed over: no ask
+    assert permit.handed_over
+    assert len(asks) == 3
+    assert stats.granted == stats.acquired - stats.reused + stats.orphaned
+    await consumer.close()

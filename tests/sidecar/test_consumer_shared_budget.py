@@ -1,0 +1,172 @@
+"""Consumers on two sidecar replicas share one budget through a real redis-server (sync mode).
+
+Fifty callers (two :class:`~sidecar.consumer.Consumer` objects, one per replica) want
+far more than a limit of 20 per second for five seconds; ten of them give up at random
+moments (cancelled while sleeping or while their ask is in flight). Redis's own window
+keys, read every 250 ms, are the authority on what was admitted. The test holds:
+
+* every full window admitted exactly the limit, within sync mode's bound
+  (``(R - 1) * Q`` with ``Q = floor(0.05 * 20 / 1) = 1``: at most 21; docs/redis.md);
+* no call took longer than its ``max_wait`` (plus :data:`SCHEDULING` for a loaded loop);
+* a call that failed did so before its ``max_wait``, having seen the next budget come
+  too late; with a minute's budget spent, a 3 s ``max_wait`` fails in milliseconds;
+* Redis's counters equal the hits the sidecars admitted (``stats.granted``): cancelled
+  waits spent nothing, and asks admitted after their caller left are counted there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.consumer import WAIT, Consumer, RateLimitExceeded
+from tests.support.redis_servers import RedisServer, fresh_prefix
+from tests.support.sidecars import SidecarFactory, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+LIMIT = 20
+BOUND = 1
+"""Sync mode's overshoot bound here: (R - 1) * floor(0.05 * LIMIT / (R - 1)) with R = 2."""
+RUN_SECONDS = 5.0
+MAX_WAIT = 1.5
+SCHEDULING = 0.1
+"""Slack for the event loop on a shared 2-core machine: timers fire late, never early."""
+
+CONFIG = f"""\
+domain: consume
+descriptors:
+  - key: provider
+    rate_limit:
+      unit: second
+      requests_per_unit: {LIMIT}
+  - key: daily_provider
+    rate_limit:
+      unit: minute
+      requests_per_unit: 5
+"""
+
+
+def start_replicas(start_sidecar: SidecarFactory, redis: RedisServer, config: Path, prefix: str) -> list[Any]:
+    flags = [
+        "--backend", "redis", "--mode", "sync", "--redis-url", redis.url, "--redis-prefix", prefix,
+        "--clock-source", "local", "--heartbeat-interval", "0.2",
+    ]  # fmt: skip
+    replicas = [start_sidecar(*flags, config=config) for _ in range(2)]
+    client = redis.client()
+    deadline = time.monotonic() + 10
+    while client.zcard(f"{prefix}:replicas") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # a heartbeat or two: each has read the live count of 2
+    return replicas
+
+
+class WindowKeys:
+    """The largest value seen of every window key under ``prefix`` (keys live 5 s past their window)."""
+
+    def __init__(self, redis: RedisServer, prefix: str) -> None:
+        self.client = redis.client()
+        self.pattern = re.compile(re.escape(prefix) + r":\{[0-9a-f]+\}:(\d+)$")
+        self.prefix = prefix
+        self.seen: dict[str, int] = {}
+
+    def read(self) -> None:
+        for key in self.client.scan_iter(f"{self.prefix}:*", count=1000):
+            if self.pattern.match(key):
+                value = self.client.get(key)
+                if value is not None:
+                    self.seen[key] = max(self.seen.get(key, 0), int(value))
+
+    def per_window(self, digest_of: str | None = None) -> dict[int, int]:
+        windows: dict[int, int] = {}
+        for key, value in self.seen.items():
+            match = self.pattern.match(key)
+            assert match is not None
+            windows[int(match.group(1))] = windows.get(int(match.group(1)), 0) + value
+        return windows
+
+
+async def test_consumers_share_the_limit_wait_within_max_wait_and_spend_only_what_was_admitted(
+    start_sidecar: SidecarFactory, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    prefix = fresh_prefix("c")
+    replicas = start_replicas(start_sidecar, redis_server, write_config(tmp_path / "config", CONFIG), prefix)
+    consumers = [Consumer(replica.address, rng=random.Random(index)) for index, replica in enumerate(replicas)]
+    keys = WindowKeys(redis_server, prefix)
+    calls: list[tuple[float, float, bool, float | None]] = []  # (max_wait, elapsed, admitted, retry_after)
+    stop_at = time.monotonic() + RUN_SECONDS
+    rng = random.Random(20)
+
+    async def worker(consumer: Consumer) -> None:
+        while time.monotonic() < stop_at:
+            started = time.monotonic()
+            try:
+                await consumer.acquire("consume", {"provider": "acme"}, max_wait=MAX_WAIT)
+            except RateLimitExceeded as failed:
+                calls.append((MAX_WAIT, time.monotonic() - started, False, failed.retry_after))
+            else:
+                calls.append((MAX_WAIT, time.monotonic() - started, True, None))
+                await asyncio.sleep(0.01)  # the provider call
+
+    async def quitter(consumer: Consumer) -> None:
+        while time.monotonic() < stop_at:
+            try:
+                async with asyncio.timeout(rng.uniform(0.001, 0.8)):
+                    await consumer.acquire("consume", {"provider": "acme"}, max_wait=WAIT)
+            except TimeoutError:
+                pass
+
+    async def sample() -> None:
+        while time.monotonic() < stop_at + 0.5:
+            await asyncio.to_thread(keys.read)
+            await asyncio.sleep(0.25)
+
+    tasks = [worker(consumers[index % 2]) for index in range(40)] + [
+        quitter(consumers[index % 2]) for index in range(10)
+    ]
+    await asyncio.gather(sample(), *tasks)
+    for consumer in consumers:
+        await consumer.close()  # asks still in flight finish and are counted
+    await asyncio.sleep(0.4)  # the replicas' last flushes (every 50 ms)
+    keys.read()
+
+    granted = sum(consumer.stats.granted for consumer in consumers)
+    windows = keys.per_window()
+    assert sum(windows.values()) == granted, (windows, [consumer.stats for consumer in consumers])
+    full = sorted(windows)[1:-1]  # the first and last windows of the run are partial
+    assert len(full) >= 3
+    for start in full:
+        assert LIMIT <= windows[start] <= LIMIT + BOUND, (start, windows)
+
+    assert max(elapsed for _, elapsed, _, _ in calls) <= MAX_WAIT + SCHEDULING
+    failures = [(elapsed, retry_after) for _, elapsed, admitted, retry_after in calls if not admitted]
+    assert failures, "the demand was meant to exceed what 1.5 s of waiting can serve"
+    for elapsed, retry_after in failures:
+        assert elapsed < MAX_WAIT + SCHEDULING
+        if retry_after is not None:  # failed fast: the next budget came after the deadline
+            assert elapsed + retry_after > MAX_WAIT - 0.05
+    stats = [consumer.stats for consumer in consumers]
+    print(  # the figures docs/consumer.md quotes (pytest -s shows them)
+        f"windows {[windows[start] for start in full]}; {len(calls)} calls, {len(failures)} failed, slowest "
+        f"{max(elapsed for _, elapsed, _, _ in calls):.3f} s, failures after {min(f[0] for f in failures):.3f}"
+        f"-{max(f[0] for f in failures):.3f} s; " + "; ".join(str(s) for s in stats)
+    )
+    assert sum(s.cancelled for s in stats) > 0
+    for s in stats:
+        assert s.granted == s.acquired - s.reused + s.orphaned
+
+    # A spent minute: a 3 s max_wait cannot be served and fails at once, not after 3 s.
+    async with Consumer(replicas[0].address) as consumer:
+        for _ in range(5):
+            await consumer.acquire("consume", {"daily_provider": "x"})
+        if 60 - time.time() % 60 > 3.5:
+            started = time.monotonic()
+            with pytest.raises(RateLimitExceeded):
+                await consumer.acquire("consume", {"daily_provider": "x"}, max_wait=3)
+            assert time.monotonic() - started < 0.1

@@ -1,0 +1,441 @@
+"""Real ``redis-server`` processes for the Redis tests: standalone, ACL, TLS and Cluster.
+
+Each server runs on a free loopback port with persistence off, in its own temporary
+directory, and is killed in teardown whatever the test did. Test modules import the
+fixtures they use (``from redis_fixtures import redis_server``), so no conftest
+outside this file needs to know about Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import redis
+import redis.cluster
+
+from sidecar.settings import Settings
+from tests.support.sidecars import free_port
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+OPENSSL = shutil.which("openssl")
+READY_DEADLINE = 10.0
+CLUSTER_DEADLINE = 20.0
+
+ACL_USER = "limiter"
+ACL_PASSWORD = "s3cr:et@/pw"
+"""A password with URL-special characters, so the URL encoding is exercised too."""
+
+
+def bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def cluster_port() -> int:
+    """A free port whose Cluster bus port (+10000) is free too, below Linux's ephemeral range."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20_000, 22_000)
+        if bindable(port) and bindable(port + 10_000):
+            return port
+    raise RuntimeError("no free pair of ports for a Cluster node")
+
+
+class RedisServer:
+    """One ``redis-server`` process; restartable on the same port with the same flags."""
+
+    def __init__(self, directory: Path, extra: Sequence[str] = (), *, tls: bool = False, port: int = 0) -> None:
+        self.directory = directory
+        self.extra = list(extra)
+        self.tls = tls
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.password: str | None = None
+        self.username: str | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT`` (with credentials when ACL users are configured)."""
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        port_flags = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
+        return [
+            REDIS_SERVER,
+            *port_flags,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.directory),
+            "--enable-debug-command",
+            "yes",
+            *self.extra,
+        ]
+
+    def start(self) -> RedisServer:
+        """Start the process and wait until it answers PING."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log = (self.directory / "redis.log").open("ab")
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + READY_DEADLINE
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"redis-server exited with {self.process.returncode}:\n{self.log()}")
+            with contextlib.suppress(redis.RedisError, OSError):
+                if self.client(timeout=0.5).ping():
+                    return self
+            time.sleep(0.02)
+        self.kill()
+        pytest.fail(f"redis-server not ready within {READY_DEADLINE}s:\n{self.log()}")
+
+    def client(self, timeout: float = 5.0) -> redis.Redis:
+        """A synchronous client for assertions (not the code under test)."""
+        options: dict[str, object] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+        if self.tls:
+            options |= {"ssl": True, "ssl_ca_certs": str(self.directory / "cert.pem")}
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            username=self.username,
+            password=self.password,
+            decode_responses=True,
+            **options,  # type: ignore[arg-type]
+        )
+
+    def kill(self) -> None:
+        """SIGKILL and reap; safe to call twice."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def restart(self, down_for: float = 0.0) -> None:
+        """Kill (data is lost: persistence is off), stay down ``down_for`` seconds, start again."""
+        self.kill()
+        time.sleep(down_for)
+        self.start()
+
+    def pause(self, milliseconds: int, mode: str = "ALL") -> None:
+        """``CLIENT PAUSE``: clients' commands (``WRITE``: writes and scripts only) wait that long."""
+        self.client().execute_command("CLIENT", "PAUSE", milliseconds, mode)
+
+    def debug_sleep(self, seconds: float) -> threading.Thread:
+        """``DEBUG SLEEP`` in a thread: the whole server blocks, as under a long command."""
+        client = self.client(timeout=seconds + 5)
+        thread = threading.Thread(target=client.execute_command, args=("DEBUG", "SLEEP", seconds), daemon=True)
+        thread.start()
+        time.sleep(0.05)
+        return thread
+
+    def flushall(self) -> None:
+        self.client().flushall()
+
+    def log(self) -> str:
+        path = self.directory / "redis.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+class RedisCluster:
+    """Three masters with ``--cluster-enabled yes``, joined by ``redis-cli --cluster create``."""
+
+    def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.nodes = [
+            RedisServer(
+                directory / f"node-{index}",
+                ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"],
+                port=cluster_port(),
+            )
+            for index in range(masters)
+        ]
+
+    @property
+    def url(self) -> str:
+        """A seed node in our Cluster spelling."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> RedisCluster:
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        created = subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=CLUSTER_DEADLINE,
+            check=False,
+        )
+        if created.returncode != 0:
+            pytest.fail(f"redis-cli --cluster create failed:\n{created.stdout}\n{created.stderr}")
+        self.wait_ok()
+        return self
+
+    def wait_ok(self) -> None:
+        """Until every node says ``cluster_state:ok`` (slots assigned and agreed)."""
+        deadline = time.monotonic() + CLUSTER_DEADLINE
+        while time.monotonic() < deadline:
+            states = [node.client().execute_command("CLUSTER", "INFO") for node in self.nodes]
+            if all("cluster_state:ok" in str(state) for state in states):
+                return
+            time.sleep(0.05)
+        pytest.fail("Redis Cluster did not reach cluster_state:ok")
+
+    def client(self) -> redis.cluster.RedisCluster:
+        """A synchronous Cluster client for assertions (routes each key to its node)."""
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=self.nodes[0].port, decode_responses=True)
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+
+class RedisSentinel:
+    """A master, one replica and one sentinel watching them as ``mymaster`` (quorum 1).
+
+    The sentinel declares the master down after 1 s without answers, so killing the
+    master promotes the replica within a few seconds: enough to test a failover.
+    With ``tls``, all three listen on TLS only and replicate and watch over TLS.
+    """
+
+    SERVICE = "mymaster"
+
+    def __init__(self, directory: Path, *, tls: bool = False) -> None:
+        self.directory = directory
+        self.tls = tls
+        self.master = RedisServer(directory / "master", self._tls_flags(), tls=tls)
+        self.replica = RedisServer(directory / "replica", self._tls_flags(), tls=tls)
+        self.replica.extra += ["--replicaof", "127.0.0.1", str(self.master.port)]
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if not self.tls:
+            return f"redis+sentinel://127.0.0.1:{self.port}/{self.SERVICE}"
+        ca = urllib.parse.quote(str(self.directory / "cert.pem"))
+        return f"rediss+sentinel://127.0.0.1:{self.port}/{self.SERVICE}?ssl_ca_certs={ca}"
+
+    def _tls_flags(self) -> list[str]:
+        if not self.tls:
+            return []
+        files = [("--tls-cert-file", "cert.pem"), ("--tls-key-file", "key.pem"), ("--tls-ca-cert-file", "cert.pem")]
+        flags = [part for flag, name in files for part in (flag, str(self.directory / name))]
+        return [*flags, "--tls-auth-clients", "no", "--tls-replication", "yes"]
+
+    def start(self) -> RedisSentinel:
+        if self.tls:
+            make_tls_files(self.directory)
+            for server in (self.master, self.replica):
+                server.directory.mkdir(parents=True, exist_ok=True)
+                shutil.copy(self.directory / "cert.pem", server.directory / "cert.pem")
+        self.master.start()
+        self.replica.start()
+        conf = self.directory / "sentinel.conf"
+        listen = f"port 0\ntls-port {self.port}\n" if self.tls else f"port {self.port}\n"
+        flags = self._tls_flags()  # the servers' --name value pairs, as sentinel.conf lines
+        tls_lines = "".join(f"{flags[i][2:]} {flags[i + 1]}\n" for i in range(0, len(flags), 2))
+        conf.write_text(
+            f"{listen}{tls_lines}bind 127.0.0.1\ndir {self.directory}\n"
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+            f"sentinel failover-timeout {self.SERVICE} 5000\n"
+        )
+        log = (self.directory / "sentinel.log").open("ab")
+        self.process = subprocess.Popen([REDIS_SERVER, str(conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self._wait("the replica in sync and known to the sentinel", self._ready)
+        return self
+
+    def client(self) -> redis.Redis:
+        """A client of the sentinel itself."""
+        tls: dict[str, object] = {"ssl": True, "ssl_ca_certs": str(self.directory / "cert.pem")} if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, decode_responses=True, **tls)  # type: ignore[arg-type]
+
+    def master_port(self) -> int:
+        """The port of the master the sentinel names now."""
+        _, port = self.client().execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
+        return int(port)
+
+    def fail_over(self) -> RedisServer:
+        """Kill the master and wait until the sentinel has promoted the replica; returns it."""
+        self.master.kill()
+        self._wait("the sentinel to promote the replica", lambda: self.master_port() == self.replica.port)
+        self._wait("the promoted replica to accept writes", lambda: self.replica.client().set("probe", 1))
+        return self.replica
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.replica.kill()
+        self.master.kill()
+
+    def _ready(self) -> bool:
+        replication = self.replica.client().info("replication")
+        replicas = self.client().execute_command("SENTINEL", "REPLICAS", self.SERVICE)
+        return replication.get("master_link_status") == "up" and len(replicas) == 1
+
+    def _wait(self, what: str, condition: Callable[[], object]) -> None:
+        deadline = time.monotonic() + CLUSTER_DEADLINE
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.RedisError, OSError):
+                if condition():
+                    return
+            time.sleep(0.1)
+        pytest.fail(f"timed out waiting for {what}:\n{(self.directory / 'sentinel.log').read_text()[-3000:]}")
+
+
+def make_tls_files(directory: Path) -> None:
+    """A self-signed certificate for 127.0.0.1 (``cert.pem``, ``key.pem``) made with openssl."""
+    if OPENSSL is None:
+        pytest.skip("openssl is not installed: cannot make a certificate for the TLS test")
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            OPENSSL,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(directory / "key.pem"),
+            "-out",
+            str(directory / "cert.pem"),
+        ],
+        capture_output=True,
+        check=True,
+        timeout=30,
+    )
+
+
+@contextlib.contextmanager
+def running(server: RedisServer | RedisCluster | RedisSentinel) -> Iterator[None]:
+    """Start ``server`` and kill it when the block ends, whatever happened."""
+    try:
+        server.start()
+        yield
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A standalone server shared by one test module; tests use their own key prefixes."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    with running(server):
+        yield server
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server for one test alone: tests that stop, pause or restart it use this one."""
+    server = RedisServer(tmp_path / "redis")
+    with running(server):
+        yield server
+
+
+@pytest.fixture(scope="module")
+def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A server whose default user is off: only ``ACL_USER`` with ``ACL_PASSWORD`` gets in."""
+    rules = [ACL_USER, "on", f">{ACL_PASSWORD}", "~*", "&*", "+@all"]
+    server = RedisServer(tmp_path_factory.mktemp("redis-acl"), ["--user", *rules, "--user", "default", "off"])
+    server.username, server.password = ACL_USER, ACL_PASSWORD
+    with running(server):
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A server reachable only over TLS, with a self-signed certificate in its directory."""
+    directory = tmp_path_factory.mktemp("redis-tls")
+    make_tls_files(directory)
+    flags = [
+        "--tls-cert-file",
+        str(directory / "cert.pem"),
+        "--tls-key-file",
+        str(directory / "key.pem"),
+        "--tls-ca-cert-file",
+        str(directory / "cert.pem"),
+        "--tls-auth-clients",
+        "no",
+    ]
+    server = RedisServer(directory, flags, tls=True)
+    with running(server):
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A three-master Redis Cluster shared by one test module."""
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    with running(cluster):
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinel]:
+    """A master, a replica and a sentinel shared by one test module (tests use their own prefixes)."""
+    setup = RedisSentinel(tmp_path_factory.mktemp("sentinel"))
+    with running(setup):
+        yield setup
+
+
+@pytest.fixture
+def tls_sentinel(tmp_path: Path) -> Iterator[RedisSentinel]:
+    """A master, a replica and a sentinel reachable over TLS only."""
+    setup = RedisSentinel(tmp_path / "sentinel-tls", tls=True)
+    with running(setup):
+        yield setup
+
+
+@pytest.fixture
+def own_sentinel(tmp_path: Path) -> Iterator[RedisSentinel]:
+    """A master, a replica and a sentinel for one test: failover tests kill the master."""
+    setup = RedisSentinel(tmp_path / "sentinel")
+    with running(setup):
+        yield setup
+
+
+def fresh_prefix(letter: str = "t") -> str:
+    """A key prefix no other test uses, so tests can share one Redis server."""
+    return f"{letter}{uuid.uuid4().hex[:10]}"
+
+
+def redis_settings(url: str, mode: str, budget: float, **overrides: object) -> Settings:
+    """Settings of a Redis-backed sidecar as ``serve`` would build them, for in-process limiters."""
+    values: dict[str, object] = {
+        "config": "unused",
+        "backend": "redis",
+        "mode": mode,
+        "redis_url": url,
+        "redis_timeout": budget,
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]

@@ -1,0 +1,114 @@
+"""The README's demo command: the whole stack, a scripted run through both Envoys, a clean stop."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.redis]
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = [sys.executable, "-m", "stack.demo"]
+SUMMARY_LINE = re.compile(
+    r"^  (?P<label>\S.*?)\s+admitted\s+(?P<admitted>\d+) of (?P<sent>\d+)\s+allowed (?P<allowed>\d+)\s+(?P<verdict>.+)$"
+)
+
+
+def summary(out: str) -> dict[str, tuple[int, int, str]]:
+    """``label -> (admitted, allowed, verdict)`` from the demo's summary lines."""
+    rows = {}
+    for line in out.split("Summary", 1)[1].splitlines():
+        match = SUMMARY_LINE.match(line)
+        if match:
+            rows[match["label"]] = (int(match["admitted"]), int(match["allowed"]), match["verdict"])
+    return rows
+
+
+def children_of(pid: int) -> set[int]:
+    """PIDs whose parent is ``pid`` (the demo's children run in their own sessions)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("flags", "backend"),
+    [((), "2 sidecars in sync mode sharing redis-server"), (("--no-redis",), "embedded in-memory backend")],
+)
+def test_demo_run_through_both_envoys_matches_the_config(flags: tuple[str, ...], backend: str) -> None:
+    result = subprocess.run(
+        [*DEMO, "--once", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert backend in out
+    assert "curl -i http://127.0.0.1:" in out
+    # Both Envoys answered, 429s came with Envoy's headers.
+    assert re.search(r"envoy-1 \d+/\d+, envoy-2 \d+/\d+", out), out
+    assert "x-envoy-ratelimited: true" in out
+    assert 'x-ratelimit-limit: 10, 20;w=1, 50;w=1;name="api_route", 10;w=60;name="per_api_key"' in out
+    rows = summary(out)
+    assert set(rows) == {
+        "remote_address: 20/second per address",
+        "per_api_key: 10/minute per key",
+        "premium_key: 100/minute per key",
+        "header_match=write: 5/second",
+        "login_attempts: 3/minute (shadow)",
+        "HAProxy fixed: 20/second per address",
+        "HAProxy sliding: 20/second per address",
+    }, out
+    assert "retry-after: 1" in out, "HAProxy's 429 carries Retry-After"
+    for label, (admitted, allowed, verdict) in rows.items():
+        assert verdict == "exact" or verdict.startswith("within"), f"{label}: {verdict}\n{out}"
+        assert admitted >= allowed, f"{label}: a well-behaved burst was refused\n{out}"
+    assert rows["per_api_key: 10/minute per key"][:2] == (10, 10)
+    assert "Demo stopped" in out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_the_demo_started() -> None:
+    demo = subprocess.Popen(
+        [*DEMO, "--no-redis"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert demo.stdout is not None
+        deadline = time.monotonic() + 90
+        lines = []
+        while time.monotonic() < deadline:
+            line = demo.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C stops it" in line or not line:
+                break
+        assert "Ctrl-C stops it" in lines[-1], "".join(lines)
+        children = children_of(demo.pid)
+        assert len(children) >= 7, f"expected 2 apps, 2 sidecars, 2 Envoys, HAProxy: {children}"
+        demo.send_signal(signal.SIGINT)
+        rest, _ = demo.communicate(timeout=30)
+        assert demo.returncode == 0, "".join(lines) + rest
+        assert "every process it started has exited" in rest
+        assert not [pid for pid in children if alive(pid)], "processes outlived the demo"
+    finally:
+        if demo.poll() is None:
+            demo.kill()

@@ -1,0 +1,52 @@
+"""``python -m loadtest.reliability``: the report runs areas as real processes and prints one table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_report_runs_an_area_and_prints_the_table(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtest.reliability",
+            "--quick",
+            "--areas",
+            "security",
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| area | scenario | load held | bad inputs | hits lost | result | notes |" in result.stdout
+    assert "| security | mutual TLS on gRPC: who gets in |" in result.stdout
+    assert "reproduce: python -m loadtest.reliability --quick --areas security" in result.stdout
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {row["area"] for row in rows} == {"security"} and all(row["ok"] for row in rows)
+
+
+def test_unknown_areas_are_refused_with_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtest.reliability", "--areas", "nope"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "unknown area(s): nope" in result.stderr
