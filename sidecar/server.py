@@ -39,6 +39,7 @@ from sidecar.tracing import start_tracing
 if TYPE_CHECKING:
     from sidecar.limiter.redis.store import RedisStore
     from sidecar.limiter.strict import StrictLimiter
+    from sidecar.quota.leases import QuotaLeases
 
 log = structlog.get_logger(__name__)
 
@@ -219,9 +220,16 @@ class Sidecar:
     """A running gRPC server with its service, health, limiter and admin endpoint."""
 
     def __init__(
-        self, settings: Settings, config: RateLimitConfig, limiter: Limiter, clock: Clock = system_clock
+        self,
+        settings: Settings,
+        config: RateLimitConfig,
+        limiter: Limiter,
+        clock: Clock = system_clock,
+        leases: QuotaLeases | None = None,
     ) -> None:
         self.settings = settings
+        self.leases = leases
+        """Quota shares across replicas through Redis (``--backend redis``)."""
         self.stats = ServiceStats(rules=RuleStats(near_ratio=settings.near_limit_ratio))
         self.stats.config_loaded(config.digest)
         debug = settings.log_level == "debug"
@@ -239,7 +247,9 @@ class Sidecar:
                 warning=settings.warn_header,
             ),
         )
-        self.quota = quota.QuotaService(QuotaRegistry(config, quota_settings(settings), QuotaStats()))
+        self.quota = quota.QuotaService(
+            QuotaRegistry(config, quota_settings(settings, shared=leases is not None), QuotaStats(), leases=leases)
+        )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.port = 0
@@ -273,6 +283,8 @@ class Sidecar:
         """``/config``: the rules, and each live quota bucket's current assignment."""
         shown = config_json(self.service.config, self.stats.config_loaded_at)
         shown["quota"] = self.quota.registry.describe()
+        if self.leases is not None:
+            shown["quota"]["shares"] = self.leases.describe()
         return shown
 
     def _install(self, config: RateLimitConfig) -> None:
@@ -314,6 +326,8 @@ class Sidecar:
         if self.settings.json_address:
             await self._start_json(self.settings.json_address)
         await self.service.limiter.start()
+        if self.leases is not None:
+            await self.leases.start()
         await self.server.start()
         for name in ("", SERVICE_NAME, quota.SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -374,6 +388,8 @@ class Sidecar:
         await self._wait_until_quiet(deadline)
         await self.server.stop(0)
         await self.json.close()
+        if self.leases is not None:
+            await self.leases.close()
         await self.service.limiter.close()
         await self.admin.close()
 
@@ -405,7 +421,8 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain."""
     stop = asyncio.Event()
     clock = SharedClock(settings.clock_offset)
-    sidecar = Sidecar(settings, config, build_limiter(settings, clock), clock)
+    leases = build_quota_leases(settings, clock) if settings.backend == "redis" else None
+    sidecar = Sidecar(settings, config, build_limiter(settings, clock), clock, leases)
     # OpenTelemetry: only the OTEL_* variables turn it on (sidecar/tracing.py); off, nothing is imported.
     tracing = start_tracing(enforcing_mode(settings) or "memory")
     if tracing is not None:
@@ -446,15 +463,40 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     log.info("sidecar_stopped")
 
 
-def quota_settings(settings: Settings) -> QuotaSettings:
-    """The quota service's share of the settings (``--instances`` and ``--shadow-mode`` too)."""
+def quota_settings(settings: Settings, shared: bool = False) -> QuotaSettings:
+    """The quota service's share of the settings (``--instances`` and ``--shadow-mode`` too).
+
+    With shares through Redis (``shared``) assignments start from the whole limit: the
+    leases divide it, and ``--instances`` is only a floor on the live count."""
     return QuotaSettings(
         ttl=settings.quota_ttl,
         idle_abandon=settings.quota_idle_abandon,
         max_buckets=settings.quota_max_buckets,
         max_buckets_per_stream=settings.quota_max_buckets_per_stream,
-        instances=settings.instances,
+        instances=1 if shared else settings.instances,
         admit_all=settings.shadow_mode,
+    )
+
+
+def build_quota_leases(settings: Settings, clock: SharedClock) -> QuotaLeases:
+    """Quota shares across replicas: its own store (connections) and its own heartbeat set,
+    ``<prefix>:quota:replicas``, so the limiter's live count is not doubled."""
+    from sidecar.limiter.redis.keys import replicas_key  # noqa: PLC0415 - lazy, see build_redis_limiter
+    from sidecar.limiter.redis.replicas import Replicas  # noqa: PLC0415
+    from sidecar.quota.leases import QuotaLeases, RedisShares  # noqa: PLC0415
+
+    store = build_redis_store(settings)
+    store.replicas_key = replicas_key(settings.redis_prefix + ":quota")
+    beat_clock: Clock = clock if settings.clock_source == "redis" else clock.local
+    replicas = Replicas(store, settings.heartbeat_interval, clock=beat_clock)
+    return QuotaLeases(
+        RedisShares(store, replicas),
+        replicas.replica_id,
+        settings.quota_ttl,
+        wall=clock,
+        replicas=replicas,
+        instances=settings.instances,
+        prefix=settings.redis_prefix,
     )
 
 

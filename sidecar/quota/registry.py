@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import count
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -32,6 +33,9 @@ from sidecar.config.model import RateLimitConfig
 from sidecar.quota.assignments import Assignment, Kind, assign, default
 from sidecar.quota.buckets import BucketIdError, BucketKey, bucket_key, parse_bucket
 from sidecar.quota.stats import FrozenQuota, Gauges, QuotaStats
+
+if TYPE_CHECKING:
+    from sidecar.quota.leases import QuotaLeases
 
 log = structlog.get_logger(__name__)
 
@@ -141,8 +145,11 @@ class QuotaRegistry:
         settings: QuotaSettings,
         stats: QuotaStats | None = None,
         clock: Callable[[], float] = time.monotonic,
+        leases: QuotaLeases | None = None,
     ) -> None:
         self.config = config
+        self.leases = leases
+        """Shares of each limit across replicas through Redis (``--backend redis``), else None."""
         self.settings = settings
         self.stats = stats or QuotaStats()
         self.clock = clock
@@ -160,6 +167,9 @@ class QuotaRegistry:
     def close(self, stream: Stream) -> None:
         """Forget a stream's buckets: Envoy reports them all again when it reconnects."""
         if self.streams.pop(stream.id, None) is not None:
+            if self.leases is not None:
+                for key in stream.buckets:
+                    self.leases.release(stream, key)
             self.live -= len(stream.buckets)
             stream.buckets.clear()
 
@@ -196,6 +206,8 @@ class QuotaRegistry:
             live.used_at = now
             live.allowed += allowed
             live.denied += denied
+        if self.leases is not None:
+            self.leases.usage(key, allowed, denied)
         self.stats.usage(live.assignment.rule, live.assignment.why, allowed, denied)
 
     def _adopt(self, stream: Stream, key: BucketKey, bucket: dict[str, str], now: float) -> LiveBucket | Assignment:
@@ -211,6 +223,8 @@ class QuotaRegistry:
             stream.pending.append(Action(bucket, assignment))
             return assignment
         live = LiveBucket(bucket, assignment, sent_at=now, used_at=now)
+        if self.leases is not None:
+            live.assignment = assignment = self.leases.adopt(stream, key, live, assignment)
         stream.buckets[key] = live
         stream.abandoned.pop(key, None)
         self.live += 1
@@ -253,6 +267,8 @@ class QuotaRegistry:
                 stream.pending.append(Action(live.bucket_id, live.assignment, live.nanos))
         for key in idle:
             live = stream.buckets.pop(key)
+            if self.leases is not None:
+                self.leases.release(stream, key)
             self.live -= 1
             stream.abandoned[key] = now
             stream.pending.append(Action(live.bucket_id, None))
@@ -272,8 +288,10 @@ class QuotaRegistry:
         self.config = config
         now = self.clock()
         for stream in self.streams.values():
-            for live in stream.buckets.values():
+            for key, live in stream.buckets.items():
                 new = self.assignment_of(live.bucket_id, now)
+                if self.leases is not None:
+                    new = self.leases.rebase(key, new) or new
                 live.nanos = nanos_after(live.assignment, new, live.nanos)
                 live.assignment = new
                 live.sent_at = now
