@@ -55,9 +55,8 @@ REPORT_SECONDS = 5.0
 LEASE_MARGIN = 2 * REPORT_SECONDS
 """A lease outlives Envoy's assignment TTL by two reports: the reports renew it in time."""
 STALE_SECONDS = 3 * REPORT_SECONDS
-"""A replica whose demand was not published for this long asks for nothing."""
-MASTER_SECONDS = 3 * REPORT_SECONDS
-"""The bucket's master holds its role this long after its last call."""
+"""A replica whose demand was not published for this long asks for nothing (and the
+bucket's master holds its role this long after its last call)."""
 POLL_SECONDS = 1.0
 """Between reports, buckets whose shares are still moving are asked again this often."""
 TICK = 0.25
@@ -282,12 +281,15 @@ class QuotaLeases:
         replicas: Replicas | None = None,
         instances: int = 1,
         prefix: str = "rls",
+        report_seconds: float = REPORT_SECONDS,
     ) -> None:
         self.backend = backend
         self.prefix = prefix
+        self.report_seconds = report_seconds
+        """Envoy's report period (5 s); the lease margin and the staleness follow it (tests shorten it)."""
         self.replica_id = replica_id
         self.ttl = ttl
-        self.lease = ttl + LEASE_MARGIN
+        self.lease = ttl + 2 * report_seconds
         self.clock = clock
         self.wall = wall
         self.replicas = replicas
@@ -309,7 +311,7 @@ class QuotaLeases:
         now = self.clock()
         shared = self.buckets.get(key)
         if shared is None:
-            shared = self.buckets[key] = Shared(key, base, shape, counted_since=now - REPORT_SECONDS)
+            shared = self.buckets[key] = Shared(key, base, shape, counted_since=now - self.report_seconds)
             self.leaving.discard(key)
         shared.holders[stream.id] = (stream, live)
         shared.reported = True
@@ -382,7 +384,7 @@ class QuotaLeases:
         return [
             shared
             for shared in self.buckets.values()
-            if shared.reported or shared.next_poll <= now or now + self.ttl + REPORT_SECONDS > shared.lease_until
+            if shared.reported or shared.next_poll <= now or now + self.ttl + self.report_seconds > shared.lease_until
         ]
 
     async def sync(self) -> None:
@@ -433,8 +435,8 @@ class QuotaLeases:
             demand,
             limit,
             lease_ms=int(self.lease * 1000),
-            stale_ms=int(STALE_SECONDS * 1000),
-            master_ms=int(MASTER_SECONDS * 1000),
+            stale_ms=int(3 * self.report_seconds * 1000),
+            master_ms=int(3 * self.report_seconds * 1000),
             window=window,
             used_add=used_add,
         )
