@@ -8,7 +8,8 @@ computed by max-min fair share (:mod:`sidecar.quota.shares`, run in Redis by
 * **One round trip per batch.** A report marks its buckets due and wakes the sync task,
   which sends one ``share.lua`` call per due bucket, all pipelined (chunks of
   :data:`BATCH`); between reports only buckets whose shares are still moving are polled
-  (every :data:`POLL_SECONDS`), and leases are renewed by every report.
+  (every :data:`POLL_SECONDS`), and buckets that get less than they ask (a replica whose
+  share may grow as soon as another gives capacity back); leases are renewed by every report.
 * **Push at once.** A share that changes is pushed to every stream holding the bucket
   right away (the stream's loop is woken), not at the next report.
 * **Leases and Envoy's TTL.** A share is leased for ``ttl + LEASE_MARGIN`` seconds from the
@@ -226,7 +227,7 @@ def share_arguments(call: Call, now_ms: int = 0) -> list[int | str]:
     keep_ms = 2 * max(call.lease_ms, call.stale_ms, call.master_ms)
     return [
         call.replica, now_ms, call.demand, call.limit, call.lease_ms, call.stale_ms, call.master_ms,
-        call.threshold_pct, call.min_gap_ms, call.window, call.used_add, keep_ms, keep_ms,
+        call.threshold_pct, call.min_gap_ms, call.window, call.used_add, keep_ms, keep_ms, call.master_gap_ms,
     ]  # fmt: skip
 
 
@@ -286,6 +287,8 @@ class QuotaLeases:
         self.backend = backend
         self.prefix = prefix
         self.report_seconds = report_seconds
+        self.poll = POLL_SECONDS * report_seconds / REPORT_SECONDS
+        """Seconds between polls of a moving or hungry bucket, and between event-driven computations."""
         """Envoy's report period (5 s); the lease margin and the staleness follow it (tests shorten it)."""
         self.replica_id = replica_id
         self.ttl = ttl
@@ -426,7 +429,10 @@ class QuotaLeases:
             shared.grant = reply.grant
             shared.lease_until = now + self.lease
             shared.replicas = reply.replicas
-            shared.next_poll = now + POLL_SECONDS if reply.unsettled else math.inf
+            # Polled again soon while shares move, or while it gets less than it asks (it may
+            # be waiting for capacity another replica gives back in a call it does not see).
+            hungry = shared.demand > reply.grant
+            shared.next_poll = now + self.poll if reply.unsettled or hungry else math.inf
             self._push(shared, now)
 
     def _call(self, demand: int, limit: int, window: int, used_add: int) -> Call:
@@ -437,6 +443,8 @@ class QuotaLeases:
             lease_ms=int(self.lease * 1000),
             stale_ms=int(3 * self.report_seconds * 1000),
             master_ms=int(3 * self.report_seconds * 1000),
+            master_gap_ms=int(self.report_seconds * 1000),
+            min_gap_ms=int(self.poll * 1000),
             window=window,
             used_add=used_add,
         )

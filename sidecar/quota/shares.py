@@ -145,7 +145,11 @@ class Call:
     threshold_pct: int = 10
     """A demand change above this percentage makes the caller recompute the shares at once."""
     min_gap_ms: int = 1000
-    """Non-masters recompute a bucket at most this often (the cost of a computation is O(R))."""
+    """Event-driven computations (new, moved, moving) happen at most this often per bucket:
+    each costs O(R)."""
+    master_gap_ms: int = 5000
+    """The master recomputes on its own at most this often (one report period): that is
+    what hands a dead replica's expired lease on, and follows small drifts of demand."""
     window: int = -1
     """Window start (windowed buckets: shares of what is left in the window), or -1."""
     used_add: int = 0
@@ -194,12 +198,12 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
 
     1. The caller's demand is recorded (and, windowed, its admitted requests are added to
        the window's counter and taken off what its lease holds).
-    2. The bucket's master (a lease of ``master_ms`` in the meta hash, taken when free)
-       recomputes every grant (O(replicas)) on each call. Another caller recomputes only
-       if it is new, its demand moved by more than ``threshold_pct``, or shares are still
-       moving, and the last computation is ``min_gap_ms`` old; otherwise a new caller
-       takes its first grant from the slack the last computation left (O(1)), and a moved
-       one flags the bucket for the master.
+    2. Every grant is recomputed (O(replicas)) by the bucket's master (a lease of
+       ``master_ms`` in the meta hash, taken when free) once the last computation is
+       ``master_gap_ms`` old, and by any caller that is new, whose demand moved by more
+       than ``threshold_pct``, or while shares are still moving, once it is ``min_gap_ms``
+       old; otherwise a new caller takes its first grant from the slack the last
+       computation left (O(1)), and a moved one flags the bucket.
     3. The caller picks up its grant: it holds it until ``now + lease_ms``. If that gave
        capacity back while others wait for it, the grants are computed again (at once if this
        call computed already, else as the gap allows).
@@ -226,8 +230,8 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
     master = bucket.master == call.replica or bucket.master_until <= now
     if master:
         bucket.master, bucket.master_until = call.replica, now + call.master_ms
-    due = now - bucket.computed_at >= call.min_gap_ms
-    computed = master or (due and (new or moved or bucket.unsettled))
+    age = now - bucket.computed_at
+    computed = (master and age >= call.master_gap_ms) or (age >= call.min_gap_ms and (new or moved or bucket.unsettled))
     if computed:
         _recompute(bucket, capacity, now, call.stale_ms)
         if call.replica not in bucket.entries:  # a poll from a record gone stale and unleased

@@ -9,12 +9,13 @@
 -- (all three share the bucket's hash tag: one Cluster slot)
 -- ARGV: replica, now_ms (0: Redis TIME), demand (-1 poll, -2 leave), limit, lease_ms,
 --       stale_ms, master_ms, threshold_pct, min_gap_ms, window (-1: not windowed),
---       used_add, keep_ms (how long the hashes outlive the last call), used_keep_ms
+--       used_add, keep_ms (how long the hashes outlive the last call), used_keep_ms,
+--       master_gap_ms
 -- Reply: {grant, replicas, unsettled, master, computed, capacity}
 --
--- Cost: O(1) for a replica that only publishes and picks up; O(R log R) for the bucket's
--- master (every call) and for a caller that must recompute (new, moved demand, shares
--- still moving), at most once per min_gap_ms for non-masters.
+-- Cost: O(1) for a replica that only publishes and picks up; O(R log R) for a computation:
+-- by the bucket's master once per master_gap_ms, and by a caller that is new, whose demand
+-- moved, or while shares move, at most once per min_gap_ms.
 
 local me = ARGV[1]
 local now = tonumber(ARGV[2])
@@ -33,6 +34,7 @@ local window = tonumber(ARGV[10])
 local used_add = tonumber(ARGV[11])
 local keep_ms = tonumber(ARGV[12])
 local used_keep_ms = tonumber(ARGV[13])
+local master_gap = tonumber(ARGV[14])
 
 local function int(x)
   return string.format('%.0f', x)
@@ -207,8 +209,8 @@ local master = master_id == me or master_until <= now
 if master then
   master_id, master_until = me, now + master_ms
 end
-local due = now - computed_at >= min_gap
-local computed = master or (due and (new or moved or unsettled))
+local age = now - computed_at
+local computed = (master and age >= master_gap) or (age >= min_gap and (new or moved or unsettled))
 if computed then
   recompute(capacity)
   local again = redis.call('HGET', KEYS[1], me)

@@ -114,7 +114,7 @@ def test_a_dead_replicas_lease_is_redistributed_only_after_it_expired() -> None:
             step(bucket, call(replica, 100), now)
             assert in_force(bucket, now) <= 100
         assert bucket.entries["a"].held + bucket.entries["b"].held <= 100 - held["c"]
-    for now in range(16000, 20001, 1000):
+    for now in range(16000, 26001, 1000):  # stale at 20000, then the master computes (every 5 s)
         for replica in "ab":
             step(bucket, call(replica, 100), now)
     assert bucket.entries["a"].held + bucket.entries["b"].held == 100
@@ -139,8 +139,11 @@ def test_a_demand_shift_converges_as_shrinking_replicas_pick_up() -> None:
     # The demand moves from a to b; b asks first: it waits for a's lease to shrink.
     step(bucket, call("b", 150), 3010)
     assert bucket.entries["b"].held < 50
-    step(bucket, call("a", 10), 3500)  # a reports, picks up its smaller share
-    reply = step(bucket, call("b", POLL), 4020)  # b polls: the freed capacity is recomputed and its
+    reply = step(bucket, call("a", 10), 3500)  # a reports less: too soon to compute again (1 s gap)
+    assert reply.unsettled and not reply.computed  # so a polls a second later
+    reply = step(bucket, call("a", POLL), 4500)  # computes, picks up its smaller share, computes again
+    assert reply.grant <= 15 and reply.computed
+    reply = step(bucket, call("b", POLL), 5020)  # b (hungry: polls every second) picks up the rest
     assert reply.grant >= 80
 
 
