@@ -1,4 +1,4 @@
-"""Command line: ``serve``, ``check-config``, ``query``, ``health`` and ``export-haproxy``.
+"""Command line: ``serve``, ``check-config``, ``query``, ``health``, ``export-haproxy`` and ``export-envoy-quota``.
 
 Failures an operator can fix (bad config, port in use, bad flag) end with one line
 on stderr and a non-zero exit, never a traceback.
@@ -94,7 +94,29 @@ def _parser() -> argparse.ArgumentParser:
         help="write HAProxy 2.6 stick tables and rules for a config's limits (problems on stderr)",
     )
     add_export_arguments(haproxy)
+    quota = commands.add_parser(
+        "export-envoy-quota",
+        help="write Envoy rate_limit_quota filters putting requests in the buckets of quota mode (problems on stderr)",
+    )
+    _add_quota_arguments(quota)
     return parser
+
+
+def _add_quota_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``export-envoy-quota`` (here: its module imports envoy-data-plane, which only it needs)."""
+    parser.add_argument("config", nargs="?", help="descriptor config: a YAML file or a directory of them")
+    parser.add_argument("--envoy", required=True, help="Envoy config whose route rate_limits say what requests send")
+    parser.add_argument("--cluster", default="rlqs", help="cluster of the sidecar's gRPC port (default rlqs)")
+    parser.add_argument(
+        "--no-assignment",
+        choices=("allow", "deny"),
+        default="allow",
+        help="before a bucket's first assignment, and once one expired: allow (default) or deny every request",
+    )
+    parser.add_argument("--full", action="store_true", help="print the whole Envoy config, ratelimit filter replaced")
+    parser.add_argument(
+        "--check", action="store_true", help="only check --envoy's rate_limit_quota filters (exit 1 when refused)"
+    )
 
 
 def _fail(message: str) -> int:
@@ -176,6 +198,24 @@ def _export_haproxy(arguments: argparse.Namespace) -> int:
     return 0
 
 
+def _export_envoy_quota(arguments: argparse.Namespace) -> int:
+    # Imported here: envoy-data-plane (and pydantic) load for this command only, not for ``serve``.
+    from sidecar.quota.export import run_quota_export  # noqa: PLC0415
+
+    try:
+        result = run_quota_export(arguments)
+    except ConfigError as error:
+        for issue in error.issues:
+            print(f"{PROG}: error: {issue}", file=sys.stderr)
+        return 1
+    except ExportError as error:
+        return _fail(str(error))
+    sys.stdout.write(result.text)
+    for problem in result.problems:
+        print(problem, file=sys.stderr)
+    return 1 if result.failed else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ratelimit-sidecar`` console script."""
     arguments = _parser().parse_args(argv)
@@ -188,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _query(arguments)
     if arguments.command == "export-haproxy":
         return _export_haproxy(arguments)
+    if arguments.command == "export-envoy-quota":
+        return _export_envoy_quota(arguments)
     return _health(arguments)
 
 

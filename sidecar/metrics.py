@@ -21,7 +21,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -32,6 +32,9 @@ from prometheus_client.core import (
     UnknownMetricFamily,
 )
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from sidecar.quota.registry import QuotaRegistry
 
 RULE_STATS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode", "warned")
 TOTAL_HITS, OVER_LIMIT, NEAR_LIMIT, WITHIN_LIMIT, SHADOW_MODE, WARNED = range(len(RULE_STATS))
@@ -345,9 +348,13 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
 class SidecarCollector(Collector):
     """Reads the service's and the backend's numbers when Prometheus scrapes."""
 
-    def __init__(self, stats: ServiceStats, snapshot: Callable[[], LimiterSnapshot]) -> None:
+    def __init__(
+        self, stats: ServiceStats, snapshot: Callable[[], LimiterSnapshot], quota: QuotaRegistry | None = None
+    ) -> None:
         self.stats = stats
         self.snapshot = snapshot
+        self.quota = quota
+        """Quota mode's registry: its stats and live gauges (``ratelimit_sidecar_quota_*``)."""
 
     def collect(self) -> Iterator[Metric]:
         return self.frozen().collect()
@@ -362,7 +369,14 @@ class SidecarCollector(Collector):
                 flush_seconds=snapshot.flush_seconds.copy() if snapshot.flush_seconds else None,
                 flush_keys=snapshot.flush_keys.copy() if snapshot.flush_keys else None,
             )
-        return FrozenScrape(self.stats.frozen(), self.stats.rules.frozen(), snapshot)
+        quota = self.quota.frozen_stats() if self.quota is not None else None
+        return FrozenScrape(self.stats.frozen(), self.stats.rules.frozen(), snapshot, quota)
+
+
+class Collectable(Protocol):
+    """Anything that yields metric families (a frozen copy, safe in a thread)."""
+
+    def collect(self) -> Iterator[Metric]: ...
 
 
 @dataclass(frozen=True)
@@ -372,11 +386,15 @@ class FrozenScrape:
     stats: ServiceStats
     rules: FrozenRows
     limiter: LimiterSnapshot
+    quota: Collectable | None = None
+    """Quota mode's numbers (``ratelimit_sidecar_quota_*``), copied likewise."""
 
     def collect(self) -> Iterator[Metric]:
         yield from self.stats.service_families()
         yield from rule_families(self.rules)
         yield from limiter_families(self.limiter)
+        if self.quota is not None:
+            yield from self.quota.collect()
 
 
 class Scrape:

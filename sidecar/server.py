@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -27,6 +27,9 @@ from sidecar.limiter.protocol import Limiter
 from sidecar.limiter.redis.clock import SharedClock
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import EXPIRE_EVERY_SECONDS, RuleStats, Scrape, ServiceStats, SidecarCollector
+from sidecar.quota import service as quota
+from sidecar.quota.registry import QuotaRegistry, QuotaSettings
+from sidecar.quota.stats import QuotaStats
 from sidecar.service.headers import HeaderNames
 from sidecar.service.json_api import JsonEndpoint
 from sidecar.service.servicer import SERVICE_NAME, RateLimitService, add_to_server
@@ -36,14 +39,15 @@ from sidecar.tracing import start_tracing
 if TYPE_CHECKING:
     from sidecar.limiter.redis.store import RedisStore
     from sidecar.limiter.strict import StrictLimiter
+    from sidecar.quota.leases import QuotaLeases
 
 log = structlog.get_logger(__name__)
 
 MAX_MESSAGE_BYTES = 1024 * 1024
 """Largest request accepted: generous for 64 descriptors, and a bound on allocation."""
 
-HEALTH_NAMES = ("", SERVICE_NAME, "ratelimit")
-"""Names the gRPC health service answers for: overall, the service's, and envoyproxy/ratelimit's."""
+HEALTH_NAMES = ("", SERVICE_NAME, quota.SERVICE_NAME, "ratelimit")
+"""Names the gRPC health service answers for: overall, the two services', and envoyproxy/ratelimit's."""
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -237,9 +241,16 @@ class Sidecar:
     """A running gRPC server with its service, health, limiter and admin endpoint."""
 
     def __init__(
-        self, settings: Settings, config: RateLimitConfig, limiter: Limiter, clock: Clock = system_clock
+        self,
+        settings: Settings,
+        config: RateLimitConfig,
+        limiter: Limiter,
+        clock: Clock = system_clock,
+        leases: QuotaLeases | None = None,
     ) -> None:
         self.settings = settings
+        self.leases = leases
+        """Quota shares across replicas through Redis (``--backend redis``)."""
         self.stats = ServiceStats(rules=RuleStats(near_ratio=settings.near_limit_ratio))
         self.stats.config_loaded(config.digest)
         debug = settings.log_level == "debug"
@@ -258,18 +269,21 @@ class Sidecar:
             ),
             dynamic_metadata=settings.response_dynamic_metadata,
         )
+        self.quota = quota.QuotaService(
+            QuotaRegistry(config, quota_settings(settings, shared=leases is not None), QuotaStats(), leases=leases)
+        )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.port = 0
         self.serving = False
-        self.collector = SidecarCollector(self.stats, self.service.limiter.snapshot)
+        self.collector = SidecarCollector(self.stats, self.service.limiter.snapshot, self.quota.registry)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         process = ProcessCollector(registry=self.registry)
         self.admin = AdminEndpoint(
             # Called on the event loop: copies the numbers; the text is made in a thread.
             lambda: Scrape(self.collector.frozen(), process),
-            lambda: config_json(self.service.config, self.stats.config_loaded_at),
+            self._config_json,
             lambda: self.serving,
             write_timeout=settings.admin_write_timeout,
             max_connections=settings.admin_max_connections,
@@ -289,16 +303,27 @@ class Sidecar:
             options=load_options(settings),
         )
 
+    def _config_json(self) -> dict[str, Any]:
+        """``/config``: the rules, and each live quota bucket's current assignment."""
+        shown = config_json(self.service.config, self.stats.config_loaded_at)
+        shown["quota"] = self.quota.registry.describe()
+        if self.leases is not None:
+            shown["quota"]["shares"] = self.leases.describe()
+        return shown
+
     def _install(self, config: RateLimitConfig) -> None:
-        """Swap the config the request path reads (one assignment: no request sees half of it)."""
+        """Swap the config the request path reads (one assignment: no request sees half of it),
+        and push every quota bucket's assignment under it to every open stream."""
         self.service.config = config
         self.stats.config_loaded(config.digest)
+        self.quota.registry.reassign(config)
 
     async def start(self) -> None:
         """Bind, start serving, and only then report SERVING."""
         add_to_server(self.service, self.server)
+        quota.add_to_server(self.quota, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        names = (SERVICE_NAME, quota.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         address = self.settings.grpc_address
         credentials = server_credentials(self.settings)
@@ -325,6 +350,8 @@ class Sidecar:
         if self.settings.json_address:
             await self._start_json(self.settings.json_address)
         await self.service.limiter.start()
+        if self.leases is not None:
+            await self.leases.start()
         await self.server.start()
         for name in HEALTH_NAMES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -385,6 +412,8 @@ class Sidecar:
         await self._wait_until_quiet(deadline)
         await self.server.stop(0)
         await self.json.close()
+        if self.leases is not None:
+            await self.leases.close()
         await self.service.limiter.close(deadline)  # the flush may use what the grace left
         await self.admin.close()
 
@@ -416,7 +445,8 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain."""
     stop = asyncio.Event()
     clock = SharedClock(settings.clock_offset)
-    sidecar = Sidecar(settings, config, build_limiter(settings, clock), clock)
+    leases = build_quota_leases(settings, clock) if settings.backend == "redis" else None
+    sidecar = Sidecar(settings, config, build_limiter(settings, clock), clock, leases)
     # OpenTelemetry: only the OTEL_* variables turn it on (sidecar/tracing.py); off, nothing is imported.
     tracing = start_tracing(enforcing_mode(settings) or "memory")
     if tracing is not None:
@@ -455,6 +485,43 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     finally:
         remove_handlers()
     log.info("sidecar_stopped")
+
+
+def quota_settings(settings: Settings, shared: bool = False) -> QuotaSettings:
+    """The quota service's share of the settings (``--instances`` and ``--shadow-mode`` too).
+
+    With shares through Redis (``shared``) assignments start from the whole limit: the
+    leases divide it, and ``--instances`` is only a floor on the live count."""
+    return QuotaSettings(
+        ttl=settings.quota_ttl,
+        idle_abandon=settings.quota_idle_abandon,
+        max_buckets=settings.quota_max_buckets,
+        max_buckets_per_stream=settings.quota_max_buckets_per_stream,
+        instances=1 if shared else settings.instances,
+        admit_all=settings.shadow_mode,
+    )
+
+
+def build_quota_leases(settings: Settings, clock: SharedClock) -> QuotaLeases:
+    """Quota shares across replicas: its own store (connections) and its own heartbeat set,
+    ``<prefix>:quota:replicas``, so the limiter's live count is not doubled."""
+    from sidecar.limiter.redis.keys import replicas_key  # noqa: PLC0415 - lazy, see build_redis_limiter
+    from sidecar.limiter.redis.replicas import Replicas  # noqa: PLC0415
+    from sidecar.quota.leases import QuotaLeases, RedisShares  # noqa: PLC0415
+
+    store = build_redis_store(settings)
+    store.replicas_key = replicas_key(settings.redis_prefix + ":quota")
+    beat_clock: Clock = clock if settings.clock_source == "redis" else clock.local
+    replicas = Replicas(store, settings.heartbeat_interval, clock=beat_clock)
+    return QuotaLeases(
+        RedisShares(store, replicas),
+        replicas.replica_id,
+        settings.quota_ttl,
+        wall=clock,
+        replicas=replicas,
+        instances=settings.instances,
+        prefix=settings.redis_prefix,
+    )
 
 
 def enforcing_mode(settings: Settings) -> str | None:

@@ -92,6 +92,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _at_least(minimum: int, why: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise ValueError(f"must be a whole number of seconds, at least {minimum} ({why})")
+        return value
+
+    return parse
+
+
 def _fraction(text: str) -> float:
     value = _finite_float(text)
     if not 0 <= value <= 1:
@@ -362,6 +372,26 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         _positive_int,
         "at --log-level debug, log one decision in this many (1 = every request)",
     ),
+    Option(
+        "quota_ttl",
+        _at_least(3, "refreshed every third of it, Envoy needs whole seconds"),
+        "quota mode: assignment_time_to_live (whole seconds) of every bucket assignment; pushed again every TTL/3",
+    ),
+    Option(
+        "quota_idle_abandon",
+        _at_least(10, "Envoy reports usage every 5 s"),
+        "quota mode: seconds without a request after which a bucket is abandoned (abandon_action) and forgotten",
+    ),
+    Option(
+        "quota_max_buckets",
+        _positive_int,
+        "quota mode: cap on live buckets in this process; new buckets beyond it get ALLOW_ALL and no state",
+    ),
+    Option(
+        "quota_max_buckets_per_stream",
+        _positive_int,
+        "quota mode: cap on live buckets per Envoy stream; new buckets beyond it get ALLOW_ALL and no state",
+    ),
     Option("log_level", _choice(LogLevel), "log level"),
     Option(
         "log_format",
@@ -412,6 +442,10 @@ class Settings:
     calendar_months: bool = False
     warn_header: str = "X-RateLimit-Warning"
     request_log_sample: int = 100
+    quota_ttl: int = 60
+    quota_idle_abandon: int = 120
+    quota_max_buckets: int = 100_000
+    quota_max_buckets_per_stream: int = 20_000
     log_level: LogLevel = "info"
     log_format: LogFormat = "auto"
 
@@ -488,6 +522,11 @@ def check_together(settings: Settings) -> None:
         raise SettingsError(
             "--limit-header, --remaining-header, --reset-header and --warn-header must differ "
             f"from each other and from Retry-After (header names ignore case), got {', '.join(headers)}"
+        )
+    if settings.quota_max_buckets_per_stream > settings.quota_max_buckets:
+        raise SettingsError(
+            f"--quota-max-buckets-per-stream ({settings.quota_max_buckets_per_stream}) must not exceed "
+            f"--quota-max-buckets ({settings.quota_max_buckets})"
         )
     if settings.backend == "redis" and not settings.redis_url:
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")

@@ -13,6 +13,8 @@ from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, envoy_binary, ingress_manager
 pytestmark = [pytest.mark.envoy]
 
 SHIPPED = sorted(ENVOY_CONFIGS.glob("*.yaml"))
+PER_REQUEST = [path for path in SHIPPED if path.name != "quota.yaml"]
+"""The configs with the ratelimit filter, which ``render`` rewrites (quota.yaml: test_quota_envoy_configs.py)."""
 
 
 def validate(path: Path) -> subprocess.CompletedProcess[str]:
@@ -36,7 +38,7 @@ def test_shipped_config_validates(path: Path) -> None:
     assert "OK" in result.stdout
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", PER_REQUEST, ids=lambda path: path.name)
 def test_rendered_copies_validate_and_change_only_addresses(path: Path, tmp_path: Path) -> None:
     ports = EnvoyPorts(listen=20001, admin=20002, app=20003, ratelimit=20004)
     for variant, options in {

@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 import yaml
 
-from stack.components import SidecarProcess
 from stack.envoy import EnvoyPorts, EnvoyProcess
 from stack.processes import process_group
+from stack.sidecar import SidecarProcess
 from tests.support.envoys import Session
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]

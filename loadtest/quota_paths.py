@@ -1,0 +1,475 @@
+"""Throughput of the four ways Envoy can rate-limit, in one run on one Envoy binary, with a C load generator.
+
+Why: the per-request path (Envoy's ``ratelimit`` filter asking the sidecar) costs one gRPC
+call into Python per request; quota mode (Envoy's ``rate_limit_quota`` filter, the sidecar
+assigning over one stream) should cost about what Envoy's in-process ``local_ratelimit``
+costs. Goal (issue 15): quota >= 0.9x ``local_ratelimit`` req/s, sidecar under 1% of a core.
+
+Variants, all with the routes of ``envoy/front.yaml`` in front of the sample app
+(``stack/upstream.py``), one Envoy worker (``--concurrency 1``) pinned to ``--envoy-cpu``:
+
+(a) ``envoy``   Envoy alone (the ``ratelimit`` filter removed);
+(b) ``local``   Envoy + ``local_ratelimit`` (one token bucket far above the load);
+(c) ``quota``   Envoy + the ``rate_limit_quota`` filter(s) of ``export-envoy-quota`` + a sidecar;
+(d) ``ratelimit`` Envoy + ``ratelimit`` filter + a sidecar (memory backend).
+
+The sidecars run as real processes (``python -m sidecar serve``) on a config whose only rule
+is 10^9 requests/s per client address, so everything is admitted: what is measured is the
+cost of asking, not of refusing. ``wrk`` (Debian) sends ``GET /bench`` (the catch-all route:
+one descriptor, the client address) on keep-alive connections, pinned to ``--client-cpu``;
+the app and the sidecars are not pinned (the scheduler places them).
+Rounds alternate a, b, c, d; the report gives per variant the median req/s over rounds and
+its ratio to (b), and for (c) the sidecar's CPU (``/proc/<pid>/stat`` utime + stime from 1 s
+into each run to 0.5 s before its end) and whether the sidecar answered the RLQS stream: a
+quota result counts only if it did (else Envoy ran on ``no_assignment_behavior`` alone).
+
+    python -m loadtest.quota_paths                         # 3 rounds x 5 s per variant, Envoy on cpu 0, wrk on 1
+    python -m loadtest.quota_paths --rounds 5 --plot docs/quota-paths.png
+
+Only 127.0.0.1; every child is stopped at the end, also on Ctrl-C, SIGTERM or error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loadtest.common import cpu_seconds, machine_facts, positive_int, reproduce_command, run_cli
+from sidecar.config import load_config
+from sidecar.quota.export import export_quota, quota_document
+from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, admin_get, envoy_binary, ingress_manager, render
+from stack.processes import Child, ProcessGroup
+from stack.sidecar import SidecarProcess
+from stack.upstream import UpstreamProcess
+
+TEMPLATE = ENVOY_CONFIGS / "front.yaml"
+PATH = "/bench"
+LIMIT = 1_000_000_000
+VARIANTS = {
+    "envoy": "(a) Envoy alone",
+    "local": "(b) Envoy + local_ratelimit",
+    "quota": "(c) Envoy + rate_limit_quota + sidecar",
+    "ratelimit": "(d) Envoy + ratelimit filter + sidecar",
+}
+REFERENCE = "local"
+CPU_SKIP_START = 1.0
+CPU_SKIP_END = 0.5
+BENCH_CONFIG = f"""\
+# quota_paths: one rule, far above any load, so every request is admitted
+domain: demo
+descriptors:
+  - key: remote_address
+    rate_limit:
+      unit: second
+      requests_per_unit: {LIMIT}
+"""
+
+
+# ---------------------------------------------------------------------------------
+# Envoy configs
+# ---------------------------------------------------------------------------------
+
+
+def local_ratelimit(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``local_ratelimit`` before the router: one bucket of 10^9 tokens a second."""
+    manager = ingress_manager(config, TEMPLATE)
+    limiter = {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+            "stat_prefix": "bench",
+            "token_bucket": {"max_tokens": LIMIT, "tokens_per_fill": LIMIT, "fill_interval": "1s"},
+            "filter_enabled": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+            "filter_enforced": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+        },
+    }
+    manager["http_filters"].insert(len(manager["http_filters"]) - 1, limiter)
+    return config
+
+
+def variant_config(variant: str, ports: EnvoyPorts, rules: Path) -> dict[str, Any]:
+    """The Envoy config of one variant on ``ports`` (``ports.ratelimit``: that variant's sidecar)."""
+    if variant == "envoy":
+        return render(TEMPLATE, ports, ratelimit=False)
+    if variant == "local":
+        return local_ratelimit(render(TEMPLATE, ports, ratelimit=False))
+    config = render(TEMPLATE, ports)
+    if variant == "ratelimit":
+        return config
+    export = export_quota(load_config(str(rules)).domains, config, TEMPLATE)
+    return quota_document(config, TEMPLATE, export.filters, "rlqs")
+
+
+class PinnedEnvoy(Child):
+    """Envoy with one worker, pinned to one cpu by ``taskset`` (all its threads)."""
+
+    ready_sign = "admin /ready answering LIVE"
+
+    def __init__(self, variant: str, config: dict[str, Any], ports: EnvoyPorts, directory: Path, cpu: int) -> None:
+        self.ports = ports
+        path = directory / f"envoy-{variant}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [
+            "taskset", "-c", str(cpu), envoy_binary(),
+            "--config-path", str(path), "--concurrency", "1", "--disable-hot-restart", "--log-level", "warning",
+        ]  # fmt: skip
+        super().__init__(f"envoy-{variant}", argv, directory / f"envoy-{variant}.log")
+
+    def ready(self) -> bool:
+        try:
+            return admin_get(self.ports.admin, "/ready", timeout=0.5).strip() == "LIVE"
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def stats(self, pattern: str) -> dict[str, int]:
+        """Counters and gauges whose names match ``pattern`` (an Envoy stats filter regex)."""
+        values = {}
+        for line in admin_get(self.ports.admin, f"/stats?filter={pattern}").splitlines():
+            name, _, value = line.partition(": ")
+            if value.strip().isdigit():
+                values[name] = int(value)
+        return values
+
+
+@dataclass
+class Servers:
+    group: ProcessGroup
+    envoys: dict[str, PinnedEnvoy] = field(default_factory=dict)
+    quota_sidecar: SidecarProcess | None = None
+
+
+def start_servers(directory: Path, arguments: argparse.Namespace) -> Servers:
+    """The app, two sidecars (one for (c), one for (d)) and four Envoys, each waited for."""
+    rules = directory / "bench.yaml"
+    rules.write_text(BENCH_CONFIG)
+    group = ProcessGroup()
+    servers = Servers(group)
+    try:
+        app = group.start(UpstreamProcess("app", directory))
+        serve = ["--config", str(rules), "--backend", "memory", "--log-level", "warning"]
+        quota = group.start(SidecarProcess("sidecar-quota", serve, directory))
+        per_request = group.start(SidecarProcess("sidecar-ratelimit", serve, directory))
+        for child in (app, quota, per_request):
+            child.wait_ready()
+        servers.quota_sidecar = quota
+        sidecars = {"quota": quota.port, "ratelimit": per_request.port}
+        for variant in VARIANTS:
+            ports = EnvoyPorts.free(app.port, sidecars.get(variant, quota.port))
+            config = variant_config(variant, ports, rules)
+            servers.envoys[variant] = group.start(PinnedEnvoy(variant, config, ports, directory, arguments.envoy_cpu))
+        for envoy in servers.envoys.values():
+            envoy.wait_ready()
+    except BaseException:
+        group.close()
+        raise
+    return servers
+
+
+# ---------------------------------------------------------------------------------
+# wrk
+# ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    variant: str
+    round: int
+    requests_per_second: float
+    requests: int
+    non_2xx: int
+    socket_errors: int
+    p50_ms: float
+    p99_ms: float
+    sidecar_cpu_percent: float | None = None
+    sidecar_cpu_seconds: float = 0.0
+    sidecar_window_seconds: float = 0.0
+
+
+_UNITS_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}
+
+
+def parse_wrk(text: str) -> dict[str, Any]:
+    """Requests/s, request count, non-2xx, socket errors and p50/p99 (ms) from ``wrk --latency``."""
+
+    def number(pattern: str) -> float:
+        found = re.search(pattern, text)
+        return float(found.group(1)) if found else 0.0
+
+    def latency(percent: str) -> float:
+        found = re.search(rf"^\s*{percent}%\s+([\d.]+)(us|ms|s|m)\s*$", text, re.MULTILINE)
+        return float(found.group(1)) * _UNITS_MS[found.group(2)] if found else 0.0
+
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    return {
+        "requests_per_second": number(r"Requests/sec:\s+([\d.]+)"),
+        "requests": int(number(r"(\d+) requests in")),
+        "non_2xx": int(number(r"Non-2xx or 3xx responses: (\d+)")),
+        "socket_errors": sum(int(value) for value in errors.groups()) if errors else 0,
+        "p50_ms": latency("50"),
+        "p99_ms": latency("99"),
+    }
+
+
+def wrk_argv(port: int, duration: int, arguments: argparse.Namespace) -> list[str]:
+    return [
+        "taskset", "-c", str(arguments.client_cpu), wrk_binary(),
+        "-t1", f"-c{arguments.connections}", f"-d{duration}s", "--latency", "--timeout", "2s",
+        f"http://127.0.0.1:{port}{PATH}",
+    ]  # fmt: skip
+
+
+def wrk_binary() -> str:
+    found = shutil.which("wrk")
+    if found is None:
+        raise RuntimeError("no wrk: apt-get install wrk (scripts/bootstrap does)")
+    return found
+
+
+def run_wrk(
+    port: int, duration: int, arguments: argparse.Namespace, pid: int | None = None
+) -> tuple[str, tuple[float, float] | None]:
+    """One wrk run; with ``pid``, that process's CPU seconds over the steady part of the run and
+    that part's length (clock ticks are 10 ms: summed over rounds, the figure gets finer)."""
+    process = subprocess.Popen(
+        wrk_argv(port, duration, arguments), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    cpu = None
+    try:
+        if pid is not None and duration > CPU_SKIP_START + CPU_SKIP_END:
+            time.sleep(CPU_SKIP_START)
+            before, start = cpu_seconds(pid), time.monotonic()
+            time.sleep(duration - CPU_SKIP_START - CPU_SKIP_END)
+            after, end = cpu_seconds(pid), time.monotonic()
+            if before is not None and after is not None:
+                cpu = (after - before, end - start)
+        output, _ = process.communicate(timeout=duration + 30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    if process.returncode != 0:
+        raise RuntimeError(f"wrk failed ({process.returncode}): {output.strip()[-500:]}")
+    return output, cpu
+
+
+def measure(servers: Servers, variant: str, number: int, arguments: argparse.Namespace) -> RunResult:
+    envoy = servers.envoys[variant]
+    sidecar = servers.quota_sidecar if variant == "quota" else None
+    output, cpu = run_wrk(envoy.ports.listen, arguments.duration, arguments, sidecar.pid if sidecar else None)
+    result = RunResult(variant, number, **parse_wrk(output))
+    if cpu is not None:
+        result.sidecar_cpu_seconds, result.sidecar_window_seconds = cpu
+        result.sidecar_cpu_percent = cpu[0] / cpu[1] * 100
+    return result
+
+
+# ---------------------------------------------------------------------------------
+# Did the sidecar answer the quota stream?
+# ---------------------------------------------------------------------------------
+
+
+def stream_evidence(servers: Servers) -> tuple[bool, list[str]]:
+    """Whether the sidecar served the RLQS stream of (c), and the figures that say so: Envoy's
+    ``rlqs`` cluster (a stream closed with a gRPC error means the service was not there) and
+    the sidecar's ``ratelimit_sidecar_quota_*`` metrics (an assignment sent: ``actions_sent``)."""
+    envoy = servers.envoys["quota"].stats(r"^cluster\.rlqs\.")
+    lines = [f"envoy {name}: {value}" for name, value in sorted(envoy.items()) if value and _interesting(name)]
+    closed_with_error = sum(value for name, value in envoy.items() if re.search(r"streams_closed_(?!0$)\d+$", name))
+    assigned = 0.0
+    sidecar = servers.quota_sidecar
+    if sidecar is not None:
+        for name, value in quota_metrics(sidecar.metrics_url):
+            lines.append(f"sidecar {name}: {value:g}")
+            if ("actions_sent" in name or "assign" in name) and "abandon" not in name and value > 0:
+                assigned += value
+    return assigned > 0 and closed_with_error == 0, lines
+
+
+def _interesting(name: str) -> bool:
+    return any(word in name for word in ("grpc", "upstream_rq_total", "upstream_cx_total", "rx_bytes_total"))
+
+
+def quota_metrics(url: str) -> list[tuple[str, float]]:
+    """The sidecar's ``ratelimit_sidecar_quota_*`` samples (none when it has no quota service)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as reply:
+            text = reply.read().decode()
+    except (OSError, urllib.error.URLError):
+        return []
+    samples = []
+    for line in text.splitlines():
+        if line.startswith("ratelimit_sidecar_quota_"):
+            name, _, value = line.rpartition(" ")
+            try:
+                samples.append((name, float(value)))
+            except ValueError:
+                continue
+    return samples
+
+
+# ---------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------
+
+
+def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
+    """Per variant: median req/s over rounds, its ratio to (b), totals of non-2xx and errors."""
+    rows: dict[str, dict[str, Any]] = {}
+    for variant, label in VARIANTS.items():
+        runs = [result for result in results if result.variant == variant]
+        if not runs:
+            continue
+        window = sum(run.sidecar_window_seconds for run in runs)
+        rows[variant] = {
+            "label": label,
+            "rps": statistics.median(run.requests_per_second for run in runs),
+            "p50_ms": statistics.median(run.p50_ms for run in runs),
+            "p99_ms": statistics.median(run.p99_ms for run in runs),
+            "non_2xx": sum(run.non_2xx for run in runs),
+            "errors": sum(run.socket_errors for run in runs),
+            # all rounds' steady parts together: one figure at 10 ms / total-window resolution
+            "sidecar_cpu_percent": sum(run.sidecar_cpu_seconds for run in runs) / window * 100 if window else None,
+        }
+    reference = rows.get(REFERENCE, {}).get("rps") or 0.0
+    for row in rows.values():
+        row["ratio"] = row["rps"] / reference if reference else None
+    return rows
+
+
+def table(rows: dict[str, dict[str, Any]], arguments: argparse.Namespace) -> str:
+    lines = [
+        f"| variant (median of {arguments.rounds} x {arguments.duration:g} s) | req/s | x (b) | p50 ms | p99 ms "
+        "| non-2xx | socket errors | sidecar CPU % of a core (all rounds) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows.values():
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        cpu = "-" if row["sidecar_cpu_percent"] is None else f"{row['sidecar_cpu_percent']:.2f}"
+        lines.append(
+            f"| {row['label']} | {row['rps']:,.0f} | {ratio} | {row['p50_ms']:.2f} | {row['p99_ms']:.2f} "
+            f"| {row['non_2xx']:,} | {row['errors']:,} | {cpu} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: dict[str, dict[str, Any]], path: Path, answered: bool) -> None:
+    """Four bars of median req/s, each labelled with its ratio to (b)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [row["label"].replace(" + ", "\n+ ") for row in rows.values()]
+    values = [row["rps"] for row in rows.values()]
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    bars = axes.bar(labels, values, color=["#888888", "#4c72b0", "#55a868", "#c44e52"][: len(values)])
+    for bar, row in zip(bars, rows.values(), strict=True):
+        text = f"{row['rps']:,.0f}" + ("" if row["ratio"] is None else f"\n{row['ratio']:.2f}x (b)")
+        axes.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    note = "" if answered else " (quota: sidecar did NOT answer the stream)"
+    axes.set_title(f"Envoy 1 worker, wrk on another core: req/s, everything admitted{note}", fontsize=9)
+    axes.set_ylabel("requests/s (median over rounds)")
+    axes.set_ylim(0, max(values) * 1.2 if values else 1)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def command_line(arguments: argparse.Namespace) -> str:
+    return reproduce_command(["python", "-m", "loadtest.quota_paths"], arguments, skip=())
+
+
+def run(arguments: argparse.Namespace) -> int:
+    wrk_binary()
+    facts = machine_facts()
+    print(f"command: {command_line(arguments)}", flush=True)
+    print(
+        f"machine: {facts['cores']} cores ({facts['cpu_model']}), load average {os.getloadavg()[0]:.2f}; "
+        f"Envoy {envoy_binary()} --concurrency 1 on cpu {arguments.envoy_cpu}, wrk on cpu {arguments.client_cpu}",
+        flush=True,
+    )
+    results: list[RunResult] = []
+    with tempfile.TemporaryDirectory(prefix="quota-paths-") as directory:
+        servers = start_servers(Path(directory), arguments)
+        try:
+            for variant in VARIANTS:  # warm every path (connections, first buckets) unmeasured
+                run_wrk(servers.envoys[variant].ports.listen, arguments.warmup, arguments)
+            for number in range(1, arguments.rounds + 1):
+                for variant in VARIANTS:
+                    result = measure(servers, variant, number, arguments)
+                    results.append(result)
+                    cpu = (
+                        "" if result.sidecar_cpu_percent is None else f", sidecar {result.sidecar_cpu_percent:.2f}% cpu"
+                    )
+                    print(
+                        f"round {number}/{arguments.rounds} {variant:<9} {result.requests_per_second:>10,.0f} req/s, "
+                        f"p99 {result.p99_ms:.2f} ms, non-2xx {result.non_2xx}, errors {result.socket_errors}{cpu}",
+                        flush=True,
+                    )
+            answered, evidence = stream_evidence(servers)
+        finally:
+            servers.group.close()
+    rows = summarize(results)
+    print()
+    print(table(rows, arguments))
+    print()
+    print(
+        "quota stream: "
+        + (
+            "ANSWERED by the sidecar"
+            if answered
+            else "NOT answered: (c) ran on no_assignment_behavior only, not a quota-mode result"
+        )
+    )
+    for line in evidence:
+        print(f"  {line}")
+    if arguments.plot:
+        plot(rows, Path(arguments.plot), answered)
+        print(f"wrote {arguments.plot}")
+    print(f"Reproduce: `{command_line(arguments)}`")
+    bad = sum(row["non_2xx"] + row["errors"] for row in rows.values())
+    return 0 if bad == 0 else 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.quota_paths",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of all four variants (default 3)")
+    parser.add_argument("--duration", type=positive_int, default=5, help="seconds per run, whole (default 5)")
+    parser.add_argument("--warmup", type=positive_int, default=1, help="unmeasured seconds per variant (default 1)")
+    parser.add_argument("--connections", type=positive_int, default=32, help="wrk keep-alive connections (default 32)")
+    parser.add_argument("--envoy-cpu", type=int, default=0, help="cpu of the Envoys (default 0)")
+    parser.add_argument("--client-cpu", type=int, default=1, help="cpu of wrk (default 1)")
+    parser.add_argument("--plot", metavar="PNG", help="write a bar chart of the four medians")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = build_parser().parse_args(argv)
+    return run_cli("quota_paths", functools.partial(run, arguments), (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""A hand-written quota-mode Envoy for the end-to-end tests, and a sidecar to serve it.
+
+The ``rate_limit_quota`` filter builds each request's bucket id by the convention of
+``sidecar/quota/buckets.py``: ``domain`` is ``quota``, ``entry.0.tier`` comes from the
+``x-tier`` header and ``entry.1.client`` from ``x-client``. A request without
+``x-client`` matches no bucket and passes. ``x-fallback: deny`` picks bucket settings
+whose ``no_assignment_behavior`` is DENY_ALL (the others ALLOW_ALL; never a
+token bucket there: Envoy 1.40 crashes on one). Routes go to a real upstream:
+rate-limit filters do nothing on ``direct_response`` routes.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from stack.envoy import admin_get, envoy_binary
+from stack.processes import Child, free_port
+from stack.sidecar import SidecarProcess
+
+DOMAIN = "quota"
+TYPES = "type.googleapis.com/envoy.extensions.filters."
+QUOTA_TYPES = TYPES + "http.rate_limit_quota.v3."
+QUOTA_CONFIG = textwrap.dedent(
+    """\
+    domain: quota
+    descriptors:
+      - key: tier
+        value: second
+        descriptors:
+          - key: client
+            rate_limit: {unit: second, requests_per_unit: 5}
+      - key: tier
+        value: minute
+        descriptors:
+          - key: client
+            rate_limit: {unit: minute, requests_per_unit: 7}
+      - key: tier
+        value: free
+        descriptors:
+          - key: client
+            rate_limit: {unlimited: true}
+      - key: tier
+        value: shadow
+        descriptors:
+          - key: client
+            shadow_mode: true
+            rate_limit: {unit: minute, requests_per_unit: 2}
+      - key: tier
+        value: bucket
+        descriptors:
+          - key: client
+            rate_limit: {unit: second, requests_per_unit: 2, algorithm: token_bucket, burst: 4}
+      - key: tier
+        value: reload
+        descriptors:
+          - key: client
+            rate_limit: {unit: second, requests_per_unit: 3}
+    """
+)
+
+
+def header_input(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
+            "header_name": name,
+        },
+    }
+
+
+def bucket_settings(fallback: str) -> dict[str, Any]:
+    """Bucket settings building ``{domain, entry.0.tier, entry.1.client}`` from the headers."""
+    return {
+        "name": "rate_limit_quota",
+        "typed_config": {
+            "@type": QUOTA_TYPES + "RateLimitQuotaBucketSettings",
+            "bucket_id_builder": {
+                "bucket_id_builder": {
+                    "domain": {"string_value": DOMAIN},
+                    "entry.0.tier": {"custom_value": header_input("x-tier")},
+                    "entry.1.client": {"custom_value": header_input("x-client")},
+                }
+            },
+            "reporting_interval": "5s",
+            "no_assignment_behavior": {"fallback_rate_limit": {"blanket_rule": fallback}},
+            "deny_response_settings": {"http_status": {"code": 429}},
+        },
+    }
+
+
+def header_present(name: str) -> dict[str, Any]:
+    return {
+        "single_predicate": {
+            "input": header_input(name),
+            "value_match": {"safe_regex": {"google_re2": {}, "regex": ".+"}},
+        }
+    }
+
+
+def header_is(name: str, value: str) -> dict[str, Any]:
+    return {"single_predicate": {"input": header_input(name), "value_match": {"exact": value}}}
+
+
+def quota_filter() -> dict[str, Any]:
+    both = [header_present("x-client"), header_present("x-tier")]
+    return {
+        "name": "envoy.filters.http.rate_limit_quota",
+        "typed_config": {
+            "@type": QUOTA_TYPES + "RateLimitQuotaFilterConfig",
+            "rlqs_server": {"envoy_grpc": {"cluster_name": "ratelimit"}},
+            "domain": DOMAIN,
+            "bucket_matchers": {
+                "matcher_list": {
+                    "matchers": [
+                        {
+                            "predicate": {"and_matcher": {"predicate": [*both, header_is("x-fallback", "deny")]}},
+                            "on_match": {"action": bucket_settings("DENY_ALL")},
+                        },
+                        {
+                            "predicate": {"and_matcher": {"predicate": both}},
+                            "on_match": {"action": bucket_settings("ALLOW_ALL")},
+                        },
+                    ]
+                }
+            },
+        },
+    }
+
+
+def cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
+    found: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+                    ]
+                }
+            ],
+        },
+    }
+    if http2:
+        found["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return found
+
+
+def envoy_config(listen: int, admin: int, app: int, sidecar: int) -> dict[str, Any]:
+    manager = {
+        "@type": TYPES + "network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "ingress",
+        "route_config": {
+            "virtual_hosts": [
+                {"name": "app", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "app"}}]}
+            ]
+        },
+        "http_filters": [
+            quota_filter(),
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+            },
+        ],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "ingress",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [cluster("app", app, http2=False), cluster("ratelimit", sidecar, http2=True)],
+        },
+    }
+
+
+class QuotaEnvoy(Child):
+    """Real Envoy 1.40 with the quota filter in front of ``app``, calling the sidecar on ``sidecar_port``."""
+
+    ready_sign = "admin /ready answering LIVE"
+
+    def __init__(self, directory: Path, app: int, sidecar_port: int) -> None:
+        self.listen, self.admin = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.listen}"
+        self.config_path = directory / "quota-envoy.yaml"
+        directory.mkdir(parents=True, exist_ok=True)
+        config = envoy_config(self.listen, self.admin, app, sidecar_port)
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [
+            envoy_binary(),
+            "--config-path", str(self.config_path),
+            "--concurrency", "1",
+            "--disable-hot-restart",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        super().__init__("quota-envoy", argv, directory / "quota-envoy.log")
+
+    def ready(self) -> bool:
+        try:
+            return admin_get(self.admin, "/ready", timeout=0.5).strip() == "LIVE"
+        except OSError:
+            return False
+
+
+def quota_sidecar(directory: Path, config_dir: Path, *flags: str, port: int = 0) -> SidecarProcess:
+    """``python -m sidecar serve`` on ``config_dir``, quota flags given, short TTL by default."""
+    return SidecarProcess("quota-sidecar", ["--config", str(config_dir), *flags], directory, port=port)
+
+
+RELOADED_CONFIG = QUOTA_CONFIG.replace(
+    "rate_limit: {unit: second, requests_per_unit: 3}",
+    "rate_limit: {unit: second, unit_multiplier: 10, requests_per_unit: 3}",
+)
+"""The ``reload`` tier's limit with only the fill seconds changed (3 per 1 s -> 3 per 10 s)."""
+
+
+def http_get(url: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return str(reply.read().decode())
+
+
+def metrics(sidecar: SidecarProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = http_get(sidecar.metrics_url + "/metrics")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")

@@ -1,0 +1,171 @@
+"""Quota mode over real gRPC, in-process: the sidecar's server with a client stream.
+
+The whole :class:`sidecar.server.Sidecar` runs on this test's event loop (memory backend,
+no admin listener), so the servicer, its registration, health and reflection are the
+ones ``serve`` uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from sidecar.config import load_config
+from sidecar.limiter.memory import MemoryLimiter
+from sidecar.quota.buckets import bucket_of
+from sidecar.quota.service import METHOD, SERVICE_NAME
+from sidecar.server import Sidecar
+from sidecar.settings import Settings
+
+RULES = """\
+domain: q
+descriptors:
+  - key: user
+    rate_limit: {unit: second, requests_per_unit: 5}
+"""
+Reports = rlqs_pb2.RateLimitQuotaUsageReports
+Usage = Reports.BucketQuotaUsage
+
+
+def report(*buckets: dict[str, str], allowed: int = 1) -> bytes:
+    usages = [Usage(bucket_id=rlqs_pb2.BucketId(bucket=b), num_requests_allowed=allowed) for b in buckets]
+    return bytes(Reports(domain="q", bucket_quota_usages=usages).SerializeToString())
+
+
+class Client:
+    """One ``StreamRateLimitQuotas`` call whose requests are raw bytes (so garbage can be sent)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        method = channel.stream_stream(
+            f"/{SERVICE_NAME}/{METHOD}",
+            request_serializer=lambda data: data,
+            response_deserializer=rlqs_pb2.RateLimitQuotaResponse.FromString,
+        )
+        self.call = method(self._requests())
+
+    async def _requests(self) -> AsyncIterator[bytes]:
+        while (item := await self.outbox.get()) is not None:
+            yield item
+
+    async def send(self, data: bytes) -> None:
+        await self.outbox.put(data)
+
+    async def receive(self, timeout: float = 3.0) -> Any:
+        return await asyncio.wait_for(self.call.read(), timeout)
+
+    async def close(self) -> None:
+        await self.outbox.put(None)
+        self.call.cancel()
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[SimpleNamespace]:
+    (tmp_path / "q.yaml").write_text(RULES)
+    settings = Settings(
+        config=str(tmp_path),
+        grpc_address="127.0.0.1:0",
+        metrics_address="",
+        watch_config=False,
+        quota_ttl=6,
+        quota_max_buckets=50,
+        quota_max_buckets_per_stream=40,
+    )
+    sidecar = Sidecar(settings, load_config(str(tmp_path)), MemoryLimiter())
+    await sidecar.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}")
+    try:
+        yield SimpleNamespace(sidecar=sidecar, channel=channel, client=Client(channel), tmp=tmp_path)
+    finally:
+        await channel.close()
+        await sidecar.server.stop(0)
+
+
+async def test_a_report_gets_an_assignment_with_a_ttl(running: SimpleNamespace) -> None:
+    await running.client.send(report(bucket_of("q", [("user", "a")])))
+    reply = await running.client.receive()
+    [action] = reply.bucket_action
+    assert dict(action.bucket_id.bucket) == {"domain": "q", "entry.0.user": "a"}
+    quota = action.quota_assignment_action
+    assert quota.assignment_time_to_live.seconds == 6
+    bucket = quota.rate_limit_strategy.token_bucket
+    assert (bucket.max_tokens, bucket.tokens_per_fill.value, bucket.fill_interval.seconds) == (5, 5, 1)
+    assert bucket.fill_interval.nanos == 0
+    # Refreshed by a server push every TTL / 3 = 2 s, without any report.
+    refresh = await running.client.receive(timeout=4.0)
+    assert refresh.bucket_action[0].quota_assignment_action.assignment_time_to_live.seconds == 6
+    await running.client.close()
+
+
+async def test_garbage_and_bad_ids_do_not_end_the_stream(running: SimpleNamespace) -> None:
+    client = running.client
+    await client.send(b"\xff\xff\xff not a protobuf")
+    await client.send(report({"entry.0.user": "no domain"}, {"domain": "q", "entry.5.user": "gap"}))
+    reply = await client.receive()
+    assert [a.quota_assignment_action.rate_limit_strategy.blanket_rule for a in reply.bucket_action] == [0, 0]
+    await client.send(report(bucket_of("q", [("user", "b")])))
+    reply = await client.receive()
+    assert reply.bucket_action[0].quota_assignment_action.rate_limit_strategy.token_bucket.max_tokens == 5
+    stats = running.sidecar.quota.registry.stats
+    assert stats.malformed == {"undecodable": 1}
+    assert stats.unmatched == {"missing_domain": 1, "index_gap": 1}
+    await client.close()
+
+
+async def test_a_flood_of_buckets_is_capped_and_answered(running: SimpleNamespace) -> None:
+    buckets = [bucket_of("q", [("user", f"u{index}")]) for index in range(3000)]
+    await running.client.send(report(*buckets))
+    actions = []
+    while len(actions) < 3000:
+        actions += (await running.client.receive()).bucket_action
+    kinds = [a.quota_assignment_action.rate_limit_strategy.WhichOneof("strategy") for a in actions]
+    assert kinds.count("token_bucket") == 40 and kinds.count("blanket_rule") == 2960
+    registry = running.sidecar.quota.registry
+    assert registry.live == 40 and registry.stats.overflow == {"stream": 2960}
+    await running.client.close()
+
+
+async def test_a_reload_pushes_the_new_assignment_to_open_streams(running: SimpleNamespace) -> None:
+    await running.client.send(report(bucket_of("q", [("user", "a")])))
+    await running.client.receive()
+    (running.tmp / "q.yaml").write_text(RULES.replace("requests_per_unit: 5", "requests_per_unit: 9"))
+    assert await running.sidecar.reloader.reload("test")
+    while True:  # a TTL refresh may come first
+        bucket = (await running.client.receive()).bucket_action[0].quota_assignment_action.rate_limit_strategy
+        if bucket.token_bucket.max_tokens == 9:
+            break
+    await running.client.close()
+
+
+async def test_closing_the_stream_forgets_its_buckets(running: SimpleNamespace) -> None:
+    await running.client.send(report(bucket_of("q", [("user", "a")])))
+    await running.client.receive()
+    registry = running.sidecar.quota.registry
+    assert (registry.live, len(registry.streams)) == (1, 1)
+    await running.client.close()
+    for _ in range(100):
+        if not registry.streams:
+            break
+        await asyncio.sleep(0.02)
+    assert (registry.live, len(registry.streams)) == (0, 0)
+
+
+async def test_health_and_reflection_list_the_quota_service(running: SimpleNamespace) -> None:
+    health = health_pb2_grpc.HealthStub(running.channel)
+    answer = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(running.channel)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    async for reply in replies:
+        names = [service.name for service in reply.list_services_response.service]
+        assert SERVICE_NAME in names
+        break

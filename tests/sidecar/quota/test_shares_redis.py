@@ -1,0 +1,223 @@
+"""Quota shares across replicas against a real redis-server: share.lua against its Python
+reference, and two or three in-process registries sharing one bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sidecar.limiter.redis.store import RedisStore
+from sidecar.quota.assignments import Kind
+from sidecar.quota.buckets import bucket_key, bucket_of
+from sidecar.quota.leases import SHARE, QuotaLeases, RedisShares, share_arguments, share_keys
+from sidecar.quota.registry import QuotaRegistry, QuotaSettings, Stream
+from sidecar.quota.shares import LEAVE, POLL, Bucket, Call, Reply, step
+from tests.support.redis_servers import RedisCluster, RedisServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+RULES = """
+domain: q
+descriptors:
+  - key: user
+    rate_limit: {unit: second, requests_per_unit: 100}
+  - key: daily
+    rate_limit: {unit: minute, requests_per_unit: 600}
+"""
+BUCKET = bucket_of("q", [("user", "shared")])
+
+
+def run_lua(client: object, keys: list[str], call: Call, now: int) -> Reply:
+    values = client.evalsha(SHARE.sha, len(keys), *keys, *share_arguments(call, now))  # type: ignore[attr-defined]
+    return Reply(int(values[0]), int(values[1]), bool(values[2]), bool(values[3]), bool(values[4]), int(values[5]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c", "d"]),
+            st.one_of(st.integers(0, 300), st.just(POLL), st.just(LEAVE)),
+            st.integers(0, 4000),
+            st.integers(0, 30),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.booleans(),
+)
+def test_share_lua_does_what_its_python_reference_does(
+    redis_server: RedisServer, calls: list[tuple[str, int, int, int]], windowed: bool
+) -> None:
+    client = redis_server.client()
+    client.script_load(SHARE.source)
+    key = bucket_key({"run": uuid.uuid4().hex})
+    bucket = Bucket()
+    now = 1_000
+    for replica, demand, wait, used in calls:
+        now += wait
+        window = (now // 60_000) * 60 if windowed else -1
+        call = Call(replica, demand, 100, 10_000, 15_000, 15_000, window=window, used_add=used if windowed else 0)
+        expected = step(bucket, call, now)
+        got = run_lua(client, share_keys("eq", key, window), call, now)
+        assert got == expected
+    stored = client.hgetall(share_keys("eq", key, -1)[0])
+    assert {r: tuple(map(int, v.split())) for r, v in stored.items()} == {
+        r: (e.demand, e.held, e.held_until, e.grant, e.seen) for r, e in bucket.entries.items()
+    }
+
+
+@dataclass
+class Replica:
+    name: str
+    registry: QuotaRegistry
+    leases: QuotaLeases
+    stream: Stream
+    store: RedisStore
+
+    def report(self, allowed: int, denied: int, bucket: dict[str, str] = BUCKET) -> None:
+        self.registry.report(self.stream, "q", iter([(bucket, allowed, denied)]))
+
+    def tokens(self, bucket: dict[str, str] = BUCKET) -> int:
+        live = self.stream.buckets[bucket_key(bucket)]
+        return live.assignment.max_tokens if live.assignment.kind is Kind.TOKEN_BUCKET else 0
+
+
+@pytest.fixture
+async def make(h: SimpleNamespace) -> AsyncIterator[object]:
+    made: list[Replica] = []
+    clock = h.FakeClock(1000.0)
+    prefix = "qs" + uuid.uuid4().hex[:8]
+
+    async def replica(name: str, url: str, cluster: bool = False) -> Replica:
+        store = RedisStore.for_url(url, cluster=cluster, prefix=prefix, request_timeout=0.5)
+        leases = QuotaLeases(RedisShares(store), name, ttl=3, clock=clock, prefix=prefix, report_seconds=1.0)
+        registry = QuotaRegistry(h.config_of(RULES), QuotaSettings(ttl=3), clock=clock, leases=leases)
+        await store.start()
+        made.append(Replica(name, registry, leases, registry.open(name), store))
+        return made[-1]
+
+    yield SimpleNamespace(replica=replica, clock=clock)
+    for each in made:
+        await each.store.close()
+
+
+async def rounds(replicas: list[Replica], clock: object, offered: list[int], count: int) -> None:
+    """``count`` report rounds of 1 s (fake clock; 0.25 s of Redis's, on which the 0.2 s gaps
+    between computations run): each replica reports its offered load."""
+    for _ in range(count):
+        await asyncio.sleep(0.25)
+        clock.advance(1.0)  # type: ignore[attr-defined]
+        for replica, load in zip(replicas, offered, strict=True):
+            tokens = replica.tokens() if replica.stream.buckets else load
+            replica.report(min(load, tokens), max(0, load - tokens))
+            await replica.leases.sync()
+
+
+async def test_three_replicas_converge_to_fair_shares_under_skew(
+    make: SimpleNamespace, redis_server: RedisServer
+) -> None:
+    replicas = [await make.replica(name, redis_server.url) for name in ("a", "b", "c")]
+    await rounds(replicas, make.clock, [160, 20, 20], 6)
+    tokens = [replica.tokens() for replica in replicas]
+    assert sum(tokens) <= 100
+    assert tokens[1] >= 20 and tokens[2] >= 20  # under an equal share: what they ask (+10%)
+    assert tokens[0] >= 100 - tokens[1] - tokens[2] - 1  # the rest goes to the big one
+    # Balanced, and a shift from a to b.
+    await rounds(replicas, make.clock, [60, 60, 60], 4)
+    assert [replica.tokens() for replica in replicas] in ([34, 33, 33], [33, 34, 33], [33, 33, 34])
+    await rounds(replicas, make.clock, [10, 160, 20], 4)
+    tokens = [replica.tokens() for replica in replicas]
+    assert sum(tokens) <= 100 and tokens[1] >= 100 - tokens[0] - tokens[2] - 1 and tokens[1] > 60
+
+
+async def test_a_pushed_share_reaches_the_stream_without_waiting_for_a_report(
+    make: SimpleNamespace, redis_server: RedisServer
+) -> None:
+    a, b = await make.replica("a", redis_server.url), await make.replica("b", redis_server.url)
+    await rounds([a, b], make.clock, [60, 60], 3)
+    a.stream.pending.clear()
+    await rounds([a, b], make.clock, [10, 120], 2)
+    pushed = [action.assignment.max_tokens for action in a.stream.pending if action.assignment]
+    assert pushed and pushed[-1] < 20  # a's smaller share went out as soon as it was computed
+
+
+async def test_a_dead_replicas_lease_is_redistributed_only_after_it_expired(
+    make: SimpleNamespace, redis_server: RedisServer
+) -> None:
+    replicas = [await make.replica(name, redis_server.url) for name in ("a", "b", "c")]
+    await rounds(replicas, make.clock, [100, 100, 100], 4)
+    held_by_c = replicas[2].tokens()
+    died = time.time()
+    # c is gone: no more calls. Its lease (ttl 3 + 2 reports of 1 s = 5 s, on Redis's clock)
+    # keeps its share reserved; a and b ask for everything.
+    while time.time() - died < 4.5:
+        await rounds(replicas[:2], make.clock, [200, 200], 1)
+        assert replicas[0].tokens() + replicas[1].tokens() <= 100 - held_by_c
+        await asyncio.sleep(0.2)
+    deadline = time.time() + 6
+    while replicas[0].tokens() + replicas[1].tokens() < 99 and time.time() < deadline:
+        await rounds(replicas[:2], make.clock, [200, 200], 1)
+        await asyncio.sleep(0.2)
+    assert replicas[0].tokens() + replicas[1].tokens() >= 99
+    assert time.time() - died >= 5.0  # never before the lease ended
+
+
+async def test_redis_stopped_then_restarted(make: SimpleNamespace, own_redis: RedisServer) -> None:
+    replicas = [await make.replica(name, own_redis.url) for name in ("a", "b", "c")]
+    await rounds(replicas, make.clock, [160, 20, 20], 5)
+    big = replicas[0].tokens()
+    assert big > 40
+    own_redis.kill()
+    await rounds(replicas, make.clock, [160, 20, 20], 1)
+    assert replicas[0].tokens() == big  # the lease still runs (ttl 3 of 5 s left): kept
+    await rounds(replicas, make.clock, [160, 20, 20], 3)
+    assert [replica.tokens() for replica in replicas] == [34, 34, 34]  # safe capacity: ceil(100 / 3)
+    own_redis.start()
+    for replica in replicas:
+        await replica.store.wait_available()
+    await rounds(replicas, make.clock, [160, 20, 20], 4)
+    tokens = [replica.tokens() for replica in replicas]
+    assert sum(tokens) <= 100 and tokens[0] > 40  # leases rebuilt
+
+
+async def test_a_per_minute_limit_is_a_budget_per_window(make: SimpleNamespace, redis_server: RedisServer) -> None:
+    bucket = bucket_of("q", [("daily", "x")])
+    if time.time() % 60 > 55:  # the test needs one window throughout
+        await asyncio.sleep(60 - time.time() % 60 + 0.1)
+    a, b = await make.replica("a", redis_server.url), await make.replica("b", redis_server.url)
+    for replica in (a, b):
+        replica.report(0, 0, bucket)
+        await replica.leases.sync()
+    first = a.tokens(bucket) + b.tokens(bucket)
+    assert first <= 600
+    await asyncio.sleep(1.1)  # the master computes again once a report period (1 s here) has passed
+    a.report(300, 0, bucket)  # a admitted 300 of the window's 600
+    await a.leases.sync()
+    b.report(0, 0, bucket)
+    await b.leases.sync()
+    assert a.tokens(bucket) + b.tokens(bucket) <= 300  # shares of what is left
+    live = a.stream.buckets[bucket_key(bucket)].assignment
+    assert live.fill_seconds <= 60  # refilled over what is left of the window
+
+
+async def test_the_keys_of_a_bucket_share_a_cluster_slot(make: SimpleNamespace, redis_cluster: RedisCluster) -> None:
+    replicas = [await make.replica(name, redis_cluster.url, cluster=True) for name in ("a", "b")]
+    await rounds(replicas, make.clock, [150, 50], 4)
+    tokens = [replica.tokens() for replica in replicas]
+    assert sum(tokens) <= 100 and tokens[1] >= 50
+
+
+def test_share_keys_carry_one_hash_tag(tmp_path: Path) -> None:
+    keys = share_keys("p", bucket_key(BUCKET), 60)
+    tags = {key[key.index("{") : key.index("}") + 1] for key in keys}
+    assert len(tags) == 1

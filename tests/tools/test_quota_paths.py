@@ -1,0 +1,42 @@
+"""A short run of ``python -m loadtest.quota_paths``: four variants, a table, a plot, all children gone."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.envoy,
+    pytest.mark.skipif(shutil.which("wrk") is None, reason="no wrk (apt-get install wrk; scripts/bootstrap does)"),
+    pytest.mark.skipif(shutil.which("taskset") is None, reason="no taskset (util-linux)"),
+]
+
+
+def test_a_short_run_reports_four_variants_and_plots_them(tmp_path: Path) -> None:
+    plot = tmp_path / "paths.png"
+    argv = ["--rounds", "1", "--duration", "1", "--warmup", "1", "--connections", "4", "--plot", str(plot)]
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtest.quota_paths", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| (")]
+    assert [row.split(" | ")[0] for row in rows] == ["| (a) Envoy alone", "| (b) Envoy + local_ratelimit",
+                                                       "| (c) Envoy + rate_limit_quota + sidecar",
+                                                       "| (d) Envoy + ratelimit filter + sidecar"]  # fmt: skip
+    assert "| 1.00 |" in rows[1]  # (b) is the reference
+    # A quota figure is never given without saying whether the sidecar served the stream.
+    assert "quota stream: ANSWERED" in output or "quota stream: NOT answered" in output
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
