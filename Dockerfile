@@ -65,11 +65,12 @@ USER 10001:10001
 
 
 # The sample upstream app of the compose demo (answers 200 "hello from <name>").
-# stack/ is not part of the wheel; upstream.py needs only the standard library and uvloop.
+# stack/ is not part of the wheel; upstream.py needs only the standard library, uvloop and
+# stack/processes.py (its launcher class; standard library only).
 FROM runtime AS demo-upstream
 
 WORKDIR /opt/demo
-COPY stack/__init__.py stack/upstream.py ./stack/
+COPY stack/__init__.py stack/processes.py stack/upstream.py ./stack/
 
 EXPOSE 8080
 HEALTHCHECK --interval=5s --timeout=3s --start-period=5s --retries=3 \

@@ -149,7 +149,7 @@ def test_exposed_ports_and_config_directory(stages: list[Stage]) -> None:
 
 
 def test_the_demo_upstream_runs_from_the_files_the_image_gets(stages: list[Stage], tmp_path: Path) -> None:
-    """stack/ is not in the wheel: the stage copies two files, which must be enough."""
+    """stack/ is not in the wheel: the stage copies three files, which must be enough."""
     stage = stage_chain(stages, "demo-upstream")[0]
     (copy,) = stage.all("COPY")
     *sources, target = copy.rest().split()

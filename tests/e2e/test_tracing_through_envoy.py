@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -216,9 +217,14 @@ def test_the_sidecar_span_is_the_child_of_envoys_ratelimit_call(
         statuses = [send(url, "/").status for _ in range(3)]
         assert 429 in statuses, statuses  # the limit (2/minute) bites: the sidecar decided
 
-        ours = receiver.wait_for(lambda span: span.name == SPAN_NAME and span.service == "ratelimit-sidecar")
+        def is_ours(span: Any) -> bool:
+            return bool(span.name == SPAN_NAME and span.service == "ratelimit-sidecar")
+
+        ours = receiver.wait_for(is_ours)
         deadline = time.monotonic() + 15
         while True:
+            # Both exporters batch: look again at everything received, not at the first batch.
+            ours = [span for span in receiver.spans if is_ours(span)]
             envoy_spans = {span.span_id: span for span in receiver.spans if span.service == "envoy"}
             linked = [span for span in ours if span.parent_span_id in envoy_spans]
             if len(linked) >= 3 or time.monotonic() > deadline:
