@@ -10,22 +10,10 @@ Three modes (``--redis-failure-mode``):
 * ``closed``: reject every request with an enforced limit; for limits that protect
   something that must never be overrun.
 
-Hits admitted here are remembered per Redis window key so the limiter can add them
-to Redis when it is back (:meth:`FailurePolicy.drain_admitted`, then
-:meth:`~FailurePolicy.settle` or :meth:`~FailurePolicy.restore`): the Redis counters
-then still equal the admitted hits, and other replicas see them. The same ledger
-takes corrections (:meth:`FailurePolicy.owe`, possibly negative: hits Redis holds
-but must give back), so every adjustment of a counter is one commutative ``INCRBY``
-whatever was already sent.
-
-The ledger holds what ``INCRBY`` adds, per key: hits for a window (a sliding window's
-hits go to its current window, like a fixed window's), and ``hits * interval`` (us)
-for a token bucket's TAT key: charging the bucket, or with a negative amount giving
-back. That is an approximation for buckets: ``INCRBY`` moves the TAT it finds, not
-``max(TAT, now)`` as a decision does, so hits owed to a bucket that has refilled since
-(its TAT in the past, or its key expired) are partly or wholly forgiven, never charged
-twice; and ``INCRBY`` keeps the key's expiry, set for the TAT before the charge, so a
-charge longer than the expiry grace may be forgiven early when the key expires.
+The rule is :func:`failure_limits`, shared by the ``sync`` and ``strict`` backends.
+Hits admitted here are owed to Redis through :attr:`FailurePolicy.ledger`
+(:mod:`sidecar.limiter.ledger`), so the Redis counters still equal the admitted hits
+once Redis is back.
 
 Bans decided here are not sent to Redis: they protect this replica during the outage,
 and a ban Redis holds is honoured by the script as soon as Redis answers.
