@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 import structlog
@@ -184,26 +185,21 @@ def _health(arguments: argparse.Namespace) -> int:
 
 
 def _export_haproxy(arguments: argparse.Namespace) -> int:
-    try:
-        result = run_export(arguments)
-    except ConfigError as error:
-        for issue in error.issues:
-            print(f"{PROG}: error: {issue}", file=sys.stderr)
-        return 1
-    except ExportError as error:
-        return _fail(str(error))
-    sys.stdout.write(result.text)
-    for problem in result.problems:
-        print(problem, file=sys.stderr)
-    return 0
+    return _export(run_export, arguments)
 
 
 def _export_envoy_quota(arguments: argparse.Namespace) -> int:
     # Imported here: envoy-data-plane (and pydantic) load for this command only, not for ``serve``.
     from sidecar.quota.export import run_quota_export  # noqa: PLC0415
 
+    return _export(run_quota_export, arguments)
+
+
+def _export(run: Callable[[argparse.Namespace], Any], arguments: argparse.Namespace) -> int:
+    """Run an exporter: its text on stdout, what it could not translate on stderr, one
+    line per config issue; exit 1 when the config is refused or the export failed."""
     try:
-        result = run_quota_export(arguments)
+        result = run(arguments)
     except ConfigError as error:
         for issue in error.issues:
             print(f"{PROG}: error: {issue}", file=sys.stderr)

@@ -26,6 +26,8 @@ class Export:
 
     text: str
     problems: tuple[Problem, ...]
+    failed: bool = False
+    """Always False: what cannot be exported is listed in ``problems``, the rest is exported."""
 
 
 def export(domain: DomainConfig, sources: Sources, options: ExportOptions) -> Export:
