@@ -41,6 +41,7 @@ AREAS = {
     "hardening-input": "loadtest.reliability_harness.hardening_input",
     "hardening-admin": "loadtest.reliability_harness.hardening_admin",
     "hardening-limiter": "loadtest.reliability_harness.hardening_limiter",
+    "json-input": "loadtest.reliability_harness.json_input",
 }
 """Report order: what each ``--areas`` name runs (a module with ``run(Context) -> list[Row]``)."""
 
