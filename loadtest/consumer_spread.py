@@ -8,14 +8,17 @@ each calling again once served and done with its provider call (``--work``, 10 m
 - ``retry-after``: refused, sleep the reported reset (whole seconds, as a client honouring
   ``Retry-After`` does) and ask again;
 - ``boundary``: :class:`~sidecar.consumer.Consumer` with ``spread=False``: retry exactly at
-  the window boundary;
-- ``consumer``: :class:`~sidecar.consumer.Consumer` as shipped: retry at the boundary plus a
-  uniform jitter over the window.
+  the window boundary, fresh asks at once;
+- ``jitter``: :class:`~sidecar.consumer.Consumer` with ``pace=False``: retry at the boundary
+  plus a uniform jitter over the window, fresh asks at once (what shipped first);
+- ``consumer``: :class:`~sidecar.consumer.Consumer` as shipped: the jitter, and every ask
+  paced at ``hits * T / (remaining + hits)`` after the previous one (time left in the
+  window, hits left, from the sidecar's last answer).
 
 For each, over the full windows of the run: admissions per window, the share of a window's
 admissions in its busiest 100 ms and in its first 100 ms, and the coefficient of variation of
 admissions over the window's ten 100 ms slices (0 for a perfectly even rate; 3 when all of
-them land in one slice). Bounded: three runs of ``--seconds``, then everything is stopped.
+them land in one slice). Bounded: four runs of ``--seconds``, then everything is stopped.
 
     python -m loadtest.consumer_spread --waiters 40 --limit 20 --seconds 4
 """
@@ -40,7 +43,7 @@ from typing import Any
 
 from sidecar.consumer import Consumer, RateLimitExceeded, refusal, request_payload
 
-STRATEGIES = ("retry-after", "boundary", "consumer")
+STRATEGIES = ("retry-after", "boundary", "jitter", "consumer")
 SLICES = 10
 
 
@@ -108,7 +111,10 @@ def replicas(limit: int, directory: Path) -> Iterator[list[str]]:
 
 async def run_strategy(strategy: str, addresses: list[str], waiters: int, seconds: float, work: float) -> list[float]:
     """Admission times (this host's Unix clock) of ``waiters`` callers for ``seconds``."""
-    consumers = [Consumer(address, spread=strategy == "consumer") for address in addresses]
+    consumers = [
+        Consumer(address, spread=strategy in ("jitter", "consumer"), pace=strategy == "consumer")
+        for address in addresses
+    ]
     admitted: list[float] = []
     stop_at = time.monotonic() + seconds
     payload = request_payload("spread", {"provider": "acme"}, 1)

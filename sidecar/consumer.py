@@ -30,6 +30,23 @@ cut on this host's Unix clock, as the sidecar cuts windows (aligned to the epoch
 reported reset, whole seconds rounded up, bounds it, so clock skew between the two can
 only make a retry late or early by the skew (an early one is refused and retries).
 
+**Fresh asks are paced too.** Jittered retries alone do not spread a window's budget
+when callers that were just served come straight back: they are admitted while budget
+is left, so it goes early in the window. So every ask for one request through one
+client waits its turn (``pace=True``, the default): no sooner than
+``hits * T / (remaining + hits)`` after the previous one, where ``remaining`` and ``T``
+(the time left in the window, from ``duration_until_reset`` and the limit's unit) come
+from the sidecar's latest answer: the even rate at which what is left of the window's
+budget lasts until its end. A refusal, or an answer with nothing left, holds the next
+ask until the window ends (the retries' jitter then spreads over the new window). Pacing
+never makes a caller fail or wait in vain: a caller whose turn (one interval per caller
+queued ahead of it) comes after its deadline asks at once, out of turn
+(:attr:`ConsumerStats.out_of_turn`), as does one whose deadline comes before a spent
+window ends (its refusal then fails it fast), and ``FAIL_FAST`` never waits. Each
+client paces itself from the shared ``remaining``, which every replica spends, so ``K``
+busy clients ask ``K`` times the even rate and the budget goes at the pace ``remaining ~
+T^K`` instead of all at once: ``docs/consumer.md`` measures it.
+
 **Cancellation never consumes a hit.** A hit is spent only when the sidecar admits an
 ask. While a caller sleeps between asks nothing is in flight, so cancelling it (task
 cancelled, ``asyncio.timeout`` around it) costs nothing. An ask already sent cannot be
@@ -152,6 +169,10 @@ class ConsumerStats:
     orphaned: int = 0
     """Asks admitted after their caller had left (cancelled or timed out)."""
     reused: int = 0
+    paced: int = 0
+    """Asks held back by the pace (see the module docstring)."""
+    out_of_turn: int = 0
+    """Asks sent before their turn because the caller's deadline came first."""
     wasted: int = 0
     """Orphaned slots nobody took before their window ended."""
     rpc_seconds: float = 0.005
@@ -248,6 +269,49 @@ def window_end(now: float, refused: Refused) -> float:
     return snapped if snapped > latest - 1 else latest
 
 
+@dataclass
+class _Pace:
+    """The pace of one request's asks: when the next may go, and what the sidecar's last answer implies."""
+
+    not_before: float = -math.inf
+    interval: float = 0.0
+    """Spacing of asks after the last answer (see :func:`pace_interval`)."""
+    spent_until: float = -math.inf
+    """When the last answer said the budget is spent or refused: the window's end, else -inf."""
+    waiting: int = 0
+    """Callers waiting for their turn."""
+    answered: bool = False
+    """Whether an answer has set :attr:`interval` yet (before that, asks go one round trip apart)."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+RECHECK = 0.05
+"""Seconds a caller waiting its turn sleeps at most before looking again (answers move the turn)."""
+MAX_PACES = 1024
+"""Requests whose pace a client keeps; idle ones are dropped beyond it."""
+
+
+def pace_interval(response: Any, hits: int, wall: float) -> tuple[float, bool]:
+    """Seconds until the next ask should go, from an answer, and whether that is because the budget is spent.
+
+    ``hits * T / (remaining + hits)`` for the tightest limit (``T``: the time left in its window):
+    what is left of the budget, spent at an even rate until the window ends. A limit that refused
+    or has nothing left holds the next ask until its window ends.
+    """
+    interval, spent = 0.0, False
+    for status in response.statuses:
+        if not status.HasField("current_limit") or not status.current_limit.unit:
+            continue
+        window = float(UNIT_SECONDS[Unit(status.current_limit.unit)])
+        reset = float(max(1, status.duration_until_reset.seconds))
+        left = max(0.0, window_end(wall, Refused(reset, window)) - wall)
+        if status.code == OVER_LIMIT or status.limit_remaining == 0:
+            interval, spent = max(interval, left), True
+        else:
+            interval = max(interval, left * hits / (status.limit_remaining + hits))
+    return interval, spent
+
+
 def admitted_remaining(response: Any) -> int | None:
     limited = [status.limit_remaining for status in response.statuses if status.HasField("current_limit")]
     return min(limited) if limited else None
@@ -262,7 +326,8 @@ def reset_of_admitted(response: Any) -> float:
 class Consumer:
     """Asks a sidecar for slots and waits for them; one per event loop, shared by its tasks.
 
-    ``spread=False`` retries at the window boundary itself (for comparisons: it stampedes).
+    ``spread=False`` retries at the window boundary itself (for comparisons: it stampedes);
+    ``pace=False`` sends fresh asks at once (the budget then goes early in each window).
     ``monotonic``, ``wall`` and ``rng`` are injectable for tests.
     """
 
@@ -273,6 +338,7 @@ class Consumer:
         tls: ClientTLS | None = None,
         rpc_timeout: float = RPC_TIMEOUT,
         spread: bool = True,
+        pace: bool = True,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         rng: random.Random | None = None,
@@ -281,6 +347,7 @@ class Consumer:
         self.tls = tls
         self.rpc_timeout = rpc_timeout
         self.spread = spread
+        self.pace = pace
         self.monotonic = monotonic
         self.wall = wall
         self.rng = rng or random.Random()
@@ -288,6 +355,7 @@ class Consumer:
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
         self._orphans = _Orphans()
+        self._paces: dict[bytes, _Pace] = {}
         self._background: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> Consumer:
@@ -354,8 +422,12 @@ class Consumer:
                     self.stats.acquired += 1
                     return Permit(self.monotonic() - started, attempts, None, handed_over=True)
                 attempts += 1
+                if self.pace and max_wait > 0:
+                    await self._wait_turn(payload, deadline)  # nothing in flight: cancelling here spends nothing
                 # The first ask is always answered (bounded by rpc_timeout); later ones by the deadline.
-                response = await self._ask_before(payload, deadline if attempts > 1 else math.inf, started, attempts)
+                response = await self._ask_before(
+                    payload, hits, deadline if attempts > 1 else math.inf, started, attempts
+                )
                 now = self.monotonic()
                 waited = now - started
                 if response.overall_code != OVER_LIMIT:
@@ -388,9 +460,74 @@ class Consumer:
             return boundary
         return boundary + self.rng.uniform(0.0, min(refused.window, room))
 
-    async def _ask_before(self, payload: bytes, deadline: float, started: float, attempts: int) -> Any:
+    async def _wait_turn(self, payload: bytes, deadline: float) -> None:
+        """Wait until this request's pace lets the next ask go; never past ``deadline``, never in vain.
+
+        A caller whose turn (the next slot, plus one interval per caller waiting ahead of it
+        when the budget is not spent) comes after its deadline asks at once, out of turn:
+        waiting would not keep the pace, only delay it. Likewise one whose deadline comes
+        before the end of a spent window, so that the sidecar's refusal makes it fail fast.
+        Should the estimate be wrong, a caller still waiting at its deadline (less the
+        expected round trip) asks then.
+        """
+        pace = self._pace(payload)
+        now = self.monotonic()
+        latest = deadline - max(MIN_RPC_ALLOWANCE, 2 * self.stats.rpc_seconds)
+        # Spent: the next window's spacing is unknown until its first answer; count none for those ahead.
+        spacing = 0.0 if pace.spent_until > now else pace.interval
+        turn = max(now, pace.not_before) + spacing * pace.waiting
+        if turn > latest or pace.spent_until > latest:
+            self.stats.out_of_turn += int(turn > now)
+            return
+        timeout = None if math.isinf(latest) else max(0.0, latest - now)
+        pace.waiting += 1
+        try:
+            async with asyncio.timeout(timeout), pace.lock:
+                held = False
+                while (wait := pace.not_before - self.monotonic()) > 0:
+                    if pace.spent_until > latest:
+                        self.stats.out_of_turn += 1
+                        return  # no budget before the deadline: the sidecar's refusal fails it now
+                    held = True
+                    await asyncio.sleep(min(wait, RECHECK))  # an answer meanwhile may move not_before
+                self.stats.paced += int(held)
+                # Until this ask's answer says better. Before any answer, or past a spent window
+                # (its interval was the wait for the window's end), that is one round trip.
+                now = self.monotonic()
+                known = pace.answered and pace.spent_until == -math.inf
+                pace.not_before = now + (pace.interval if known else self.stats.rpc_seconds)
+        except TimeoutError:
+            self.stats.out_of_turn += 1  # its deadline came before its turn: it asks now
+            pace.not_before = self.monotonic() + pace.interval
+        finally:
+            pace.waiting -= 1
+
+    def _pace(self, payload: bytes) -> _Pace:
+        pace = self._paces.get(payload)
+        if pace is None:
+            if len(self._paces) >= MAX_PACES:
+                now = self.monotonic()
+                idle = [key for key, old in self._paces.items() if old.not_before < now and not old.lock.locked()]
+                for key in idle:
+                    del self._paces[key]
+            pace = self._paces[payload] = _Pace()
+        return pace
+
+    async def _ask_paced(self, payload: bytes, hits: int) -> Any:
+        """One ask; its answer sets the pace of the next (see :func:`pace_interval`)."""
+        response = await self._ask(payload)
+        pace = self._paces.get(payload)
+        if pace is not None:
+            now = self.monotonic()
+            pace.interval, spent = pace_interval(response, hits, self.wall())
+            pace.answered = True
+            pace.not_before = now + pace.interval
+            pace.spent_until = now + pace.interval if spent else -math.inf
+        return response
+
+    async def _ask_before(self, payload: bytes, hits: int, deadline: float, started: float, attempts: int) -> Any:
         """One ask, answered or abandoned by ``deadline``; never cut half way (see the module docstring)."""
-        task = asyncio.ensure_future(self._ask(payload))
+        task = asyncio.ensure_future(self._ask_paced(payload, hits))
         timeout = None if math.isinf(deadline) else max(0.0, deadline - self.monotonic())
         try:
             done, _ = await asyncio.wait({task}, timeout=timeout)

@@ -10,6 +10,7 @@ in place of the RPC. The shared budget across replicas through Redis is proven i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import time
@@ -28,6 +29,7 @@ from sidecar.consumer import (
     Refused,
     SidecarError,
     SyncConsumer,
+    pace_interval,
     refusal,
     request_payload,
     window_end,
@@ -94,6 +96,46 @@ def test_retries_spread_uniformly_over_the_window_and_never_past_the_deadline():
     assert all(delay is not None and delay <= 0.9 - 0.005 for delay in capped)
     assert consumer._retry_delay(Refused(1, 1), time_left=0.5) is None  # the boundary is past the deadline
     assert Consumer("x", wall=lambda: 1000.4, spread=False)._retry_delay(Refused(1, 1), 10.0) == pytest.approx(0.6)
+
+
+def test_the_pace_spends_what_is_left_evenly_until_the_window_ends():
+    ok, over = rls_pb2.RateLimitResponse.OK, rls_pb2.RateLimitResponse.OVER_LIMIT
+    admitted = rls_pb2.RateLimitResponse(overall_code=ok, statuses=[status(ok, SECOND, 1, remaining=4)])
+    assert pace_interval(admitted, 1, wall=1000.5) == (pytest.approx(0.1), False)  # 0.5 s for 4 + this one
+    assert pace_interval(admitted, 2, wall=1000.5) == (pytest.approx(0.5 * 2 / 6), False)
+    two = rls_pb2.RateLimitResponse(
+        overall_code=ok, statuses=[status(ok, SECOND, 1, remaining=4), status(ok, MINUTE, 30, remaining=2)]
+    )
+    assert pace_interval(two, 1, wall=1030.0) == (pytest.approx(10.0), False)  # the minute's 2 left bind
+    spent = rls_pb2.RateLimitResponse(overall_code=ok, statuses=[status(ok, SECOND, 1, remaining=0)])
+    assert pace_interval(spent, 1, wall=1000.75) == (pytest.approx(0.25), True)  # the next window
+    refused = rls_pb2.RateLimitResponse(overall_code=over, statuses=[status(over, MINUTE, 42)])
+    assert pace_interval(refused, 1, wall=1038.5) == (pytest.approx(41.5), True)  # the minute ends at 1080
+    unlimited = rls_pb2.RateLimitResponse(overall_code=ok, statuses=[rls_pb2.RateLimitResponse.DescriptorStatus()])
+    assert pace_interval(unlimited, 1, wall=1000.0) == (0.0, False)
+
+
+async def test_fresh_asks_wait_their_turn_unless_their_deadline_comes_first() -> None:
+    ok = rls_pb2.RateLimitResponse.OK
+    wall = [1000.0]
+    consumer = Consumer("127.0.0.1:1", wall=lambda: wall[0])
+    # 1 s window: 9 left after the first ask, so one ask every 0.1 s.
+    script = [
+        (0.0, rls_pb2.RateLimitResponse(overall_code=ok, statuses=[status(ok, SECOND, 1, 9 - n)])) for n in range(5)
+    ]
+    asks = scripted_asks(consumer, script)
+    started = time.monotonic()
+    await asyncio.gather(*(consumer.acquire("it", {"k": "v"}, max_wait=WAIT) for _ in range(3)))
+    gaps = [later - earlier for earlier, later in itertools.pairwise(asks)]
+    assert len(asks) == 3 and all(gap > 0.08 for gap in gaps), gaps
+    assert consumer.stats.paced == 2
+    # The next turn is 0.1 s away: a caller with 0.02 s to wait asks at once, out of turn.
+    started = time.monotonic()
+    await consumer.acquire("it", {"k": "v"}, max_wait=0.02)
+    assert time.monotonic() - started < 0.015
+    assert consumer.stats.out_of_turn == 1
+    assert Consumer("127.0.0.1:1", pace=False).pace is False
+    await consumer.close()
 
 
 def test_requests_outside_the_bounds_fail_before_asking():
