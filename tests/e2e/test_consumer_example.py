@@ -1,0 +1,39 @@
+"""examples/consumer runs: replicas of a service share a provider's budget through two sync-mode sidecars.
+
+``run.py`` starts redis-server, two sidecars, the provider and the consumer service (4
+processes x 10 callers for 5 s, ``max_wait`` 1 s) with the stack's launchers and checks,
+from what the provider and Redis saw: no second past the limit plus sync mode's bound, no
+caller waiting past ``max_wait``, Redis's count equal to the hits admitted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+RUN = Path(__file__).resolve().parents[2] / "examples" / "consumer" / "run.py"
+
+
+def test_the_provider_never_sees_more_than_the_shared_budget() -> None:
+    done = subprocess.run([sys.executable, str(RUN)], capture_output=True, text=True, timeout=180, check=False)
+    assert done.stdout, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    print(json.dumps(result))  # the figures the README and docs/consumer.md quote (pytest -s)
+    assert result["problems"] == [], result
+    assert done.returncode == 0
+    limit, bound = result["limit"], result["bound"]
+    assert max(result["provider_per_second"]) <= limit + bound
+    # The whole budget is used: Redis's full windows hold the limit (the provider sees less in
+    # a second when a slot was admitted after its caller had left: `orphaned`).
+    windows = result["redis_per_window"][1:-1]
+    assert len(windows) >= 3 and all(limit <= hits <= limit + bound for hits in windows), windows
+    consumer = result["consumer"]
+    assert consumer["longest_wait"] <= result["max_wait"] + 0.1
+    assert consumer["failures"] > 0, "40 callers were meant to want more than 20 a second"
+    assert result["redis_hits"] == consumer["granted"] == sum(result["provider_per_second"]) + consumer["orphaned"]
