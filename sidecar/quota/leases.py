@@ -16,7 +16,12 @@ computed by max-min fair share (:mod:`sidecar.quota.shares`, run in Redis by
   call; it is pushed (and refreshed) only while at least ``ttl`` of its lease is left, so
   Envoy stops enforcing it by the time the lease ends in Redis, when it may be handed on.
 * **Redis down.** Shares are kept while the lease allows (above), then every bucket gets
-  the safe capacity ``ceil(limit / live replicas)``; the next successful call rebuilds the
+  the safe capacity ``ceil(limit / live replicas)``, and, until the other replicas' leases
+  have surely ended (one lease after the first failed call), never more than they leave
+  (``capacity - others`` of the last reply): a dead replica's lease is not handed out
+  again. The live count is the highest seen within the last lease, so heartbeats that
+  stop (a dead replica) or arrive late (after a pause) do not raise the safe capacity
+  before the leases they stood for have ended. The next successful call rebuilds the
   lease. Calls fail fast while Redis is known to be down (``Availability``).
 * **Windows.** A limit of a minute or more is a budget per window: the replicas' admitted
   requests are added to a per-window counter, shares are of what is left, and a share is
@@ -232,8 +237,8 @@ def share_arguments(call: Call, now_ms: int = 0) -> list[int | str]:
 
 
 def _reply(values: Sequence[Any]) -> Reply:
-    grant, replicas, unsettled, master, computed, capacity = (int(value) for value in values)
-    return Reply(grant, replicas, bool(unsettled), bool(master), bool(computed), capacity)
+    grant, replicas, unsettled, master, computed, capacity, others = (int(value) for value in values)
+    return Reply(grant, replicas, bool(unsettled), bool(master), bool(computed), capacity, others)
 
 
 @dataclass
@@ -254,8 +259,16 @@ class Shared:
     lease_until: float = 0.0
     """Local clock: when the lease ends (the call's start + the lease)."""
     replicas: int = 0
+    heard: bool = False
+    """Redis answered for this bucket at least once (its capacity and others are known)."""
+    capacity: int = 0
+    others: int = 0
+    """From the last reply: what the other replicas' leases may hold (the safe capacity leaves it)."""
     next_poll: float = math.inf
     demand: int = 0
+    republish: bool = False
+    """A call failed: the next one publishes the last known demand (not a poll), since the
+    record's demand may have gone stale in Redis meanwhile (it would count as 0)."""
 
 
 @dataclass
@@ -301,6 +314,11 @@ class QuotaLeases:
         self.leaving: set[BucketKey] = set()
         self.stats = ShareStats()
         self.redis_up = True
+        self.down_since: float | None = None
+        """Local time of the first failed call since the last answered one: the other
+        replicas' leases, renewed at most until then, have ended one lease later."""
+        self.peak_live = 1
+        self.peak_seen = -math.inf
         self.wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -329,15 +347,20 @@ class QuotaLeases:
             shared.reported = True
             self.wake.set()
 
-    def release(self, stream: Stream, key: BucketKey) -> None:
-        """A stream stopped holding a bucket (abandoned, or the stream closed)."""
+    def release(self, stream: Stream, key: BucketKey, *, give_back: bool) -> None:
+        """A stream stopped holding a bucket: abandoned (``give_back``: Envoy erased it, so the
+        lease is given back at once), or the stream closed. A closed stream proves nothing
+        about its Envoy, which enforces the last assignment until its TTL (the sidecar may
+        have been killed, or the connection dropped): the lease is then left to run out in
+        Redis, never handed on before that."""
         shared = self.buckets.get(key)
         if shared is None or shared.holders.pop(stream.id, None) is None:
             return
         if not shared.holders:
             del self.buckets[key]
-            self.leaving.add(key)
-            self.wake.set()
+            if give_back:
+                self.leaving.add(key)
+                self.wake.set()
 
     def rebase(self, key: BucketKey, base: Assignment) -> Assignment | None:
         """A reload changed the bucket's full assignment: the share to push, or None when the
@@ -355,9 +378,22 @@ class QuotaLeases:
         holders = max(1, len(shared.holders))
         if shared.grant is not None and now + self.ttl <= shared.lease_until:
             return shared.shape.assignment(shared.base, shared.grant // holders, self.wall())
-        live = max(shared.replicas, self.replicas.live if self.replicas else 1, self.instances)
-        units = safe_capacity(shared.shape.limit, live) // holders
-        return shared.shape.assignment(shared.base, units, self.wall())
+        live = max(shared.replicas, self.live(now), self.instances)
+        units = safe_capacity(shared.shape.limit, live)
+        if shared.heard and self.down_since is not None and now < self.down_since + self.lease:
+            units = min(units, max(0, shared.capacity - shared.others))  # the others' leases may still run
+        return shared.shape.assignment(shared.base, units // holders, self.wall())
+
+    def live(self, now: float) -> int:
+        """The live replica count for the safe capacity: the highest heartbeat count seen within
+        the last lease. A replica that stops beating may hold a lease for that long, and after a
+        pause every beat is late for a moment: neither may raise the safe capacity."""
+        count = self.replicas.live if self.replicas is not None else 1
+        if count >= self.peak_live or now - self.peak_seen > self.lease:
+            self.peak_live = count
+        if count >= self.peak_live:
+            self.peak_seen = now
+        return self.peak_live
 
     # -- the sync task -----------------------------------------------------------------
 
@@ -393,6 +429,7 @@ class QuotaLeases:
     async def sync(self) -> None:
         """One pass: every due bucket's call, in pipelines of :data:`BATCH`; then pushes."""
         now = self.clock()
+        self.live(now)  # sampled every tick, so the peak is known when a fallback needs it
         wall = self.wall()
         leaving = [(key, None) for key in self.leaving]
         self.leaving = set()
@@ -416,6 +453,8 @@ class QuotaLeases:
             if self.redis_up:
                 log.warning("quota_shares_unavailable", reason=str(error)[:200])
             self.redis_up = False
+            if self.down_since is None:
+                self.down_since = now
             for (_, call), shared in zip(calls[len(leaving) :], due, strict=True):
                 shared.allowed += call.used_add  # owed to the window's counter: sent with the next call
             self._fallback(now)
@@ -423,12 +462,15 @@ class QuotaLeases:
         if not self.redis_up:
             log.info("quota_shares_available")
         self.redis_up = True
+        self.down_since = None
         self.stats.calls += len(calls)
         for shared, reply in zip(due, replies[len(leaving) :], strict=True):
             self.stats.computed += reply.computed
             shared.grant = reply.grant
             shared.lease_until = now + self.lease
             shared.replicas = reply.replicas
+            shared.heard, shared.capacity, shared.others = True, reply.capacity, reply.others
+            shared.republish = False
             # Polled again soon while shares move, or while it gets less than it asks (it may
             # be waiting for capacity another replica gives back in a call it does not see).
             hungry = shared.demand > reply.grant
@@ -455,6 +497,8 @@ class QuotaLeases:
             rate = shared.count / max(1.0, now - shared.counted_since)
             demand = shared.demand = shared.shape.demand(rate, wall)
             shared.count, shared.counted_since, shared.reported = 0, now, False
+        elif shared.republish:
+            demand = shared.demand
         used, shared.allowed = shared.allowed, 0
         shape = shared.shape
         return self._call(demand, shape.limit, shape.window(wall), used if shape.windowed else 0)
@@ -462,7 +506,8 @@ class QuotaLeases:
     def _fallback(self, now: float) -> None:
         """Redis is away: keep each share while its lease allows, then the safe capacity."""
         for shared in self.buckets.values():
-            shared.reported = False  # the demand is published again with the next report
+            shared.reported = False  # the demand is published again with the next report ...
+            shared.republish = True  # ... or, if none came by then, the last one with the next call
             if shared.grant is not None and now + self.ttl > shared.lease_until:
                 shared.grant = None
                 self.stats.safe += 1

@@ -169,7 +169,7 @@ class QuotaRegistry:
         if self.streams.pop(stream.id, None) is not None:
             if self.leases is not None:
                 for key in stream.buckets:
-                    self.leases.release(stream, key)
+                    self.leases.release(stream, key, give_back=False)
             self.live -= len(stream.buckets)
             stream.buckets.clear()
 
@@ -268,7 +268,7 @@ class QuotaRegistry:
         for key in idle:
             live = stream.buckets.pop(key)
             if self.leases is not None:
-                self.leases.release(stream, key)
+                self.leases.release(stream, key, give_back=True)
             self.live -= 1
             stream.abandoned[key] = now
             stream.pending.append(Action(live.bucket_id, None))

@@ -15,7 +15,8 @@ this module is its reference (a test runs both on the same inputs and compares).
   whatever subset of replicas picks up, the leases in force never add up to more than
   the limit (no double allocation), including across a dead replica's lease running out.
 * **Safe capacity** (:func:`safe_capacity`): without Redis, after its lease expired, a
-  replica enforces ``ceil(limit / live replicas)`` (the failure mode ``local`` rule).
+  replica enforces ``ceil(limit / live replicas)`` (the failure mode ``local`` rule), but
+  never what the other replicas' leases may still hold (:attr:`Reply.others`).
 """
 
 from __future__ import annotations
@@ -166,6 +167,10 @@ class Reply:
     master: bool
     computed: bool
     capacity: int
+    others: int = 0
+    """An upper bound of what the other replicas' leases and grants hold (``capacity - slack -
+    held``): while Redis is away, a replica's safe capacity leaves it to them until their
+    leases have ended."""
 
 
 def _recompute(bucket: Bucket, capacity: int, now: int, stale_ms: int) -> None:
@@ -211,7 +216,7 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
     if call.demand == LEAVE:
         if bucket.entries.pop(call.replica, None) is not None:
             bucket.unsettled = True
-        return Reply(0, len(bucket.entries), bucket.unsettled, False, False, 0)
+        return Reply(0, len(bucket.entries), bucket.unsettled, False, False, 0, 0)
     entry = bucket.entries.get(call.replica)
     new = entry is None
     if entry is None:
@@ -248,4 +253,5 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
     if entry.grant < held and bucket.unsettled and (computed or now - bucket.computed_at >= call.min_gap_ms):
         _recompute(bucket, capacity, now, call.stale_ms)  # what it gave back goes to those waiting
         computed = True
-    return Reply(entry.held, len(bucket.entries), bucket.unsettled, master, computed, capacity)
+    others = max(0, capacity - bucket.slack - entry.held)
+    return Reply(entry.held, len(bucket.entries), bucket.unsettled, master, computed, capacity, others)

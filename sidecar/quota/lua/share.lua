@@ -11,7 +11,9 @@
 --       stale_ms, master_ms, threshold_pct, min_gap_ms, window (-1: not windowed),
 --       used_add, keep_ms (how long the hashes outlive the last call), used_keep_ms,
 --       master_gap_ms
--- Reply: {grant, replicas, unsettled, master, computed, capacity}
+-- Reply: {grant, replicas, unsettled, master, computed, capacity, others}
+-- (others: an upper bound of what the other replicas' leases and grants hold, capacity -
+-- slack - the caller's lease; the caller's safe capacity leaves it to them while Redis is away)
 --
 -- Cost: O(1) for a replica that only publishes and picks up; O(R log R) for a computation:
 -- by the bucket's master once per master_gap_ms, and by a caller that is new, whose demand
@@ -182,7 +184,7 @@ if demand == -2 then
     unsettled = true
     save_meta()
   end
-  return {0, redis.call('HLEN', KEYS[1]), unsettled and 1 or 0, 0, 0, 0}
+  return {0, redis.call('HLEN', KEYS[1]), unsettled and 1 or 0, 0, 0, 0, 0}
 end
 
 local text = redis.call('HGET', KEYS[1], me)
@@ -234,4 +236,6 @@ if entry.grant < held and unsettled and (computed or now - computed_at >= min_ga
   computed = true
 end
 save_meta()
-return {entry.held, redis.call('HLEN', KEYS[1]), unsettled and 1 or 0, master and 1 or 0, computed and 1 or 0, capacity}
+local others = math.max(0, capacity - slack - entry.held)
+return {entry.held, redis.call('HLEN', KEYS[1]), unsettled and 1 or 0, master and 1 or 0, computed and 1 or 0, capacity,
+  others}
