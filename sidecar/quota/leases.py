@@ -376,13 +376,31 @@ class QuotaLeases:
     def assignment_of(self, shared: Shared, now: float) -> Assignment:
         """The share while the lease allows pushing it (``ttl`` left), else the safe capacity."""
         holders = max(1, len(shared.holders))
+        return shared.shape.assignment(shared.base, self.units_of(shared, now) // holders, self.wall())
+
+    def units_of(self, shared: Shared, now: float) -> int:
+        """This replica's share of the bucket's limit now (all its streams together)."""
         if shared.grant is not None and now + self.ttl <= shared.lease_until:
-            return shared.shape.assignment(shared.base, shared.grant // holders, self.wall())
+            return shared.grant
         live = max(shared.replicas, self.live(now), self.instances)
         units = safe_capacity(shared.shape.limit, live)
         if shared.heard and self.down_since is not None and now < self.down_since + self.lease:
             units = min(units, max(0, shared.capacity - shared.others))  # the others' leases may still run
-        return shared.shape.assignment(shared.base, units // holders, self.wall())
+        return units
+
+    def by_rule(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``(domain, stat key) -> (share, demand)`` summed over this replica's shared buckets of
+        each rule, in units per fill interval (for the metrics)."""
+        now = self.clock()
+        rows: dict[tuple[str, str], tuple[int, int]] = {}
+        for shared in self.buckets.values():
+            rule = shared.base.rule
+            if rule is None:
+                continue
+            key = (rule.domain, rule.stat_key)
+            share, demand = rows.get(key, (0, 0))
+            rows[key] = (share + self.units_of(shared, now), demand + shared.demand)
+        return rows
 
     def live(self, now: float) -> int:
         """The live replica count for the safe capacity: the highest heartbeat count seen within

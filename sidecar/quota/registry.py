@@ -180,7 +180,8 @@ class QuotaRegistry:
     def gauges(self) -> Gauges:
         now = self.clock()
         lags = [now - (stream.last_report_at or stream.opened_at) for stream in self.streams.values()]
-        return Gauges(self.live, len(self.streams), max(lags, default=0.0))
+        shares = self.leases.by_rule() if self.leases is not None else {}
+        return Gauges(self.live, len(self.streams), max(lags, default=0.0), shares)
 
     def report(self, stream: Stream, domain: str, usages: Iterator[tuple[dict[str, str], int, int]]) -> None:
         """One usage report: adopt new buckets, count usage; queues assignments for new ones."""

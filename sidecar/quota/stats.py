@@ -25,6 +25,8 @@ class Gauges:
     live_buckets: int
     open_streams: int
     report_lag_seconds: float
+    shares: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    """Across replicas (``--backend redis``): ``(domain, stat key) -> (share, demand)``."""
 
 
 @dataclass
@@ -99,6 +101,7 @@ class QuotaStats:
             "Seconds since the least recent report of any open stream (Envoy reports every 5 s)",
             value=now.report_lag_seconds,
         )
+        yield from _share_families(now.shares)
         yield CounterMetricFamily(PREFIX + "streams_opened", "Streams opened", value=self.streams_opened)
         yield CounterMetricFamily(PREFIX + "reports", "Usage report messages received", value=self.reports)
         yield _labelled(PREFIX + "malformed", "Messages or report entries refused, by kind", "kind", self.malformed)
@@ -130,6 +133,21 @@ class FrozenQuota:
 
     def collect(self) -> Iterator[Metric]:
         return self.stats.families(lambda: self.gauges)
+
+
+def _share_families(shares: dict[tuple[str, str], tuple[int, int]]) -> Iterator[Metric]:
+    """This replica's share of each rule's limit and its Envoy's demand (``--backend redis``)."""
+    names = (
+        ("share", "This replica's share of the rule's limit (leased, or the safe capacity while Redis is away), "
+         "units per fill interval, summed over its buckets"),
+        ("share_demand", "Demand this replica published for the rule (Envoy's allowed + denied, +10%), "
+         "units per fill interval, summed over its buckets"),
+    )  # fmt: skip
+    for index, (name, documentation) in enumerate(names):
+        family = GaugeMetricFamily(PREFIX + name, documentation, labels=("domain", "key"))
+        for (domain, stat_key), row in sorted(shares.items())[:MAX_RULE_SERIES]:
+            family.add_metric((domain, stat_key.removeprefix(domain + ".")), row[index])
+        yield family
 
 
 def _labelled(name: str, documentation: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:

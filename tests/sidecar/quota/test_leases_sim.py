@@ -204,3 +204,25 @@ async def test_after_an_outage_the_first_call_publishes_the_last_demand(h: Simpl
     tokens = [r.tokens() for r in group]
     # Without it every record is stale: all count as asking nothing and share it evenly (50 each).
     assert tokens[0] >= 120 and tokens[1] >= 33 and tokens[2] >= 33 and sum(tokens) <= LIMIT, tokens
+
+
+async def test_metrics_show_each_replicas_share_and_demand_per_rule(h: SimpleNamespace) -> None:
+    clock = h.FakeClock(1000.0)
+    redis = SimRedis(clock)
+    group = replicas(h, redis, clock, "abc")
+    await settle(group, clock, {"a": 240, "b": 30, "c": 30}, 20)
+    samples = {
+        (family.name, sample.labels["key"]): sample.value
+        for family in group[0].registry.frozen_stats().collect()
+        if family.name.startswith("ratelimit_sidecar_quota_share")
+        for sample in family.samples
+    }
+    assert samples == {
+        ("ratelimit_sidecar_quota_share", "user"): group[0].tokens(),
+        ("ratelimit_sidecar_quota_share_demand", "user"): 264,  # 240/s, +10%
+    }
+    redis.down = True
+    for _ in range(LEASE):
+        await second(group, clock, {"a": 240, "b": 30, "c": 30}, report=False)
+    frozen = group[0].registry.frozen_stats()
+    assert frozen.gauges.shares == {("q", "q.user"): (group[0].tokens(), 264)}  # the safe capacity now
