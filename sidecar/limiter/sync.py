@@ -111,6 +111,10 @@ class SyncLimiter:
         """Unflushed hits forgotten with their counter after its Redis key expired (sending
         them would add to a key that expires at once)."""
         self._drop_logged = False
+        self._room_flush: asyncio.Task[None] | None = None
+        """The flush requests at the cap wait for while Redis answers (:meth:`_wait_for_room`)."""
+        self._flushes_delivered = 0
+        """Flushes that delivered hits: each makes the counters it carried forgettable."""
         self.clock = clock
         self._windows: dict[int, dict[tuple[CounterKey, int], WindowCounter]] = {}
         """Counters by window end, then by (counter key, unit): ended windows are dropped
@@ -206,6 +210,8 @@ class SyncLimiter:
         """
         counters = [self._counter(check, now) for check in checks]
         try:
+            if not all(counter.remembered for counter in counters):
+                await self._wait_for_room(checks, counters, now)
             decision = await self._decide(checks, counters, now)
         finally:
             for counter in counters:
@@ -535,6 +541,43 @@ class SyncLimiter:
             self._room_wait = read
         return self._live < self.max_counters
 
+    async def _wait_for_room(self, checks: Sequence[Check], counters: list[WindowCounter], now: float) -> None:
+        """At the cap with every counter holding hits Redis lacks, while Redis answers: flush now.
+
+        The counters whose hits land can then be forgotten, so the request's new counters
+        are remembered (replaced in ``counters``) and it is decided as below the cap, its
+        hits kept for Redis, and the cap holds. Not remembering them would leave the
+        request to an escalation within the request budget, and a flood would be refused
+        by the failure mode whenever those time out. Requests waiting for room share one
+        flush; others may take the room it makes, so this goes on while flushes deliver
+        hits, for at most the background timeout, then the request is decided as before
+        (escalated, or the failure mode's while Redis is away).
+        """
+        deadline = time.monotonic() + self.store.background_timeout
+        while self.store.available and time.monotonic() < deadline:
+            delivered = self._flushes_delivered
+            if self._room_flush is None or self._room_flush.done():
+                self._room_flush = asyncio.create_task(self._flush_once(), name="sync-room-flush")
+            await asyncio.shield(self._room_flush)
+            for index, (check, counter) in enumerate(zip(checks, counters, strict=True)):
+                counters[index] = self._remembered(check, counter, now)
+            if all(counter.remembered for counter in counters) or self._flushes_delivered == delivered:
+                return  # room, or no flush delivered a hit: no counter became forgettable
+
+    async def _flush_once(self) -> None:
+        try:
+            await self.sync_once()
+        except Exception:
+            log.exception("sync_failed")
+
+    def _remembered(self, check: Check, counter: WindowCounter, now: float) -> WindowCounter:
+        """After a flush for room: the counter to use instead of one that could not be remembered
+        (a concurrent request may have remembered the same counter meanwhile)."""
+        if counter.remembered:
+            return counter
+        counter.busy -= 1  # it holds no hit yet: this request had not decided
+        return self._counter(check, now)
+
     def _evict(self, now: float) -> int:
         """Forget counters Redis already holds, window ending first; returns how many were read.
 
@@ -669,6 +712,7 @@ class SyncLimiter:
         """Learn the global totals; the growth we did not cause feeds the reserve."""
         if batch.sent:
             self._room_wait = 0  # counters whose hits landed can be forgotten again
+            self._flushes_delivered += 1
         own = {key: hits for key, (_, hits) in batch.sent.items()}
         for counter in batch.counters():
             if counter.previous_key is not None:

@@ -30,6 +30,8 @@ class SimulatedStore:
     """Counts in a dict; ``decide`` and ``flush`` behave like the Redis scripts."""
 
     replicas_key = "rls:replicas"
+    background_timeout = 1.0
+    """As the real store's least: how long a request at ``--max-counters`` waits for flushes to make room."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
