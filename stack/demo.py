@@ -5,20 +5,26 @@ two sidecars in sync mode sharing it, two Envoys (``envoy/front.yaml``) each cal
 its own sidecar, two sample upstream apps, and HAProxy when its config is shipped;
 then it sends requests through both Envoys, shows where the 429s start and the
 ``x-ratelimit-*`` headers, and prints admitted vs limit per limit. Without Redis it
-runs on the embedded backend and says so. Ctrl-C (or SIGTERM) stops every process.
+runs on the embedded backend and says so. A quota-mode pod (``envoy/quota.yaml``, the same
+limits exported by ``export-envoy-quota``: Envoy enforces in-process, its sidecar assigns)
+gets the same bursts, and its admitted counts are shown beside the per-request path's.
+Ctrl-C (or SIGTERM) stops every process.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import math
 import shutil
 import signal
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sidecar.settings import Settings
@@ -87,10 +93,18 @@ class Step:
     unit_seconds: int
     via: str = ENVOYS
     replies: list[Reply] = field(default_factory=list)
+    quota_replies: list[Reply] = field(default_factory=list)
+    """The same burst through the quota-mode Envoy (Envoy steps, when it runs)."""
+    quota_seconds: float = 0.0
+    """How long that burst took: the token bucket refills meanwhile."""
 
     @property
     def admitted(self) -> int:
         return sum(reply.status == 200 for reply in self.replies)
+
+    @property
+    def quota_admitted(self) -> int:
+        return sum(reply.status == 200 for reply in self.quota_replies)
 
 
 def steps(haproxy: bool = False) -> list[Step]:
@@ -161,6 +175,77 @@ def run_step(stack: Stack, step: Step) -> None:
         step.replies = [clients.send(index, step.method, step.path, step.headers) for index in range(step.count)]
     finally:
         clients.close()
+    if stack.quota is not None and step.via == ENVOYS:
+        run_quota_step(stack, step)
+
+
+QUOTA_GAP = 1.05
+"""Seconds between two quota bursts: some buckets are not per step (the 5/second ``write``
+limit counts every POST), and a per-second token bucket is full again after a second."""
+_last_quota_burst = [-math.inf]
+
+
+ASSIGNMENT_WAIT = 0.2
+"""Seconds after a burst's first request, so its new buckets have their assignments (a few ms)."""
+
+
+def run_quota_step(stack: Stack, step: Step) -> None:
+    """The step's burst through the quota-mode Envoy (token buckets: no window to wait for).
+
+    Its first request creates the step's buckets: Envoy answers it by their
+    ``no_assignment_behavior`` (ALLOW_ALL, no token spent) and asks the sidecar, which
+    assigns them within a few ms; the rest of the burst follows :data:`ASSIGNMENT_WAIT` later.
+    """
+    assert stack.quota is not None
+    time.sleep(max(0.0, _last_quota_burst[0] + QUOTA_GAP - time.monotonic()))
+    quota = Clients([(stack.quota.envoy.label, stack.quota.envoy.url)])
+    try:
+        first = quota.send(0, step.method, step.path, step.headers)
+        time.sleep(ASSIGNMENT_WAIT)
+        started = time.monotonic()
+        rest = [quota.send(0, step.method, step.path, step.headers) for _ in range(step.count - 1)]
+        step.quota_seconds = time.monotonic() - started
+        step.quota_replies = [first, *rest]
+    finally:
+        quota.close()
+        _last_quota_burst[0] = time.monotonic()
+
+
+def open_quota_streams(stack: Stack, tour: Sequence[Step], timeout: float = 5.0) -> None:
+    """Each step's request once, from an address of its own, so that Envoy opens the RLQS
+    stream of every quota filter the tour uses (one per filter, opened by its first bucket)
+    before the bursts; waits until the sidecar has them all."""
+    assert stack.quota is not None
+    quota = Clients([(stack.quota.envoy.label, stack.quota.envoy.url)])
+    try:
+        for step in tour:
+            quota.send(0, step.method, step.path, {**step.headers, "x-forwarded-for": "192.0.2.1"})
+    finally:
+        quota.close()
+    filters = quota_filter_count(stack.quota.envoy.config_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(quota_config(stack)["streams"]) < filters:
+        time.sleep(0.05)
+    time.sleep(ASSIGNMENT_WAIT)
+
+
+def quota_filter_count(config_path: Path) -> int:
+    return config_path.read_text().count("name: envoy.filters.http.rate_limit_quota")
+
+
+def quota_config(stack: Stack) -> dict[str, Any]:
+    """The quota sidecar's ``/config`` ``quota`` object (streams, live buckets)."""
+    assert stack.quota is not None
+    with urllib.request.urlopen(stack.quota.sidecar.metrics_url + "/config", timeout=2) as reply:
+        found: dict[str, Any] = json.load(reply)["quota"]
+    return found
+
+
+def quota_bound(step: Step) -> int:
+    """What the quota path may admit beyond the limit for this burst: the first request (its new
+    buckets' ALLOW_ALL, no token spent), and the refill at limit / window while the burst runs."""
+    assert step.expected is not None
+    return 1 + math.ceil(step.expected * step.quota_seconds / step.unit_seconds)
 
 
 def targets(stack: Stack, via: str) -> list[tuple[str, str]]:
@@ -188,6 +273,12 @@ def describe_step(step: Step) -> list[str]:
         lines.append("  no 429; headers of the last response:")
         shown = step.replies[-1]
     lines += [f"    {name}: {shown.headers[name]}" for name in RATELIMIT_HEADERS if name in shown.headers]
+    if step.quota_replies:
+        lines.append(
+            f"  quota mode ({step.quota_replies[0].via}, Envoy enforces in-process): the same"
+            f" {len(step.quota_replies)} requests -> {step.quota_admitted} admitted"
+            f" in {step.quota_seconds * 1000:.0f} ms"
+        )
     return lines
 
 
@@ -221,13 +312,35 @@ def summary(done: Sequence[Step], stack: Stack) -> list[str]:
             f"  {step.limit_label:<40} admitted {step.admitted:>3} of {step.count:<3} allowed {allowed:<3} "
             + verdict(step, allowed, mode, bound)
         )
+    quota = [step for step in done if step.quota_replies]
+    if quota:
+        lines += ["", "Quota mode, the same bursts (envoy/quota.yaml: a token bucket per bucket, in Envoy):"]
+        for step in quota:
+            allowed = step.count if step.expected is None else step.expected
+            bound = quota_bound(step) if step.expected is not None else 0
+            label = "quota " + step.limit_label
+            lines.append(
+                f"  {label:<46} admitted {step.quota_admitted:>3} of {step.count:<3} allowed {allowed:<3} "
+                + quota_verdict(step.quota_admitted, allowed, bound)
+            )
     return lines
+
+
+def quota_verdict(admitted: int, allowed: int, bound: int) -> str:
+    if admitted == allowed:
+        return "exact"
+    if allowed < admitted <= allowed + bound:
+        return f"within quota mode's bound (+{bound}: the first request before the assignment, the refill)"
+    return "DIFFERS from the config"
 
 
 def tour(stack: Stack) -> list[Step]:
     """Send the scripted traffic through the proxies and print what happened."""
     done = []
-    for number, step in enumerate(steps(haproxy=stack.haproxy is not None), start=1):
+    tour_steps = steps(haproxy=stack.haproxy is not None)
+    if stack.quota is not None:
+        open_quota_streams(stack, [step for step in tour_steps if step.via == ENVOYS])
+    for number, step in enumerate(tour_steps, start=1):
         run_step(stack, step)
         print(f"\n{number}. {step.title}")
         print("\n".join(describe_step(step)))
@@ -255,6 +368,13 @@ def describe_stack(stack: Stack) -> Iterator[str]:
         )
     elif stack.haproxy_note:
         yield f"  haproxy        not started: {stack.haproxy_note}"
+    if stack.quota is not None:
+        pod = stack.quota
+        yield (
+            f"  {pod.envoy.label:<14} {pod.envoy.url}  (admin 127.0.0.1:{pod.envoy.admin}) quota mode,"
+            f" envoy/quota.yaml -> {pod.sidecar.label} {pod.sidecar.address} (RLQS, embedded backend)"
+            f" -> {pod.app.label} :{pod.app.port}"
+        )
     yield f"  logs           {LOG_DIR.relative_to(REPO)}/"
     first = stack.envoy_urls[0]
     yield ""
@@ -270,6 +390,7 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-redis", action="store_true", help="use the embedded in-memory backend")
     parser.add_argument("--replicas", type=int, default=2, help="pods to start (default 2)")
     parser.add_argument("--no-haproxy", action="store_true", help="do not start HAProxy")
+    parser.add_argument("--no-quota", action="store_true", help="do not start the quota-mode Envoy")
     return parser.parse_args(argv)
 
 
@@ -287,6 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_redis=not arguments.no_redis,
         envoy_ports=[10000 + index for index in range(arguments.replicas)],
         haproxy=not arguments.no_haproxy,
+        quota=not arguments.no_quota,
+        quota_port=10000 + arguments.replicas,
     )
     print("Starting the local stack on 127.0.0.1 ...", flush=True)
     try:

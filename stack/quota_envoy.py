@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from stack.envoy import admin_get, envoy_binary
+from stack.envoy import ENVOY_CONFIGS, admin_get, envoy_binary
 from stack.processes import Child, free_port
 from stack.sidecar import SidecarProcess
 
@@ -218,6 +218,56 @@ class QuotaEnvoy(Child):
             "--log-level", "warning",
         ]  # fmt: skip
         super().__init__("quota-envoy", argv, directory / "quota-envoy.log")
+
+    def ready(self) -> bool:
+        try:
+            return admin_get(self.admin, "/ready", timeout=0.5).strip() == "LIVE"
+        except OSError:
+            return False
+
+
+SHIPPED_QUOTA = ENVOY_CONFIGS / "quota.yaml"
+"""``envoy/quota.yaml``: ``envoy/front.yaml``'s routes and limits in quota mode (``export-envoy-quota``)."""
+
+
+def render_shipped(template: Path, listen: int, admin: int, app: int, rlqs: int) -> dict[str, Any]:
+    """``template`` (a shipped quota-mode config) with the ``ingress`` listener, the admin
+    listener and the ``app`` and ``rlqs`` clusters on 127.0.0.1 at the given ports; the
+    routes and filters are kept as a user deploys them."""
+    config: dict[str, Any] = yaml.safe_load(template.read_text())
+    config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin}
+    resources = config["static_resources"]
+    (ingress,) = [item for item in resources["listeners"] if item["name"] == "ingress"]
+    ingress["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
+    for item in resources["clusters"]:
+        port = {"app": app, "rlqs": rlqs}.get(item["name"])
+        if port is not None:
+            endpoint = item["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            endpoint["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": port}
+    return config
+
+
+class ShippedQuotaEnvoy(Child):
+    """Real Envoy running ``envoy/quota.yaml`` (rendered on free ports) in front of ``app``,
+    with its RLQS stream to the sidecar on ``sidecar_port`` (the demo's quota-mode Envoy)."""
+
+    ready_sign = "admin /ready answering LIVE"
+
+    def __init__(self, name: str, directory: Path, app: int, sidecar_port: int, listen: int = 0) -> None:
+        self.listen, self.admin = listen or free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.listen}"
+        self.config_path = directory / f"{name}.yaml"
+        directory.mkdir(parents=True, exist_ok=True)
+        config = render_shipped(SHIPPED_QUOTA, self.listen, self.admin, app, sidecar_port)
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [
+            envoy_binary(),
+            "--config-path", str(self.config_path),
+            "--concurrency", "1",
+            "--disable-hot-restart",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        super().__init__(name, argv, directory / f"{name}.log")
 
     def ready(self) -> bool:
         try:

@@ -1,7 +1,9 @@
 """The whole local stack: one redis-server and, per replica, an upstream app, a sidecar and an Envoy.
 
 Replica ``i`` is a pod as in production: Envoy ``i`` sends its rate-limit calls to
-sidecar ``i`` and its traffic to app ``i``. With Redis the sidecars share every limit
+sidecar ``i`` and its traffic to app ``i``. With ``quota`` one more pod runs the same
+limits in quota mode: ``envoy/quota.yaml`` (Envoy enforces in-process) with its own
+sidecar, on the embedded backend (one Envoy: its full limit). With Redis the sidecars share every limit
 (``sync`` mode unless told otherwise); without it each runs the embedded backend with
 ``--instances R`` (limit / R each), and :attr:`Stack.backend_note` says so.
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.haproxy import HAProxyPorts, HAProxyProcess, haproxy_binary
 from stack.processes import REPO, ProcessGroup, StartError, free_port, port_free
+from stack.quota_envoy import ShippedQuotaEnvoy
 from stack.redis import RedisProcess
 from stack.redis import available as redis_available
 from stack.sidecar import SidecarProcess
@@ -47,6 +50,10 @@ class StackOptions:
     """Also run ``haproxy/haproxy.cfg`` (both flavours) in front of the first app."""
     haproxy_ports: tuple[int, int] = (10080, 10081)
     """Preferred ports of HAProxy's fixed and sliding frontends."""
+    quota: bool = False
+    """Also run a quota-mode pod: ``envoy/quota.yaml`` -> its own sidecar -> its own app."""
+    quota_port: int | None = None
+    """Preferred listen port of the quota-mode Envoy."""
 
 
 @dataclass
@@ -56,6 +63,15 @@ class Replica:
     app: UpstreamProcess
     sidecar: SidecarProcess
     envoy: EnvoyProcess
+
+
+@dataclass
+class QuotaPod:
+    """The quota-mode pod: Envoy enforces the assignments its sidecar sends (RLQS)."""
+
+    app: UpstreamProcess
+    sidecar: SidecarProcess
+    envoy: ShippedQuotaEnvoy
 
 
 @dataclass
@@ -70,6 +86,7 @@ class Stack:
     backend_note: str = ""
     haproxy: HAProxyProcess | None = None
     haproxy_note: str = ""
+    quota: QuotaPod | None = None
 
     @property
     def envoy_urls(self) -> list[str]:
@@ -92,6 +109,12 @@ def _serve_args(options: StackOptions, redis: RedisProcess | None) -> list[str]:
     if redis is not None:
         return [*args, "--backend", "redis", "--redis-url", redis.url, "--mode", options.mode]
     return [*args, "--backend", "memory", "--instances", str(options.replicas)]
+
+
+def quota_serve_args(options: StackOptions) -> list[str]:
+    """The quota-mode pod's sidecar: the same config, the embedded backend (one Envoy holds
+    the whole limit; shares across replicas need ``--backend redis``, docs/quota.md)."""
+    return ["--config", str(options.config), "--backend", "memory"]
 
 
 def _backend_note(options: StackOptions, redis: RedisProcess | None, reason: str) -> str:
@@ -133,7 +156,20 @@ def start(group: ProcessGroup, directory: Path, options: StackOptions) -> Stack:
     stack.replicas = [Replica(*parts) for parts in zip(apps, sidecars, envoys, strict=True)]
     if options.haproxy:
         stack.haproxy, stack.haproxy_note = _start_haproxy(group, directory, options, apps[0].port)
+    if options.quota:
+        stack.quota = _start_quota(group, directory, options)
     return stack
+
+
+def _start_quota(group: ProcessGroup, directory: Path, options: StackOptions) -> QuotaPod:
+    app = group.start_ready(partial(UpstreamProcess, "app-quota", directory))
+    sidecar = group.start_ready(partial(SidecarProcess, "sidecar-quota", quota_serve_args(options), directory))
+
+    def build() -> ShippedQuotaEnvoy:
+        listen = preferred_port(options.quota_port)
+        return ShippedQuotaEnvoy("envoy-quota", directory, app.port, sidecar.port, listen=listen)
+
+    return QuotaPod(app, sidecar, group.start_ready(build))
 
 
 def _start_haproxy(

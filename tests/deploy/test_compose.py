@@ -26,13 +26,17 @@ import yaml
 from sidecar.__main__ import _parser
 from sidecar.settings import resolve
 from stack.envoy import ENVOY_CONFIGS, envoy_binary, ingress_manager
-from stack.topology import StackOptions, _serve_args
+from stack.topology import StackOptions, _serve_args, quota_serve_args
 from tests.support.deploy import COMPOSE_FILE, REPO, dockerfile_env, effective, read_dockerfile, stage_chain
 
 pytestmark = [pytest.mark.envoy, pytest.mark.redis]
 
 DEMO_ENVOY_PORTS = (10000, 10001)
 """Where scripts/demo puts its Envoys (stack/demo.py: 10000 + replica index)."""
+DEMO_QUOTA_PORT = 10002
+"""Where scripts/demo puts its quota-mode Envoy (stack/demo.py: 10000 + replicas)."""
+QUOTA_POD = "quota"
+"""The quota-mode pod's name suffix: app-quota, sidecar-quota, envoy-quota."""
 HAPROXY_CONFIG = REPO / "haproxy" / "haproxy.cfg"
 HAPROXY_IMAGE_CONFIG = "/usr/local/etc/haproxy/haproxy.cfg"
 """Where the official haproxy image reads its config."""
@@ -128,7 +132,7 @@ def test_every_mounted_file_is_in_the_repository(services: dict[str, dict[str, A
             assert source.exists(), f"{name}: {source} (mounted at {target}) is missing"
             assert source.is_relative_to(REPO), f"{name}: {source} is outside the repository"
             mounted.add(source.relative_to(REPO).as_posix())
-    assert mounted == {"examples/config", "envoy/front.yaml", "haproxy/haproxy.cfg"}
+    assert mounted == {"examples/config", "envoy/front.yaml", "envoy/quota.yaml", "haproxy/haproxy.cfg"}
 
 
 def test_images_are_built_from_this_dockerfile_or_pinned(services: dict[str, dict[str, Any]]) -> None:
@@ -149,7 +153,7 @@ def test_published_ports_are_on_loopback_and_documented(services: dict[str, dict
         for port in service.get("ports", []):
             assert port.get("host_ip") == "127.0.0.1", f"{name} publishes {port['published']} beyond loopback"
             published[int(port["published"])] = (name, port["target"])
-    assert set(published) == {*DEMO_ENVOY_PORTS, 10080, 10081}
+    assert set(published) == {*DEMO_ENVOY_PORTS, DEMO_QUOTA_PORT, 10080, 10081}
     header = COMPOSE_FILE.read_text().split("\nname:", 1)[0]
     for port in published:
         assert str(port) in header, f"port {port} is not documented at the top of docker-compose.yml"
@@ -161,6 +165,7 @@ def test_pods_run_what_the_local_demo_runs(services: dict[str, dict[str, Any]]) 
     assert options.envoy_template == ENVOY_CONFIGS / "front.yaml"
     sidecar_image_env = dockerfile_env(stage_chain(read_dockerfile(), "sidecar"))
     pods = sorted(name.removeprefix("sidecar-") for name in services if name.startswith("sidecar-"))
+    pods.remove(QUOTA_POD)  # checked below
     assert pods == [str(index) for index in range(1, options.replicas + 1)]
     for index, envoy_port in zip(pods, DEMO_ENVOY_PORTS, strict=True):
         app, sidecar, envoy = services[f"app-{index}"], services[f"sidecar-{index}"], services[f"envoy-{index}"]
@@ -189,10 +194,38 @@ def test_pods_run_what_the_local_demo_runs(services: dict[str, dict[str, Any]]) 
         assert settings.grpc_address == "{}:{}".format(*front["ratelimit"]), "Envoy calls the sidecar here"
 
 
+def test_the_quota_pod_runs_what_the_local_demo_runs(services: dict[str, dict[str, Any]]) -> None:
+    """envoy-quota runs envoy/quota.yaml unchanged, in front of its app, with its RLQS stream to
+    its sidecar, which runs the local demo's quota serve arguments (stack/topology.py)."""
+    options = StackOptions(quota=True)
+    assert 10000 + options.replicas == DEMO_QUOTA_PORT, "stack/demo.py: quota_port"
+    shipped = ENVOY_CONFIGS / "quota.yaml"
+    quota = envoy_addresses(shipped)
+    app, sidecar, envoy = (services[f"{part}-{QUOTA_POD}"] for part in ("app", "sidecar", "envoy"))
+    assert sidecar["network_mode"] == envoy["network_mode"] == f"service:app-{QUOTA_POD}"
+    (port,) = app["ports"]
+    assert (int(port["published"]), port["target"]) == (DEMO_QUOTA_PORT, quota["ingress"][1])
+    assert int(option_value(app["command"], "--port")) == quota["app"][1]
+    assert bind_mounts(envoy)[option_value(envoy["command"], "--config-path")] == shipped
+    command = sidecar["command"]
+    config_dir = option_value(command, "--config")
+    assert bind_mounts(sidecar)[config_dir] == options.config
+    assert command[1:] == quota_serve_args(dataclasses.replace(options, config=Path(config_dir)))
+    environment = {**dockerfile_env(stage_chain(read_dockerfile(), "sidecar")), **(sidecar.get("environment") or {})}
+    settings = resolve(_parser().parse_args(command), environ=environment)
+    assert settings.backend == "memory"
+    assert settings.grpc_address == "{}:{}".format(*quota["rlqs"]), "Envoy's RLQS stream goes here"
+    assert envoy["depends_on"][f"sidecar-{QUOTA_POD}"]["condition"] == "service_healthy"
+
+
 def test_compose_envoys_send_the_pods_descriptors_and_validate(services: dict[str, dict[str, Any]]) -> None:
     """One source of truth: the config compose mounts has envoy/sidecar.yaml's routes and filter."""
     pod_config = yaml.safe_load((ENVOY_CONFIGS / "sidecar.yaml").read_text())
-    mounted = {bind_mounts(service)["/etc/envoy/envoy.yaml"] for name, service in services.items() if "envoy" in name}
+    mounted = {
+        bind_mounts(service)["/etc/envoy/envoy.yaml"]
+        for name, service in services.items()
+        if "envoy" in name and name != f"envoy-{QUOTA_POD}"
+    }
     (path,) = mounted
     config = yaml.safe_load(path.read_text())
     for part in ("route_config", "http_filters"):

@@ -1,4 +1,5 @@
-"""The README's demo command: the whole stack, a scripted run through both Envoys, a clean stop."""
+"""The README's demo command: the whole stack, a scripted run through both Envoys and the
+quota-mode Envoy, a clean stop."""
 
 from __future__ import annotations
 
@@ -78,12 +79,28 @@ def test_demo_run_through_both_envoys_matches_the_config(flags: tuple[str, ...],
         "login_attempts: 3/minute (shadow)",
         "HAProxy fixed: 20/second per address",
         "HAProxy sliding: 20/second per address",
+        # The same bursts through envoy/quota.yaml (quota mode: Envoy enforces in-process).
+        "quota remote_address: 20/second per address",
+        "quota per_api_key: 10/minute per key",
+        "quota premium_key: 100/minute per key",
+        "quota header_match=write: 5/second",
+        "quota login_attempts: 3/minute (shadow)",
     }, out
     assert "retry-after: 1" in out, "HAProxy's 429 carries Retry-After"
     for label, (admitted, allowed, verdict) in rows.items():
         assert verdict == "exact" or verdict.startswith("within"), f"{label}: {verdict}\n{out}"
         assert admitted >= allowed, f"{label}: a well-behaved burst was refused\n{out}"
     assert rows["per_api_key: 10/minute per key"][:2] == (10, 10)
+    # Quota mode: a token bucket, so at most the first request (answered before its new buckets
+    # have an assignment) and what refills during the burst beyond the limit.
+    assert re.search(r"envoy-quota +http://127\.0\.0\.1:\d+ .*quota mode, envoy/quota\.yaml", out), out
+    for label in ("quota remote_address: 20/second per address", "quota header_match=write: 5/second"):
+        admitted, allowed, _ = rows[label]
+        assert allowed <= admitted <= allowed + 2, f"{label}\n{out}"
+    assert rows["quota login_attempts: 3/minute (shadow)"][:2] == (5, 5), "shadow: ALLOW_ALL"
+    assert re.search(
+        r"quota mode \(envoy-quota, Envoy enforces in-process\): the same 30 requests -> 2[01] admitted", out
+    )
     assert "Demo stopped" in out
 
 
@@ -103,7 +120,7 @@ def test_ctrl_c_stops_every_process_the_demo_started() -> None:
                 break
         assert "Ctrl-C stops it" in lines[-1], "".join(lines)
         children = children_of(demo.pid)
-        assert len(children) >= 7, f"expected 2 apps, 2 sidecars, 2 Envoys, HAProxy: {children}"
+        assert len(children) >= 10, f"expected 2 apps, 2 sidecars, 2 Envoys, HAProxy, the quota pod's 3: {children}"
         demo.send_signal(signal.SIGINT)
         rest, _ = demo.communicate(timeout=30)
         assert demo.returncode == 0, "".join(lines) + rest
