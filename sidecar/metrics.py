@@ -59,6 +59,7 @@ OVERFLOW_SUFFIX = "_detailed_overflow"
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 FLUSH_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 FLUSH_KEYS_BUCKETS = (1, 5, 10, 50, 100, 500, 1000, 5000, 10000)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class Buckets:
@@ -302,6 +303,13 @@ class LimiterSnapshot:
     """Calls that met a Redis key holding something that is not a counter."""
     refused_hits: int | None = None
     """Admitted hits a flush could not add, their key holding no counter."""
+    failure_reasons: dict[str, int] | None = None
+    """Requests decided without Redis, by reason (``sidecar.limiter.budget.REASONS``)."""
+    loop_lag_latest: float | None = None
+    """Lateness of the event loop's last timer tick, seconds."""
+    loop_lag_max: float | None = None
+    """Largest lateness since the previous scrape."""
+    loop_lag: Buckets | None = None
 
 
 def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
@@ -339,6 +347,29 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
             "Admitted hits a flush could not add to Redis: their key holds something that is not a counter",
             value=snapshot.refused_hits,
         )
+    if snapshot.failure_reasons is not None:
+        reasons = CounterMetricFamily(
+            "ratelimit_sidecar_failure_decisions",
+            "Requests decided by the failure mode instead of Redis, by reason",
+            labels=("reason",),
+        )
+        for reason, count in snapshot.failure_reasons.items():
+            reasons.add_metric((reason,), count)
+        yield reasons
+    if snapshot.loop_lag is not None:
+        yield GaugeMetricFamily(
+            "ratelimit_sidecar_event_loop_lag_latest_seconds",
+            "How late the event loop ran its last timer tick (time not charged to Redis)",
+            value=snapshot.loop_lag_latest or 0.0,
+        )
+        yield GaugeMetricFamily(
+            "ratelimit_sidecar_event_loop_lag_max_seconds",
+            "Largest event-loop lateness since the previous scrape",
+            value=snapshot.loop_lag_max or 0.0,
+        )
+        yield snapshot.loop_lag.family(
+            "ratelimit_sidecar_event_loop_lag_seconds", "Event-loop lateness of a periodic timer tick"
+        )
     if snapshot.flush_seconds is not None:
         yield snapshot.flush_seconds.family("ratelimit_sidecar_flush_seconds", "Sync flush round trip time")
     if snapshot.flush_keys is not None:
@@ -363,11 +394,12 @@ class SidecarCollector(Collector):
         """Copy the numbers now, on the event loop (well under a millisecond for 10,000
         rows), so :meth:`FrozenScrape.collect` can turn them into text in a thread."""
         snapshot = self.snapshot()
-        if snapshot.flush_seconds is not None or snapshot.flush_keys is not None:
+        if snapshot.flush_seconds is not None or snapshot.flush_keys is not None or snapshot.loop_lag is not None:
             snapshot = replace(
                 snapshot,
                 flush_seconds=snapshot.flush_seconds.copy() if snapshot.flush_seconds else None,
                 flush_keys=snapshot.flush_keys.copy() if snapshot.flush_keys else None,
+                loop_lag=snapshot.loop_lag.copy() if snapshot.loop_lag else None,
             )
         quota = self.quota.frozen_stats() if self.quota is not None else None
         return FrozenScrape(self.stats.frozen(), self.stats.rules.frozen(), snapshot, quota)

@@ -6,6 +6,14 @@ While Redis is unavailable, calls fail at once instead of waiting for a timeout:
 request path must never wait on a Redis that is known to be down. A background probe
 retries with exponential backoff (capped at one second) and flips the state back to
 available, telling the listeners (the failure policy logs it, limiters reconcile).
+
+Redis down is a fact about Redis (issue 17): a refused or broken connection marks it
+down at once; a timeout does only when Redis has been silent for well beyond any
+request's budget (:func:`silence_before_down`) *while this process's event loop was
+free to read its answer*. The loop's own lag (:class:`~sidecar.limiter.redis.loop_lag.LoopLag`)
+is subtracted from the silence: an answer that arrived in time but waited in the
+socket while the loop ran other work (a burst, a CPU-throttled container) is not
+charged to Redis. The request that waited still gets its failure-mode answer.
 """
 
 from __future__ import annotations
@@ -18,17 +26,24 @@ from typing import Any
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from sidecar.limiter.redis.connect import scrub
+from sidecar.limiter.redis.loop_lag import LoopLag
 
 FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 """What a Redis call can raise when Redis is away or refuses; ``TimeoutError`` is an ``OSError``."""
 FIRST_BACKOFF = 0.01
 MAX_BACKOFF = 1.0
-TIMEOUTS_BEFORE_DOWN = 3
-"""Request-path timeouts in a row that mark Redis unavailable.
+SILENCE_BEFORE_DOWN = 0.1
+"""Least silence (seconds, our own loop lag subtracted) after which a timeout marks Redis down."""
+SILENCE_BUDGETS = 5
+"""... or this many request budgets (``--redis-timeout``), whichever is longer."""
 
-One late answer on a busy machine should not switch every request to the failure
-mode; a refused or broken connection does at once.
-"""
+
+def silence_before_down(request_timeout: float) -> float:
+    """Silence of Redis, not explained by our loop's lag, after which a timed-out call
+    marks it unavailable: well beyond any request's budget (the budget is at most
+    ``request_timeout``), so a merely slow answer fails its own request only."""
+    return max(SILENCE_BEFORE_DOWN, SILENCE_BUDGETS * request_timeout)
+
 
 StateListener = Callable[[bool, str], None]
 """Called with ``(available, reason)`` each time the state changes."""
@@ -42,7 +57,13 @@ class Availability:
     """Up/down state of one Redis, its listeners, and the probe that brings it back up."""
 
     def __init__(
-        self, probe: Callable[[], Awaitable[None]], request_timeout: float, secrets: tuple[str, ...] = ()
+        self,
+        probe: Callable[[], Awaitable[None]],
+        request_timeout: float,
+        secrets: tuple[str, ...] = (),
+        *,
+        lag: LoopLag | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._probe_once = probe
         self._secrets = secrets
@@ -51,7 +72,13 @@ class Availability:
         self.request_timeout = request_timeout
         self.available = False
         self.last_error = "not started"
-        self._timeouts_in_a_row = 0
+        self.lag = lag or LoopLag()
+        """This process's event-loop lag: subtracted from Redis's silence."""
+        self.down_after = silence_before_down(request_timeout)
+        self._clock = clock
+        """Loop-clock seconds (``loop.time()``, as :attr:`lag` uses); tests give their own."""
+        self._waiting_since: float | None = None
+        """When the oldest call sent since Redis last answered went out (None: none waits)."""
         self._reported: bool | None = None
         """The state listeners last heard of (None before the first outage or success)."""
         self._listeners: list[StateListener] = []
@@ -65,6 +92,7 @@ class Availability:
 
     async def start(self) -> None:
         """Probe once; if Redis is down, start probing in the background and return anyway."""
+        self.lag.start()
         try:
             await self._probe_once()
         except FAILURES as error:
@@ -90,6 +118,7 @@ class Availability:
     async def close(self) -> None:
         """Stop probing."""
         self._closed = True
+        self.lag.stop()
         if self._probe is not None:
             await stop_task(self._probe)
 
@@ -98,9 +127,26 @@ class Availability:
         if not self.available:
             raise RedisUnavailable(f"redis unavailable: {self.last_error}")
 
+    def now(self) -> float:
+        """The loop clock (or the test's)."""
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
+    def sent(self) -> None:
+        """A call goes out: Redis's silence is measured from the oldest one unanswered."""
+        if self._waiting_since is None:
+            self._waiting_since = self.now()
+
     def answered(self) -> None:
-        """A call was answered in time: request-path timeouts are no longer in a row."""
-        self._timeouts_in_a_row = 0
+        """Redis answered a call: it is not silent."""
+        self._waiting_since = None
+
+    def silence(self) -> float:
+        """Seconds Redis has left a call unanswered while this loop was free to read the answer."""
+        since = self._waiting_since
+        if since is None:
+            return 0.0
+        now = self.now()
+        return (now - since) - self.lag.busy_since(since, now)
 
     def failed(self, error: BaseException, request_path: bool) -> RedisUnavailable:
         """Record a failed call; returns the exception for the caller to raise."""
@@ -109,10 +155,13 @@ class Availability:
             # A reply about this call (a key holding a non-integer, a busy script), not about
             # the server: fail this call only, or one bad key would switch every request over.
             return RedisUnavailable(f"redis refused the call: {reason}")
-        if request_path and isinstance(error, TimeoutError):
-            self._timeouts_in_a_row += 1
-            if self._timeouts_in_a_row < TIMEOUTS_BEFORE_DOWN:
-                return RedisUnavailable(f"redis did not answer within {self.request_timeout * 1000:g} ms")
+        if isinstance(error, TimeoutError):
+            silence = self.silence()
+            if silence < self.down_after:
+                # Slow, or read late because we were busy: this call fails, Redis stays up.
+                budget = f"{self.request_timeout * 1000:g} ms" if request_path else "the background timeout"
+                return RedisUnavailable(f"redis did not answer within {budget}")
+            reason = f"no answer for {silence * 1000:.0f} ms while this process's event loop was responsive ({reason})"
         self.mark_down(reason)
         return RedisUnavailable(f"redis unavailable: {reason}")
 
@@ -122,7 +171,7 @@ class Availability:
         self.available = False
         self._ready.clear()
         self.last_error = reason
-        self._timeouts_in_a_row = 0
+        self._waiting_since = None
         if not self._closed and (self._probe is None or self._probe.done()):
             self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
         if self._reported is not False:
@@ -133,7 +182,7 @@ class Availability:
         """Serve calls again; listeners hear of it only if they heard of the outage."""
         self.available = True
         self._ready.set()
-        self._timeouts_in_a_row = 0
+        self._waiting_since = None
         if self._reported is False:
             self._notify(True, "")
         self._reported = True

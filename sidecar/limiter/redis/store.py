@@ -20,6 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT
 from sidecar.limiter.protocol import Check, Role, decide
 from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnavailable, StateListener
 from sidecar.limiter.redis.connect import MIN_BACKGROUND_TIMEOUT, background_timeout, connect, secrets_of
@@ -94,7 +95,7 @@ class RedisStore:
         client: Redis | RedisCluster,
         *,
         prefix: str = "rls",
-        request_timeout: float = 0.005,
+        request_timeout: float = DEFAULT_REDIS_TIMEOUT,
         background_timeout: float = MIN_BACKGROUND_TIMEOUT,
         secrets: tuple[str, ...] = (),
     ) -> None:
@@ -116,7 +117,7 @@ class RedisStore:
 
     @classmethod
     def for_url(
-        cls, url: str, *, cluster: bool = False, prefix: str = "rls", request_timeout: float = 0.005
+        cls, url: str, *, cluster: bool = False, prefix: str = "rls", request_timeout: float = DEFAULT_REDIS_TIMEOUT
     ) -> RedisStore:
         """A store for ``url`` (any scheme :func:`~sidecar.limiter.redis.connect.connect` takes);
         connects lazily (call :meth:`start`)."""
@@ -181,12 +182,11 @@ class RedisStore:
     def note_request_timeout(self) -> None:
         """A caller stopped waiting for a call still on the wire (its budget ran out).
 
-        Counts as a request-path timeout of :meth:`decide` does: enough of them in a
-        row mark Redis unavailable, so later requests stop waiting on it.
+        Counts as a request-path timeout of :meth:`decide` does: once Redis has been
+        silent well beyond any budget while our loop was responsive, it is marked
+        unavailable, so later requests stop waiting on it.
         """
-        self.availability.failed(
-            TimeoutError(f"no answer within {self.request_timeout * 1000:g} ms"), request_path=True
-        )
+        self.availability.failed(TimeoutError("no answer within the request budget"), request_path=True)
 
     async def close(self) -> None:
         """Stop probing, let give-backs finish, close the connections."""
@@ -439,8 +439,13 @@ class RedisStore:
     def snapshot(
         self, *, counters: int, evictions: int, replicas: int, pending_hits: int, **rest: Any
     ) -> LimiterSnapshot:
-        """A Redis backend's metrics: its own numbers plus this store's state and round trips."""
+        """A Redis backend's metrics: its own numbers plus this store's state, round trips and
+        the event loop's lag (its max since the last call: one call per scrape)."""
+        lag = self.availability.lag
         return LimiterSnapshot(
+            loop_lag_latest=lag.latest,
+            loop_lag_max=lag.take_max(),
+            loop_lag=lag.buckets,
             counters=counters,
             evictions=evictions,
             redis_up=self.available,
@@ -616,6 +621,8 @@ class RedisStore:
         task.add_done_callback(self._tasks.discard)
 
     def _count(self, request_path: bool) -> None:
+        """A round trip goes out: counted, and Redis's silence measured from it."""
+        self.availability.sent()
         if request_path:
             self.round_trips_request_path += 1
         else:
@@ -626,9 +633,11 @@ class RedisStore:
         self._count(request_path=False)
         try:
             async with asyncio.timeout(self.background_timeout):
-                return await call
+                reply = await call
         except FAILURES as error:
             raise self.availability.failed(error, request_path=False) from error
+        self.availability.answered()
+        return reply
 
     async def _probe_once(self) -> None:
         """One PING and the script loads; the scripts are loaded again after every outage."""
