@@ -179,7 +179,10 @@ REFERENCE_VARIABLES: tuple[ReferenceVariable, ...] = (
         "Redis state is in ratelimit_sidecar_redis_up and the failure mode",
     ),
     _ignored(
-        "REDIS_TIMEOUT", "10s", "`--redis-timeout` is a request budget in seconds (default 0.005), not an I/O timeout"
+        "REDIS_TIMEOUT",
+        "10s",
+        "`--redis-timeout` is a request budget in seconds (default 0.02, shortened by a caller's gRPC deadline), "
+        "not an I/O timeout",
     ),
     _ignored("REDIS_POOL_ON_EMPTY_BEHAVIOR", "WAIT", POOL),
     _ignored(

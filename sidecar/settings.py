@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args
 
 from sidecar import admin
 from sidecar.config.yaml_source import MAX_FILE_BYTES
+from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT
 from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.redis.connect import SCHEME, RedisUrlError, SentinelUrlError, check_url, is_sentinel_url
@@ -253,7 +254,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option(
         "redis_timeout",
         _positive_float,
-        "longest a request waits for Redis (strict mode, sync-mode escalation), seconds",
+        "longest a request waits for Redis (strict mode, sync-mode escalation), seconds: the budget of callers "
+        "without a gRPC deadline, and the upper bound for those with one (who wait until shortly before it)",
     ),
     Option(
         "redis_failure_mode",
@@ -417,7 +419,7 @@ class Settings:
     mode: RedisMode = "sync"
     sync_interval: float = 0.05
     sync_max_overshoot: float = 0.05
-    redis_timeout: float = 0.005
+    redis_timeout: float = DEFAULT_REDIS_TIMEOUT
     redis_failure_mode: FailureMode = "local"
     redis_prefix: str = "rls"
     clock_source: ClockSource = "redis"

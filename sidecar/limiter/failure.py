@@ -4,7 +4,8 @@ Three modes (``--redis-failure-mode``):
 
 * ``local`` (default): enforce ``ceil(limit / live replicas)`` in this process, the
   "safe capacity" of Doorman: if every replica does so, together they admit about the
-  limit without talking to each other.
+  limit without talking to each other; and never past what this replica knows was
+  admitted already (the counts Redis last answered with, :mod:`sidecar.limiter.fallback`).
 * ``open``: admit everything; for services where a rate limit outage must never
   become an outage of the service.
 * ``closed``: reject every request with an enforced limit; for limits that protect
@@ -30,6 +31,8 @@ from typing import Literal, get_args
 
 import structlog
 
+from sidecar.limiter.algorithms import Algorithm
+from sidecar.limiter.fallback import KnownCounts
 from sidecar.limiter.ledger import OwedHits
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, MemoryLimiter, share_of_limit
 from sidecar.limiter.protocol import Check, Decision, Role, decide
@@ -93,6 +96,8 @@ class FailurePolicy:
         self.ledger = OwedHits(max_counters)
         """What this replica admitted (or must give back) and Redis does not hold yet."""
         self._local = MemoryLimiter(max_counters=max_counters, admit_all=admit_all)
+        self.known = KnownCounts(max_counters)
+        """``local`` mode: the counts Redis last answered with per key, plus hits admitted here since."""
         self._since = 0.0
 
     # -- deciding --------------------------------------------------------------------
@@ -132,19 +137,25 @@ class FailurePolicy:
         owe: bool,
     ) -> tuple[Decision, tuple[int, ...]]:
         self.decisions += 1
-        decision = self._decide_locally(checks, now) if self.mode == "local" else self._without_counting(checks)
+        local = self.mode == "local"
+        decision = self._decide_locally(checks, keys, now) if local else self._without_counting(checks)
         if not decision.admitted and not any(check.count_past for check in checks):
             return decision, (0,) * len(checks)
         _, _, consume = decide(checks, decision.counts, decision.limits, self.admit_all)
         spent = tuple(check.hits if spend else 0 for check, spend in zip(checks, consume, strict=True))
+        if local:
+            for check, key, expire_at, hits in zip(checks, keys, expire_ats, spent, strict=True):
+                if hits and check.algorithm is Algorithm.FIXED_WINDOW:
+                    self.known.admitted(key, hits, expire_at, now)
         if owe:
             for check, key, expire_at, hits in zip(checks, keys, expire_ats, spent, strict=True):
                 if hits:
                     self.ledger.owe_amount(key, hits * per_hit(check), expire_at, now, per_hit(check))
         return decision, spent
 
-    def _decide_locally(self, checks: Sequence[Check], now: float) -> Decision:
-        """This replica's share of each limit, counted over all of its own hits of the window.
+    def _decide_locally(self, checks: Sequence[Check], keys: Sequence[str], now: float) -> Decision:
+        """This replica's share of each limit, counted over all of its own hits of the window,
+        and within what it knows is left of the limit (:mod:`sidecar.limiter.fallback`).
 
         The hits this replica had Redis admit before the outage count too
         (:meth:`note_admitted`): if every replica keeps its own hits of a window within
@@ -153,8 +164,10 @@ class FailurePolicy:
         second outage in the same window still sees the first one's hits. Bans decided
         here stay here (see the module docstring).
         """
-        self._local.instances = max(1, self.live())
-        return self._local.check_now(checks, now)
+        live = max(1, self.live())
+        self._local.instances = live
+        floors = self.known.floors(checks, keys, live) if len(self.known) else ()
+        return self._local.check_now(checks, now, floors)
 
     def note_admitted(self, checks: Sequence[Check], consume: Sequence[bool], now: float) -> None:
         """Count hits Redis admitted for this replica against its local share (``local`` mode)."""
@@ -163,6 +176,26 @@ class FailurePolicy:
         for check, spent in zip(checks, consume, strict=True):
             if spent and check.hits:
                 self._local.record(check, now)
+
+    def learn(
+        self,
+        checks: Sequence[Check],
+        keys: Sequence[str],
+        expire_ats: Sequence[int],
+        counts: Sequence[int],
+        consume: Sequence[bool],
+        *,
+        now: float,
+    ) -> None:
+        """Remember what Redis holds on each fixed window of a script's answer (``local``
+        mode): the would-be count if the script consumed the hits, else that less them."""
+        if self.mode != "local":
+            return
+        ledger = self.ledger
+        for check, key, expire_at, count, spent in zip(checks, keys, expire_ats, counts, consume, strict=True):
+            if check.algorithm is Algorithm.FIXED_WINDOW:
+                held = count if spent else count - check.hits
+                self.known.learn(key, held, expire_at, ledger.settled((key,)), now)
 
     def _without_counting(self, checks: Sequence[Check]) -> Decision:
         """``open`` and ``closed``: the request's own hits against :func:`failure_limits`."""

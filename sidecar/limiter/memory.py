@@ -82,19 +82,26 @@ class MemoryLimiter:
         """Counters currently held (all live windows and token buckets)."""
         return self._live + len(self._buckets)
 
-    async def check(self, checks: Sequence[Check], now: float) -> Decision:
-        """Decide the request and record its hits; see :class:`Limiter`."""
+    async def check(self, checks: Sequence[Check], now: float, budget: float | None = None) -> Decision:
+        """Decide the request and record its hits; see :class:`Limiter` (no budget: never waits)."""
         return self.check_now(checks, now)
 
-    def check_now(self, checks: Sequence[Check], now: float) -> Decision:
-        """Synchronous core of :meth:`check`, usable where no await is wanted."""
+    def check_now(self, checks: Sequence[Check], now: float, floors: Sequence[int] = ()) -> Decision:
+        """Synchronous core of :meth:`check`, usable where no await is wanted.
+
+        ``floors`` (a Redis failure mode's, see :mod:`sidecar.limiter.fallback`): per
+        check, a least would-be count, raising this replica's own count where what it
+        knows was admitted elsewhere leaves less room than its share.
+        """
         if now >= self._next_expiry:
             self._expire(now)
         for check in checks:
             if check.algorithm or check.ban_seconds:
-                return self._check_extended(checks, now)
+                return self._check_extended(checks, now, floors)
         windows = [(check.unit_seconds, window_start(now, check.unit_seconds)) for check in checks]
         counts = self._would_be_counts(checks, windows)
+        if floors:
+            counts = tuple(max(count, floor) for count, floor in zip(counts, floors, strict=True))
         limits = tuple(share_of_limit(check.limit, self.instances) for check in checks)
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
         if admitted or True in consume:  # refused: only count_past_limit checks consume
@@ -103,12 +110,14 @@ class MemoryLimiter:
                     self._add(window, check.key, check.hits)
         return Decision(admitted, over, counts, limits)
 
-    def _check_extended(self, checks: Sequence[Check], now: float) -> Decision:
+    def _check_extended(self, checks: Sequence[Check], now: float, floors: Sequence[int] = ()) -> Decision:
         """:meth:`check_now` for requests with a sliding window, a token bucket or a ban.
 
         Kept apart so plain fixed windows, the common case, pay for none of it.
         """
         counts, states = self._extended_counts(checks, now)
+        if floors:
+            counts = tuple(max(count, floor) for count, floor in zip(counts, floors, strict=True))
         limits = tuple(share_of_limit(check.limit, self.instances) for check in checks)
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
         if admitted or True in consume:

@@ -102,8 +102,14 @@ class Decision(NamedTuple):
 class Limiter(Protocol):
     """A backend: decides a request's checks against the current window and records it."""
 
-    async def check(self, checks: Sequence[Check], now: float) -> Decision:
-        """Decide and, when the request is admitted, record its hits atomically."""
+    async def check(self, checks: Sequence[Check], now: float, budget: float | None = None) -> Decision:
+        """Decide and, when the request is admitted, record its hits atomically.
+
+        ``budget``: seconds the caller still waits for the answer, less the margin the
+        answer needs to reach it (:func:`~sidecar.limiter.budget.caller_budget`); None
+        when it sent no deadline. Only Redis backends use it (they set
+        ``takes_budget = True``; the service computes it for those only).
+        """
         ...
 
     async def start(self) -> None:

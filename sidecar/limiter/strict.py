@@ -39,20 +39,22 @@ is retried as is and counted once.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm, now_us
+from sidecar.limiter.budget import FailureReasons, Reason, redis_wait
 from sidecar.limiter.failure import FailurePolicy
 from sidecar.limiter.ledger import Admitted
 from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
-from sidecar.limiter.redis.batcher import DecisionBatcher
+from sidecar.limiter.redis.batcher import DeadlineReached, DecisionBatcher
 from sidecar.limiter.redis.keys import check_window, per_hit, previous_window
 from sidecar.limiter.redis.replicas import Replicas
-from sidecar.limiter.redis.store import Counts, RedisStore
+from sidecar.limiter.redis.store import CorruptKey, Counts, RedisStore
 from sidecar.limiter.redis.store import verdict as script_verdict
 from sidecar.metrics import LimiterSnapshot
 
@@ -93,6 +95,9 @@ class OwedFlush:
 class StrictLimiter:
     """Limiter backend for ``--backend redis --mode strict``."""
 
+    takes_budget = True
+    """The service passes each call's budget (its gRPC deadline less a margin) to :meth:`check`."""
+
     def __init__(
         self,
         store: RedisStore,
@@ -114,6 +119,8 @@ class StrictLimiter:
         """The script's clock is Redis ``TIME`` (else each request's ``now``)."""
         self.batcher = DecisionBatcher(store, admit_all)
         self.redis_decisions = 0
+        self.reasons = FailureReasons()
+        """Requests the failure policy decided, by why (``deadline``, ``redis_down``, ...)."""
         self._reconciler: asyncio.Task[None] | None = None
         self._reconcile_lock = asyncio.Lock()
         self._sequence = 0
@@ -132,28 +139,47 @@ class StrictLimiter:
 
     # -- deciding --------------------------------------------------------------------
 
-    async def check(self, checks: Sequence[Check], now: float) -> Decision:
-        """One script call within the budget; the failure policy when Redis cannot answer."""
+    async def check(self, checks: Sequence[Check], now: float, budget: float | None = None) -> Decision:
+        """One script call within the budget; the failure policy when Redis cannot answer.
+
+        The wait is the caller's ``budget`` (its deadline less a margin), at most
+        ``--redis-timeout`` (:func:`~sidecar.limiter.budget.redis_wait`).
+        """
         if not checks:
             return Decision(True, (), (), ())
         windows = [check_window(self.prefix, check, now) for check in checks]
         keys = [key for key, _ in windows]
         expire_ats = [expires for _, expires in windows]
         call = RedisCall(keys, checks, expire_ats, 0 if self.redis_time else now_us(now))
-        if self.store.available:
+        wait, limit, deadline = redis_wait(self.store.request_timeout, budget)
+        reason: Reason = "redis_down"
+        if self.store.available and wait <= 0:
+            reason = "deadline"  # nothing left to wait with: the answer is due now
+        elif self.store.available:
             try:
-                counts = await self._ask(call)
-            except (TimeoutError, RedisUnavailable):
+                counts = await self._ask(call, wait, limit)
+            except (TimeoutError, RedisUnavailable) as error:
+                reason = self._reason(error, deadline or (budget is not None and isinstance(error, DeadlineReached)))
                 if call.abandoned:
+                    self.reasons.note(reason)
                     # Same step as the timeout, so before any late answer can be applied.
                     decision, call.spent = self.policy.check_without_owing(checks, keys, expire_ats, now)
                     self._hold(call)
                     return decision
             else:
                 return self._redis_decision(call, counts, now)
+        self.reasons.note(reason)
         return self.policy.check(checks, keys, expire_ats, now)
 
-    async def _ask(self, call: RedisCall) -> list[int]:
+    def _reason(self, error: Exception, deadline: bool) -> Reason:
+        """Why Redis did not decide a request that asked it."""
+        if isinstance(error, TimeoutError):
+            return "deadline" if deadline else "redis_timeout"
+        if isinstance(error, CorruptKey):
+            return "corrupt_key"
+        return "redis_refused" if self.store.available else "redis_down"
+
+    async def _ask(self, call: RedisCall, budget: float, limit: float) -> list[int]:
         """The script's would-be counts, within the request budget.
 
         A counter with hits owed to Redis (or on their way, or held), or a sliding
@@ -162,9 +188,8 @@ class StrictLimiter:
         :class:`RedisUnavailable`; ``call.abandoned`` then says whether the call is
         still on the wire, in which case its answer reaches :meth:`_late_answer`.
         Either wait running out counts as a Redis timeout, so a stalled Redis is soon
-        marked unavailable and not waited on.
+        marked unavailable and not waited on (once its silence is not our loop's lag).
         """
-        budget = self.store.request_timeout
         try:
             watched = [*call.keys, *read_keys(call)]
             if not self.ledger.settled(watched):
@@ -173,6 +198,7 @@ class StrictLimiter:
                 async with asyncio.timeout(budget):
                     await self.ledger.wait_settled(watched)
                 budget -= loop.time() - started
+                limit -= loop.time() - started
                 if budget <= 0:
                     raise TimeoutError
                 if not self.store.available:
@@ -185,6 +211,7 @@ class StrictLimiter:
                 budget,
                 lambda counts: self._late_answer(call, counts),
                 now_us=call.now_us,
+                limit=limit,
             )
         except TimeoutError:
             self.store.note_request_timeout()
@@ -201,6 +228,7 @@ class StrictLimiter:
         admitted, over, consume = script_verdict(checks, counts, limits, self.admit_all)
         self.redis_decisions += 1
         self.policy.note_admitted(checks, consume, now)
+        self.policy.learn(checks, call.keys, call.expire_ats, counts, consume, now=now)
         ban_ends = counts.ban_ends if isinstance(counts, Counts) else ()
         return Decision(admitted, over, tuple(counts), limits, ban_ends)
 
@@ -221,6 +249,7 @@ class StrictLimiter:
         hits the failure policy refused, which gives them back.
         """
         _, _, consume = script_verdict(call.checks, counts, [check.limit for check in call.checks], self.admit_all)
+        self.policy.learn(call.checks, call.keys, call.expire_ats, counts, consume, now=time.time())
         self._unhold(call)
         self._owe_for(call, [check.hits if spent else 0 for check, spent in zip(call.checks, consume, strict=True)])
 
@@ -299,6 +328,7 @@ class StrictLimiter:
             evictions=local.evictions,
             replicas=self.replicas.live,
             pending_hits=self.unreconciled_hits(),
+            failure_reasons=self.reasons.copy(),
         )
 
     def unreconciled_hits(self) -> int:
@@ -336,6 +366,7 @@ class StrictLimiter:
             "strict_closed",
             redis_decisions=self.redis_decisions,
             failure_decisions=self.policy.decisions,
+            failure_reasons={reason: count for reason, count in self.reasons.counts.items() if count},
             late_answers=self.batcher.late_answers,
             unreconciled_hits=unreconciled,
             unreturned_hits=self.ledger.owed_give_backs,

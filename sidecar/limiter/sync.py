@@ -52,16 +52,17 @@ import structlog
 
 from sidecar.limiter.algorithms import Algorithm, previous_weight, sliding_part
 from sidecar.limiter.bounds import Bans, EvictionLog
-from sidecar.limiter.failure import FailureMode, failure_limits
+from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT, FailureReasons, Reason, redis_wait
+from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
-from sidecar.limiter.redis.batcher import DecisionBatcher
+from sidecar.limiter.redis.batcher import DeadlineReached, DecisionBatcher
 from sidecar.limiter.redis.keys import ban_key, counter_digest, expire_at, window_key
 from sidecar.limiter.redis.replicas import Replicas
-from sidecar.limiter.redis.store import Counts, RedisStore
-from sidecar.limiter.redis.store import verdict as script_verdict
+from sidecar.limiter.redis.store import CorruptKey, Counts, RedisStore
 from sidecar.limiter.sync_counters import FlushBatch, WindowCounter, lowered_check
+from sidecar.limiter.sync_fallback import SyncFallback
 from sidecar.limiter.windows import Clock, system_clock, window_start
 from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
 
@@ -72,8 +73,11 @@ GROWTH_SMOOTHING = 0.5
 DEFAULT_MAX_OVERSHOOT = 0.05
 
 
-class SyncLimiter:
+class SyncLimiter(SyncFallback):
     """Limiter backend for ``--backend redis --mode sync``."""
+
+    takes_budget = True
+    """The service passes each call's budget (its gRPC deadline less a margin) to :meth:`check`."""
 
     def __init__(
         self,
@@ -82,7 +86,7 @@ class SyncLimiter:
         *,
         prefix: str = "rls",
         sync_interval: float = 0.05,
-        request_budget: float = 0.005,
+        request_budget: float = DEFAULT_REDIS_TIMEOUT,
         failure_mode: FailureMode = "local",
         admit_all: bool = False,
         max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
@@ -138,6 +142,8 @@ class SyncLimiter:
         """Shares the flush lock: no escalation is in Redis while one of our flushes is."""
         self.local_decisions = 0
         self.failure_decisions = 0
+        self.reasons = FailureReasons()
+        """Requests the failure mode decided, by why (``deadline``, ``redis_down``, ...)."""
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -179,6 +185,7 @@ class SyncLimiter:
             late_answers=self.batcher.late_answers,
             local_decisions=self.local_decisions,
             failure_decisions=self.failure_decisions,
+            failure_reasons={reason: count for reason, count in self.reasons.counts.items() if count},
             redis_round_trips_request_path=self.store.round_trips_request_path,
             redis_round_trips_background=self.store.round_trips_background,
         )
@@ -202,8 +209,9 @@ class SyncLimiter:
 
     # -------------------------------------------------------------- the decision
 
-    async def check(self, checks: Sequence[Check], now: float) -> Decision:
-        """Decide locally when safe, else escalate to one atomic Redis call.
+    async def check(self, checks: Sequence[Check], now: float, budget: float | None = None) -> Decision:
+        """Decide locally when safe, else escalate to one atomic Redis call, waiting the
+        caller's ``budget`` at most ``request_budget`` (:func:`~sidecar.limiter.budget.redis_wait`).
 
         While Redis is known to be down, the failure mode decides everything, so
         ``closed`` really refuses and ``local`` really enforces the safe share.
@@ -212,7 +220,7 @@ class SyncLimiter:
         try:
             if not all(counter.remembered for counter in counters):
                 await self._wait_for_room(checks, counters, now)
-            decision = await self._decide(checks, counters, now)
+            decision = await self._decide(checks, counters, now, budget)
         finally:
             for counter in counters:
                 counter.busy -= 1
@@ -227,19 +235,34 @@ class SyncLimiter:
             return decision._replace(ban_ends=ends)
         return decision
 
-    async def _decide(self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float) -> Decision:
+    async def _decide(
+        self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float, budget: float | None
+    ) -> Decision:
         # A counter whose key holds no counter in Redis (its flushes are refused) is the
         # failure mode's to decide, as it would be with Redis away.
-        if not self.store.available or self.store.corrupt.any_of(counter.key for counter in counters):
-            return self._decide_without_redis(checks, counters, now)
+        if not self.store.available:
+            return self._decide_without_redis(checks, counters, now, "redis_down")
+        if self.store.corrupt.any_of(counter.key for counter in counters):
+            return self._decide_without_redis(checks, counters, now, "corrupt_key")
         decision = self._decide_locally(checks, counters, now)
         if decision is not None:
             self.local_decisions += 1
             return decision
-        try:
-            return await self._escalate(checks, counters)
-        except (RedisUnavailable, TimeoutError):
-            return self._decide_without_redis(checks, counters, now)
+        wait, limit, deadline = redis_wait(self.request_budget, budget)
+        reason: Reason = "deadline"
+        if wait > 0:
+            try:
+                return await self._escalate(checks, counters, wait, limit)
+            except TimeoutError as error:
+                caller = deadline or (budget is not None and isinstance(error, DeadlineReached))
+                return self._decide_without_redis(
+                    checks, counters, now, "deadline" if caller else "redis_timeout", in_doubt=True
+                )
+            except CorruptKey:
+                reason = "corrupt_key"
+            except RedisUnavailable:
+                reason = "redis_refused" if self.store.available else "redis_down"
+        return self._decide_without_redis(checks, counters, now, reason)
 
     def _ban(self, check: Check, now: float) -> None:
         """A counter with ``ban_duration`` went over: refuse it here at once, and tell the
@@ -281,7 +304,9 @@ class SyncLimiter:
                 return None
         return self._apply(checks, counters, counts, limits)
 
-    async def _escalate(self, checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Decision:
+    async def _escalate(
+        self, checks: Sequence[Check], counters: Sequence[WindowCounter], wait: float, limit: float
+    ) -> Decision:
         """One atomic script, sent with every other escalation of this loop iteration.
 
         Our pending hits are not sent: the script sees each limit lowered by what we
@@ -308,13 +333,24 @@ class SyncLimiter:
             ]
             return adjusted
 
-        counts = await self.batcher.decide(
-            [counter.key for counter in counters],
-            lowered,
-            [counter.expire_at for counter in counters],
-            self.request_budget,
-            lambda late: self._late_answer(checks, counters, adjusted, late),
-        )
+        settled = self._doubt(checks, counters)
+        abandoned = False
+        try:
+            counts = await self.batcher.decide(
+                [counter.key for counter in counters],
+                lowered,
+                [counter.expire_at for counter in counters],
+                wait,
+                lambda late: self._late_answer(checks, counters, adjusted, late),
+                limit=limit,
+                on_settled=settled,
+            )
+        except TimeoutError:
+            abandoned = True  # still on the wire: the batcher calls settled() when it ends
+            raise
+        finally:
+            if not abandoned:
+                settled()
         admitted, over, consume = self._learn(checks, counters, adjusted, counts)
         self._escalated(checks, counters, consume)
         if isinstance(counts, Counts) and counts.ban_ends:
@@ -332,68 +368,11 @@ class SyncLimiter:
         weight = previous_weight(self.clock() if now is None else now, check.unit_seconds)
         return sliding_part(counter.previous, weight)
 
-    def _learn(
-        self,
-        checks: Sequence[Check],
-        counters: Sequence[WindowCounter],
-        adjusted: Sequence[Check],
-        counts: Sequence[int],
-    ) -> tuple[bool, tuple[bool, ...], tuple[bool, ...]]:
-        """Update ``known`` from a script's answer; returns the script's ``decide`` verdict."""
-        verdict = script_verdict(adjusted, counts, [check.limit for check in adjusted], self.admit_all)
-        for check, counter, count, spent in zip(adjusted, counters, counts, verdict[2], strict=True):
-            if check.algorithm is Algorithm.SLIDING_WINDOW:
-                continue  # an estimate, not the window's count: the next flush reads the count
-            counter.known = max(counter.known, count if spent else count - check.hits)
-        return verdict
-
     def _escalated(self, checks: Sequence[Check], counters: Sequence[WindowCounter], consume: Sequence[bool]) -> None:
         """Hits an answered-in-time escalation admitted are this replica's own hits too."""
         for check, counter, spent in zip(checks, counters, consume, strict=True):
             if spent:
                 counter.own += check.hits
-
-    def _late_answer(
-        self,
-        checks: Sequence[Check],
-        counters: Sequence[WindowCounter],
-        adjusted: Sequence[Check],
-        counts: list[int],
-    ) -> None:
-        """The script ran after we answered from the failure mode: undo the double count.
-
-        Redis already holds the hits the script consumed, so they come off our pending
-        hits (possibly below zero: the next flush then subtracts them in Redis). Hits
-        the failure mode admitted are counted once either way; hits it refused are not
-        counted at all.
-        """
-        _, _, consume = self._learn(checks, counters, adjusted, counts)
-        for check, counter, spent in zip(checks, counters, consume, strict=True):
-            if spent:
-                counter.pending -= check.hits
-
-    def _decide_without_redis(self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float) -> Decision:
-        """Redis is unreachable: apply the failure mode (:func:`~sidecar.limiter.failure.failure_limits`);
-        admitted hits stay pending.
-
-        ``local`` counts this replica's own hits of the window against its share (safe
-        capacity): if every replica does so, the total stays within the limit whatever
-        each one's stale view of the others, even in a burst where some escalations
-        were answered and others timed out. ``open`` and ``closed`` count what is known.
-        """
-        self.failure_decisions += 1
-        counts = self._would_be(checks, counters, own=self.failure_mode == "local", now=now)
-        live = self.replicas.live
-        limits = failure_limits(self.failure_mode, checks, counts, live)
-        if self.failure_mode == "local" and not all(counter.remembered for counter in counters):
-            # A counter with no room to be remembered cannot be held to a share (nothing
-            # counts its hits) and could not keep them for Redis: refused, as ``closed``.
-            closed = failure_limits("closed", checks, counts, live)
-            limits = tuple(
-                limit if counter.remembered else refused
-                for limit, refused, counter in zip(limits, closed, counters, strict=True)
-            )
-        return self._apply(checks, counters, counts, limits)
 
     def _apply(
         self,
@@ -522,6 +501,7 @@ class SyncLimiter:
             pending_hits=sum(counter.unflushed for counter in self._all_counters()),
             flush_seconds=self.flush_seconds,
             flush_keys=self.flush_keys,
+            failure_reasons=self.reasons.copy(),
         )
 
     def _make_room(self, now: float) -> bool:
@@ -610,19 +590,6 @@ class SyncLimiter:
                 break
         self._eviction_log.note(self.evictions - before, self.evictions)
         return read
-
-    def _drop(self, hits: int) -> None:
-        """Hits admitted on a counter that could not be remembered: counted, logged once per outage."""
-        self.dropped_hits += hits
-        if not self._drop_logged:
-            self._drop_logged = True
-            log.error(
-                "failure_hits_dropped",
-                mode="sync",
-                failure_mode=self.failure_mode,
-                max_counters=self.max_counters,
-                hint="every counter holds hits Redis lacks: new counters are not remembered until Redis is back",
-            )
 
     def _all_counters(self) -> list[WindowCounter]:
         return [counter for window in self._windows.values() for counter in window.values()]

@@ -30,6 +30,9 @@ class WindowCounter:
     """EWMA of hits other replicas add between two of our syncs."""
     own: int = 0
     """Hits this replica admitted in the window (the ``local`` failure mode's measure)."""
+    doubt: int = 0
+    """Hits of this replica's escalations on the wire: Redis may admit them any moment (the
+    ``local`` failure mode counts them as admitted until their answer comes)."""
     touched: bool = True
     """Used since the last flush: its total is worth reading back."""
     busy: int = 0

@@ -28,6 +28,7 @@ from sidecar.config.match import (
     value_stat_key,
 )
 from sidecar.config.model import DomainConfig, RateLimitConfig
+from sidecar.limiter.budget import caller_budget
 from sidecar.limiter.protocol import Check, Decision, Limiter
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import ServiceStats
@@ -84,6 +85,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self.config = config
         """Swapped as a whole on reload; the handler reads it once per request."""
         self.limiter = limiter
+        self.takes_budget: bool = getattr(limiter, "takes_budget", False)
+        """The backend waits for Redis: each call's gRPC deadline is read and passed on as its
+        budget (:func:`~sidecar.limiter.budget.caller_budget`); the memory backend pays nothing."""
         self.clock = clock
         self.stats = stats or ServiceStats()
         self.log_every = log_every
@@ -103,18 +107,26 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
     async def ShouldRateLimit(  # noqa: N802 - name fixed by the proto
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
-        """The RPC: INVALID_ARGUMENT for bad input, INTERNAL (logged) for our own faults."""
+        """The RPC: INVALID_ARGUMENT for bad input, INTERNAL (logged) for our own faults.
+
+        A Redis backend waits for Redis until shortly before the caller's deadline (Envoy
+        sends its filter ``timeout`` as the gRPC deadline), at most ``--redis-timeout``.
+        """
+        budget = caller_budget(context.time_remaining()) if self.takes_budget else None
         if self.tracing is None:
-            outcome = await self.handle(request)
+            outcome = await self.handle(request, budget)
         else:
-            outcome = await self.tracing.traced(self.handle, request, context.invocation_metadata())
+            outcome = await self.tracing.traced(
+                lambda message: self.handle(message, budget), request, context.invocation_metadata()
+            )
         if isinstance(outcome, Refusal):
             await context.abort(outcome.code, outcome.message)
         return outcome
 
-    async def handle(self, request: Any | None) -> bytes | Refusal:
+    async def handle(self, request: Any | None, budget: float | None = None) -> bytes | Refusal:
         """The request path every transport shares (gRPC here, JSON in :mod:`sidecar.service.json_api`):
-        validation, the decision and its metrics; the response's wire bytes, or why it is refused."""
+        validation, the decision and its metrics; the response's wire bytes, or why it is refused.
+        ``budget``: seconds the backend may wait for Redis (None: its ``--redis-timeout``)."""
         stats = self.stats
         if request is None:
             stats.error("undecodable")
@@ -126,7 +138,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         started = perf_counter()
         self.in_flight += 1
         try:
-            admitted, response = await self.answer(request)
+            admitted, response = await self.answer(request, budget)
         except Exception:
             log.exception("decision_failed", domain=request.domain)
         else:
@@ -145,7 +157,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         _, response = await self.answer(request)
         return rls_pb2.RateLimitResponse.FromString(response)
 
-    async def answer(self, request: Any) -> tuple[bool, bytes]:
+    async def answer(self, request: Any, budget: float | None = None) -> tuple[bool, bytes]:
         """Whether a valid request is admitted, and its response's wire bytes."""
         config = self.config
         domain = config.domains.get(request.domain)
@@ -170,7 +182,10 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             if self.dynamic_metadata:
                 response += dynamic_metadata_field(response_metadata(request, applied, None))
             return True, response
-        decision = await self.limiter.check(checks, now)
+        if budget is None:
+            decision = await self.limiter.check(checks, now)
+        else:
+            decision = await self.limiter.check(checks, now, budget)
         self._record(checks, applied, decision, now)
         if self.log_every and self.stats.requests % self.log_every == 0:
             log_decision(request, checks, decision)

@@ -5,6 +5,12 @@ script it runs, so requests that need Redis in the same loop iteration share one
 pipelined write. Each request still waits only its own budget; if the answer comes
 later, the request has been answered otherwise (the failure mode) and the late
 answer is handed to a callback, so the caller can count what Redis really did.
+
+The budget is Redis's time, not ours (issue 17): time this process's event loop
+could not run (its lag, :class:`~sidecar.limiter.redis.loop_lag.LoopLag`) is not
+charged to it, so an answer that arrived in time but waited in the socket while the
+loop ran other requests is still taken. The wait never goes past ``limit``, the
+caller's deadline (less the margin its answer needs).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 
 from sidecar.limiter.protocol import Check
 from sidecar.limiter.redis.availability import RedisUnavailable
+from sidecar.limiter.redis.loop_lag import LoopLag
 from sidecar.limiter.redis.store import RedisStore
 
 LateAnswer = Callable[[list[int]], None]
@@ -36,6 +43,10 @@ class PendingDecision:
     """The script's clock in microseconds; 0 for Redis ``TIME``."""
 
 
+class DeadlineReached(TimeoutError):  # noqa: N818 - a timeout, named for the caller
+    """The caller's deadline (``limit``) ran out before Redis had used its budget."""
+
+
 class DecisionBatcher:
     """Sends ``decide.lua`` calls in batches; one batch per loop iteration."""
 
@@ -46,6 +57,9 @@ class DecisionBatcher:
         """Held while a batch is on the wire, if given: whoever else takes it (sync mode's
         flusher) never has a call in Redis at the same time as a batch."""
         self.late_answers = 0
+        availability = getattr(store, "availability", None)  # simulated stores have none
+        self.lag: LoopLag | None = availability.lag if availability is not None else None
+        """This process's event-loop lag: not charged to Redis's budget."""
         self._queue: list[PendingDecision] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -58,33 +72,53 @@ class DecisionBatcher:
         on_late: LateAnswer,
         *,
         now_us: int = 0,
+        limit: float | None = None,
+        on_settled: Callable[[], None] | None = None,
     ) -> list[int]:
         """Would-be counts from the atomic script (it records the hits if it admits).
 
         ``checks`` may be a function: it is called when the batch is sent, holding
         :attr:`lock`, for limits that depend on state only settled then. ``now_us`` is
         the script's clock (sliding weights, token buckets), 0 for Redis ``TIME``.
-        Raises :class:`RedisUnavailable`, or ``TimeoutError`` after ``budget`` seconds
-        (waiting for the lock included); after a timeout the call goes on and
-        ``on_late`` gets its answer.
+        Raises :class:`RedisUnavailable`, or ``TimeoutError`` once Redis has had
+        ``budget`` seconds (waiting for the lock included; our loop's lag not counted),
+        :class:`DeadlineReached` once ``limit`` seconds have passed (default ``budget``);
+        after a timeout the call goes on and ``on_late`` gets its answer, and
+        ``on_settled`` is called once the call has ended, answered or failed.
         """
         loop = asyncio.get_running_loop()
         pending = PendingDecision(keys, checks, expire_ats, loop.create_future(), now_us)
         self._queue.append(pending)
         if len(self._queue) == 1:
             loop.call_soon(self._send)
-        try:
-            return await asyncio.wait_for(asyncio.shield(pending.answer), budget)
-        except TimeoutError:
-            pending.answer.add_done_callback(lambda answer: self._deliver_late(answer, on_late))
-            raise
+        started = loop.time()
+        end = started + max(budget, limit or 0.0)
+        wait = budget
+        lag = self.lag
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(pending.answer), wait)
+            except TimeoutError:
+                now = loop.time()
+                charged = (now - started) - (lag.busy_since(started, now) if lag is not None else 0.0)
+                if charged < budget and now < end:
+                    wait = min(budget - charged, end - now)  # our loop was late: Redis gets its time
+                    continue
+                pending.answer.add_done_callback(lambda answer: self._deliver_late(answer, on_late, on_settled))
+                if charged < budget:
+                    raise DeadlineReached from None
+                raise
 
     async def drain(self) -> None:
         """Wait for batches still on the wire, so late answers are applied before exit."""
         if self._tasks:
             await asyncio.wait(set(self._tasks))
 
-    def _deliver_late(self, answer: asyncio.Future[list[int]], on_late: LateAnswer) -> None:
+    def _deliver_late(
+        self, answer: asyncio.Future[list[int]], on_late: LateAnswer, on_settled: Callable[[], None] | None = None
+    ) -> None:
+        if on_settled is not None:
+            on_settled()
         if answer.cancelled() or answer.exception() is not None:
             return
         self.late_answers += 1

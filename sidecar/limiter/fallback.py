@@ -1,0 +1,106 @@
+"""A failure mode that knows the count: the ``local`` share starts from what is known admitted.
+
+With Redis away, ``local`` holds each replica to its safe share, ``ceil(limit / R)``
+of its own hits in the window. On its own that ignores what the replica knows Redis
+already admitted: in a burst whose first requests Redis answered and whose last ones
+timed out, every replica could add a whole share on top of a counter Redis had
+filled (issue 17: strict mode admitted 30 of 20). So a request is also held to what
+the replica knows is left: its would-be count is raised to at least
+
+    share - limit + known
+
+where ``known`` is what this replica knows was admitted in the window, this request's
+hits included: the global total it last read plus its own hits Redis may not hold yet
+(sync: ``known + unflushed`` of the counter; strict: :class:`KnownCounts`). The
+request is then over its share exactly when ``own + hits > share`` or
+``known > limit``: a replica never admits past a limit it knows is reached, and
+never more than its share. The hits it admits are owed to Redis as before (the
+ledger), so the Redis counters still equal the admitted hits afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sidecar.limiter.algorithms import Algorithm
+from sidecar.limiter.memory import share_of_limit
+from sidecar.limiter.protocol import Check
+
+PRUNE_SHARE = 0.9
+"""At the cap, :class:`KnownCounts` forgets ended windows, then the oldest entries, down to this share."""
+
+
+def knowledge_floor(check: Check, known: int, live: int) -> int:
+    """The least would-be count of ``check`` in the ``local`` failure mode, given that
+    ``known`` hits (this request's included) are known admitted in the window."""
+    return share_of_limit(check.limit, live) - check.limit + known
+
+
+def local_counts(checks: Sequence[Check], own: Sequence[int], known: Sequence[int], live: int) -> tuple[int, ...]:
+    """Would-be counts for the ``local`` failure mode: this replica's own (``own``, the
+    request's hits included), raised by what it knows (``known``, likewise)."""
+    return tuple(
+        max(count, knowledge_floor(check, seen, live)) for check, count, seen in zip(checks, own, known, strict=True)
+    )
+
+
+class KnownCounts:
+    """strict mode: per window key, the count Redis last answered with, plus the hits the
+    failure mode admitted on it that Redis may not hold yet.
+
+    Only fixed windows (a sliding window's answer is an estimate, a bucket's a time).
+    Bounded by ``max_keys``; an entry is forgotten once its window's key has expired.
+    """
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max(1, max_keys)
+        self._entries: dict[str, list[int]] = {}
+        """key: ``[count Redis answered, failure-mode hits since, expire_at]``."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def learn(self, key: str, count: int, expire_at: int, settled: bool, now: float) -> None:
+        """Redis holds ``count`` on ``key``. ``settled``: no failure-mode hit of the key is
+        owed, on its way or in doubt, so ``count`` holds them all; otherwise they stay
+        counted on top (erring towards refusing while Redis is away)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self._make_room(now)
+            self._entries[key] = [count, 0, expire_at]
+            return
+        entry[0] = max(entry[0], count)
+        if settled:
+            entry[1] = 0
+
+    def admitted(self, key: str, hits: int, expire_at: int, now: float) -> None:
+        """The failure mode admitted ``hits`` on ``key``: owed to Redis, known here."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self._make_room(now)
+            self._entries[key] = [0, hits, expire_at]
+        else:
+            entry[1] += hits
+
+    def known(self, key: str) -> int | None:
+        """Hits known admitted on ``key`` in its window; None when Redis never answered for it."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[0] + entry[1]
+
+    def floors(self, checks: Sequence[Check], keys: Sequence[str], live: int) -> tuple[int, ...]:
+        """:func:`knowledge_floor` per check (0 where nothing is known)."""
+        floors = []
+        for check, key in zip(checks, keys, strict=True):
+            known = self.known(key) if check.algorithm is Algorithm.FIXED_WINDOW else None
+            floors.append(0 if known is None else knowledge_floor(check, known + check.hits, live))
+        return tuple(floors)
+
+    def _make_room(self, now: float) -> None:
+        entries = self._entries
+        if len(entries) < self.max_keys:
+            return
+        for key in [key for key, entry in entries.items() if entry[2] <= now]:
+            del entries[key]
+        keep = int(self.max_keys * PRUNE_SHARE)
+        while len(entries) > keep:
+            del entries[next(iter(entries))]
