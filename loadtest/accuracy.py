@@ -101,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="throughput runs per mode, alternating the order; the median is reported (default 1 quick, 3 full)",
     )
-    parser.add_argument("--timeout", type=POSITIVE_SECONDS, default=2.0, help="deadline of each call, seconds")
+    parser.add_argument(
+        "--timeout",
+        type=POSITIVE_SECONDS,
+        help="deadline of each call, seconds (default: the scenario's, 25 ms for burst_hour as Envoy sends; else 2 s)",
+    )
     parser.add_argument(
         "--redis-timeout", type=POSITIVE_SECONDS, help="passed to redis-mode sidecars (default: theirs)"
     )
@@ -218,6 +222,8 @@ class Campaign:
         closed = scenario.pattern == "closed"
         rounds = self.arguments.throughput_rounds if closed else 1
         options = replace(self.options, replicas=self.arguments.throughput_replicas) if closed else self.options
+        if scenario.replicas:
+            options = replace(options, replicas=scenario.replicas)
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in self.modes}
         for round_index in range(rounds):
             for mode in self.modes if round_index % 2 == 0 else self.modes[::-1]:
@@ -249,7 +255,7 @@ def run(arguments: argparse.Namespace) -> int:
     env = environment()
     command = command_line(arguments)
     print_header(command, env, arguments, modes)
-    parameters = {name: scenarios[name].describe(arguments.replicas) for name in chosen}
+    parameters = {name: scenarios[name].describe(scenarios[name].replicas or arguments.replicas) for name in chosen}
     print_parameters(parameters)
     processes.SERVER_CPUS = parse_cpus(arguments.server_cpus)
     started = time.monotonic()

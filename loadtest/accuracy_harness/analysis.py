@@ -272,6 +272,10 @@ def round_trip_figures(
             for name, value in event.items():
                 if isinstance(value, int) and not name.startswith("redis_round_trips"):
                     extras[name] += value
+                elif isinstance(value, dict):  # failure_reasons: {reason: requests}
+                    for part, count in value.items():
+                        if isinstance(count, int):
+                            extras[f"{name}.{part}"] += count
         result["backend_stats"] = dict(extras)
     elif commands_before is not None and commands_after is not None:
         delta = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -58,11 +59,13 @@ class Child(StackChild):
     def __init__(self, label: str, argv: Sequence[str], log_path: Path) -> None:
         super().__init__(label, argv, log_path, env=clean_env())
         self.terminated = False
+        self.cpus: tuple[int, ...] | None = None
+        """Pin to these cpus instead of ``SERVER_CPUS`` (a scenario's own pinning)."""
 
     def start(self) -> None:
         with self.log_path.open("wb") as log:
             # Pinned to SERVER_CPUS if set, SIGTERM when the harness dies, in its own session.
-            self.process = start_child(self.argv, log, env=self.env, cpus=SERVER_CPUS)
+            self.process = start_child(self.argv, log, env=self.env, cpus=self.cpus or SERVER_CPUS)
 
     def signal(self, signum: int) -> None:
         """SIGTERM once only: a second one could land after the child removed its handler."""
@@ -132,6 +135,14 @@ class Sidecar(Child):
                 if isinstance(parsed, dict):
                     events.append(parsed)
         return events
+
+
+class Hog(Child):
+    """A CPU-bound busy loop pinned to ``cpus``: what shares a throttled sidecar's core."""
+
+    def __init__(self, index: int, cpus: tuple[int, ...], directory: Path) -> None:
+        super().__init__(f"hog-{index}", [sys.executable, "-c", "while True: pass"], directory / f"hog-{index}.log")
+        self.cpus = cpus
 
 
 def wait_all_serving(sidecars: Sequence[Sidecar], timeout: float = STARTUP_TIMEOUT) -> None:

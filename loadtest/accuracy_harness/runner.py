@@ -24,6 +24,7 @@ from loadtest.accuracy_harness.driver import RUN_GRACE, WARMUP_CALLS, ReplicaRec
 from loadtest.accuracy_harness.processes import (
     REPO,
     ChildStartError,
+    Hog,
     RedisServer,
     Sidecar,
     wait_all_serving,
@@ -40,6 +41,8 @@ CONVERGE_TIMEOUT = 5.0
 """Seconds redis-mode sidecars get to see each other's heartbeats before traffic starts."""
 CLOSED_WARMUP = 0.5
 """Closed loop: seconds at the start that are sent but not measured."""
+DEFAULT_CALL_TIMEOUT = 2.0
+"""The deadline of a call when neither ``--timeout`` nor the scenario gives one."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,8 @@ class Options:
     sync_interval: float | None
     client_processes: int
     throughput_processes: int
-    timeout: float
+    timeout: float | None
+    """``--timeout``: every call's deadline; None: the scenario's (:data:`DEFAULT_CALL_TIMEOUT`)."""
     redis_timeout: float | None
     sync_max_overshoot: float | None
     client_cpus: tuple[int, ...] | None
@@ -80,7 +84,7 @@ def start_time(scenario: Scenario) -> float:
     if scenario.pattern == "closed":
         return now
     unit = scenario.unit_seconds
-    if scenario.align == "minute-fit":
+    if scenario.align in ("minute-fit", "fit"):
         left = unit - now % unit
         return now if left >= scenario.duration + 1.0 else math.ceil(now / unit) * unit
     return float(math.ceil(now / unit) * unit)
@@ -150,6 +154,8 @@ class Run:
         self.client = self.redis.client() if self.redis is not None else None
         self.watch = CounterWatch(self.client) if self.client is not None else None
         self.sidecars: list[Sidecar] = []
+        self.hogs: list[Hog] = []
+        self.call_timeout = options.timeout or scenario.call_timeout or DEFAULT_CALL_TIMEOUT
         self.workers = Workers()
         self.outcome: dict[str, Any] = {
             "scenario": scenario.name,
@@ -159,7 +165,10 @@ class Run:
             "unit": scenario.unit,
             "algorithm": scenario.algorithm,
             "sidecar_source": source_digest(),
+            "call_timeout": self.call_timeout,
         }
+        if scenario.hogs:
+            self.outcome["pressure"] = f"{scenario.hogs} busy loop(s) on cpu {scenario.sidecar_cpus}"
         if scenario.algorithm == scenarios.TOKEN_BUCKET:
             self.outcome["burst"] = scenario.burst
         if mode == "sync":
@@ -174,6 +183,7 @@ class Run:
             return self.outcome
         finally:
             self.workers.close()
+            self.group.stop(self.hogs)
             self.group.stop(self.sidecars)
             if self.client is not None:
                 self.client.close()
@@ -188,6 +198,7 @@ class Run:
         args = serve_args(self.mode, self.config_dir, self.options, self.redis)
         self.sidecars = [Sidecar(index, args, self.run_dir) for index in range(self.options.replicas)]
         for sidecar in self.sidecars:
+            sidecar.cpus = self.scenario.sidecar_cpus or None
             self.group.start(sidecar)
         try:
             wait_all_serving(self.sidecars)
@@ -204,6 +215,9 @@ class Run:
             for sidecar in self.sidecars
         ]
         self.outcome["started_backends"] = sorted({str(event.get("backend")) for event in started})
+        self.hogs = [Hog(index, self.scenario.sidecar_cpus, self.run_dir) for index in range(self.scenario.hogs)]
+        for hog in self.hogs:
+            self.group.start(hog)
         return True
 
     def _worker_specs(self, replica_groups: Sequence[Sequence[int]]) -> list[WorkerSpec]:
@@ -224,8 +238,8 @@ class Run:
                 ),
                 closed_seconds=scenario.duration,
                 lanes=scenario.lanes,
-                timeout=self.options.timeout,
-                cpus=self.options.client_cpus,
+                timeout=self.call_timeout,
+                cpus=self.options.client_cpus or other_cpus(scenario.sidecar_cpus),
             )
             for indices in replica_groups
         ]
@@ -322,6 +336,14 @@ class Run:
             outcome["redis_check"] = check | {"polls": self.watch.polls}
             if not self.watch.values and traffic["admitted"]:
                 outcome["warning"] = "no counter in Redis although calls were admitted: the sidecar did not use Redis"
+
+
+def other_cpus(taken: Sequence[int]) -> tuple[int, ...] | None:
+    """The cpus of this process other than ``taken`` (None when nothing is taken or nothing is left)."""
+    if not taken:
+        return None
+    left = tuple(sorted(set(os.sched_getaffinity(0)) - set(taken)))
+    return left or None
 
 
 def wait_replicas_converged(sidecars: Sequence[Sidecar], timeout: float = CONVERGE_TIMEOUT) -> float | None:

@@ -18,12 +18,15 @@ from typing import Any
 DOMAIN = "accuracy"
 SECOND_KEY = "client"
 MINUTE_KEY = "client_minute"
+HOUR_KEY = "client_hour"
+ENVOY_TIMEOUT = 0.025
+"""Envoy's rate-limit filter ``timeout`` in ``envoy/sidecar.yaml``: the deadline of its calls."""
 WARMUP_VALUE = "warmup"
 """Warm-up calls use this value with ``hits_addend`` 0: they take the whole decision path
 (Redis included) but create no counter."""
 BURST_DELAY = 0.001
 """Bursts go out this long after the window boundary, so no replica's clock puts them before it."""
-UNIT_SECONDS = {"second": 1, "minute": 60}
+UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600}
 FIXED_WINDOW, SLIDING_WINDOW, TOKEN_BUCKET = "fixed_window", "sliding_window", "token_bucket"
 ALL_MODES = ("local", "sync", "strict")
 UNSUPPORTED = {
@@ -79,6 +82,15 @@ class Scenario:
     phases: tuple[Phase, ...] = ()
     cycle: float = 0.0
     """Seconds of one repetition of ``phases``."""
+    replicas: int = 0
+    """Sidecars of this scenario whatever ``--replicas`` says (0: ``--replicas``)."""
+    call_timeout: float = 0.0
+    """The gRPC deadline of each call unless ``--timeout`` is given (0: 2 s); Envoy's filter
+    sends its ``timeout`` (25 ms in ``envoy/sidecar.yaml``) as the deadline."""
+    sidecar_cpus: tuple[int, ...] = ()
+    """Pin the sidecars to these cpus (redis-server and the load generators stay off them)."""
+    hogs: int = 0
+    """CPU-bound busy-loop processes pinned to ``sidecar_cpus`` during the traffic."""
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -95,7 +107,7 @@ class Scenario:
 
     @property
     def descriptor_key(self) -> str:
-        return SECOND_KEY if self.unit == "second" else MINUTE_KEY
+        return {"second": SECOND_KEY, "minute": MINUTE_KEY}.get(self.unit, HOUR_KEY)
 
     @property
     def span(self) -> float:
@@ -294,6 +306,7 @@ def catalogue(quick: bool, limit: int | None = None, windows: int | None = None)
             lanes=32,
         ),
         *algorithm_scenarios(quick, limit, windows),
+        *pressure_scenarios(quick, limit, windows),
     ]
     return {scenario.name: scenario for scenario in scenarios}
 
@@ -366,10 +379,51 @@ def algorithm_scenarios(quick: bool, limit: int | None = None, windows: int | No
     ]
 
 
+def pressure_scenarios(quick: bool, limit: int | None = None, windows: int | None = None) -> list[Scenario]:
+    """Issue 17, at default settings: a burst on a low hourly limit (the issue's table) and
+    steady load while a CPU-bound process shares the sidecars' core (Redis healthy)."""
+    main_limit = limit or (100 if quick else 400)
+    n = windows or (3 if quick else 15)
+    return [
+        Scenario(
+            "burst_hour",
+            "issue 17's burst: limit 20/hour, 3 replicas, 300 requests at once with 96 in flight across the "
+            f"replicas, each call with Envoy's {ENVOY_TIMEOUT * 1000:g} ms deadline",
+            "burst",
+            "hour",
+            20,
+            1,
+            15.0,
+            "balanced",
+            2.0,
+            lanes=32,
+            align="fit",
+            replicas=3,
+            call_timeout=ENVOY_TIMEOUT,
+        ),
+        Scenario(
+            "cpu_pressure",
+            "steady, evenly over 3 replicas, 5x the limit, the sidecars pinned to cpu 0 with a CPU-bound busy "
+            "loop; redis-server and the load generator on cpu 1",
+            "steady",
+            "second",
+            main_limit,
+            1,
+            5.0,
+            "balanced",
+            float(n),
+            replicas=3,
+            sidecar_cpus=(0,),
+            hogs=1,
+        ),
+    ]
+
+
 def config_yaml(scenario: Scenario) -> str:
-    """The descriptor config of one run: a key-only rule per second and one per minute."""
+    """The descriptor config of one run: a key-only rule per second, one per minute, one per hour."""
     second_limit = scenario.limit if scenario.unit == "second" else 1_000
     minute_limit = scenario.limit if scenario.unit == "minute" else 600
+    hour_limit = scenario.limit if scenario.unit == "hour" else 10_000
     extra = ""
     if scenario.algorithm != FIXED_WINDOW:
         extra = f", algorithm: {scenario.algorithm}"
@@ -385,6 +439,8 @@ def config_yaml(scenario: Scenario) -> str:
         f"    rate_limit: {{unit: second, requests_per_unit: {second_limit}{second_extra}}}\n"
         f"  - key: {MINUTE_KEY}\n"
         f"    rate_limit: {{unit: minute, requests_per_unit: {minute_limit}{minute_extra}}}\n"
+        f"  - key: {HOUR_KEY}\n"
+        f"    rate_limit: {{unit: hour, requests_per_unit: {hour_limit}}}\n"
     )
 
 
