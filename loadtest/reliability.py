@@ -42,6 +42,7 @@ AREAS = {
     "hardening-admin": "loadtest.reliability_harness.hardening_admin",
     "hardening-limiter": "loadtest.reliability_harness.hardening_limiter",
     "json-input": "loadtest.reliability_harness.json_input",
+    "deadline-budget": "loadtest.reliability_harness.deadline_budget",
 }
 """Report order: what each ``--areas`` name runs (a module with ``run(Context) -> list[Row]``)."""
 

@@ -22,7 +22,7 @@ counters per phase:
     The same for 2 s or more: past the background timeout, so the sidecars give up
     and drop connections whose scripts Redis still runs when it wakes up.
 ``redis_slow``
-    The proxy delays every chunk by 25 ms each way: far past ``--redis-timeout`` (5 ms).
+    The proxy delays every chunk by 25 ms each way: past ``--redis-timeout`` (20 ms).
 ``network_refused``
     The proxy stops listening and resets every connection (connection refused), then
     listens again.
@@ -31,7 +31,7 @@ Per phase the row checks that every call was answered (no gRPC error) and how lo
 calls took from the fault's start to a second after its end: the client's p99 under
 50 ms (max reported; not judged while other processes use more than half the
 machine), and the sidecars' own decision time (``ratelimit_sidecar_decision_seconds``,
-which other processes disturb far less) at p99 within the 10 ms bucket: the request
+which other processes disturb far less) at p99 within the 25 ms bucket: the request
 path must not wait on Redis beyond ``--redis-timeout``. Then, once the sidecars say
 nothing is pending (``ratelimit_sidecar_pending_hits`` 0 with Redis up) and again
 after both were stopped with SIGTERM (final flush), Redis must hold exactly the hits
@@ -118,13 +118,14 @@ from loadtest.reliability_harness.support import (
 
 AREA = "faults"
 P99_BUDGET = 0.050
-"""p99 of calls during a fault: ``--redis-timeout`` (5 ms) plus this noisy 2-core box's scheduling."""
+"""p99 of calls during a fault: ``--redis-timeout`` (20 ms) plus this noisy 2-core box's scheduling."""
 SLOW_CALL = 0.025
 """Envoy's ``timeout`` in ``envoy/sidecar.yaml``: calls slower than this would fail open."""
-SERVER_P99_BUDGET = 0.010
+SERVER_P99_BUDGET = 0.025
 """p99 of the sidecars' own decision time (``ratelimit_sidecar_decision_seconds``, histogram bucket)
-during a fault: the 5 ms budget fits in the 10 ms bucket; unlike the client's figure it barely
-depends on other processes' CPU use."""
+during a fault: the 20 ms budget (``--redis-timeout``'s default since issue 17, was 5 ms in the
+10 ms bucket) fits in the 25 ms bucket; unlike the client's figure it barely depends on other
+processes' CPU use."""
 DISTURBED_CPU = 0.5
 """Other processes using more cores than this during a fault make its latency verdict moot."""
 KILL_AFTER = 1.5
