@@ -110,7 +110,7 @@ class FailurePolicy:
         now: float,
     ) -> Decision:
         """Decide one request without Redis; ``keys``/``expire_ats`` are its Redis window keys."""
-        return self._check(checks, keys, expire_ats, now, owe=True)[0]
+        return self._check(checks, keys, expire_ats, now, owe=True, in_doubt=False)[0]
 
     def check_without_owing(
         self,
@@ -123,9 +123,10 @@ class FailurePolicy:
 
         For a request whose Redis call is still on the wire: the caller decides what
         is owed once it knows whether the script counted the hits (:meth:`owe`), and
-        holds the keys meanwhile (:meth:`hold`).
+        holds the keys meanwhile (:meth:`hold`). Its script's hits are in doubt
+        (:meth:`KnownCounts.in_doubt`) and not counted twice.
         """
-        return self._check(checks, keys, expire_ats, now, owe=False)
+        return self._check(checks, keys, expire_ats, now, owe=False, in_doubt=True)
 
     def _check(
         self,
@@ -135,10 +136,11 @@ class FailurePolicy:
         now: float,
         *,
         owe: bool,
+        in_doubt: bool,
     ) -> tuple[Decision, tuple[int, ...]]:
         self.decisions += 1
         local = self.mode == "local"
-        decision = self._decide_locally(checks, keys, now) if local else self._without_counting(checks)
+        decision = self._decide_locally(checks, keys, now, in_doubt) if local else self._without_counting(checks)
         if not decision.admitted and not any(check.count_past for check in checks):
             return decision, (0,) * len(checks)
         _, _, consume = decide(checks, decision.counts, decision.limits, self.admit_all)
@@ -153,7 +155,7 @@ class FailurePolicy:
                     self.ledger.owe_amount(key, hits * per_hit(check), expire_at, now, per_hit(check))
         return decision, spent
 
-    def _decide_locally(self, checks: Sequence[Check], keys: Sequence[str], now: float) -> Decision:
+    def _decide_locally(self, checks: Sequence[Check], keys: Sequence[str], now: float, in_doubt: bool) -> Decision:
         """This replica's share of each limit, counted over all of its own hits of the window,
         and within what it knows is left of the limit (:mod:`sidecar.limiter.fallback`).
 
@@ -166,7 +168,7 @@ class FailurePolicy:
         """
         live = max(1, self.live())
         self._local.instances = live
-        floors = self.known.floors(checks, keys, live) if len(self.known) else ()
+        floors = self.known.floors(checks, keys, live, in_doubt) if self.known else ()
         return self._local.check_now(checks, now, floors)
 
     def note_admitted(self, checks: Sequence[Check], consume: Sequence[bool], now: float) -> None:

@@ -46,7 +46,8 @@ def local_counts(checks: Sequence[Check], own: Sequence[int], known: Sequence[in
 
 class KnownCounts:
     """strict mode: per window key, the count Redis last answered with, plus the hits the
-    failure mode admitted on it that Redis may not hold yet.
+    failure mode admitted on it that Redis may not hold yet, plus the hits of this
+    replica's scripts on the wire (``doubt``: Redis may admit them any moment).
 
     Only fixed windows (a sliding window's answer is an estimate, a bucket's a time).
     Bounded by ``max_keys``; an entry is forgotten once its window's key has expired.
@@ -56,9 +57,8 @@ class KnownCounts:
         self.max_keys = max(1, max_keys)
         self._entries: dict[str, list[int]] = {}
         """key: ``[count Redis answered, failure-mode hits since, expire_at]``."""
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        self._doubt: dict[str, int] = {}
+        """key: hits of this replica's script calls on the wire (entries go with their calls)."""
 
     def learn(self, key: str, count: int, expire_at: int, settled: bool, now: float) -> None:
         """Redis holds ``count`` on ``key``. ``settled``: no failure-mode hit of the key is
@@ -82,18 +82,41 @@ class KnownCounts:
         else:
             entry[1] += hits
 
-    def known(self, key: str) -> int | None:
-        """Hits known admitted on ``key`` in its window; None when Redis never answered for it."""
-        entry = self._entries.get(key)
-        return None if entry is None else entry[0] + entry[1]
+    def in_doubt(self, checks: Sequence[Check], keys: Sequence[str], change: int) -> None:
+        """A script call on ``keys`` goes on the wire (``change`` 1) or has ended (-1)."""
+        doubt = self._doubt
+        for check, key in zip(checks, keys, strict=True):
+            if check.algorithm is Algorithm.FIXED_WINDOW and check.hits:
+                left = doubt.get(key, 0) + change * check.hits
+                if left > 0:
+                    doubt[key] = left
+                else:
+                    doubt.pop(key, None)
 
-    def floors(self, checks: Sequence[Check], keys: Sequence[str], live: int) -> tuple[int, ...]:
-        """:func:`knowledge_floor` per check (0 where nothing is known)."""
+    def known(self, key: str) -> int | None:
+        """Hits known admitted on ``key`` in its window, or maybe admitted by a script on the
+        wire; None when nothing is known."""
+        entry = self._entries.get(key)
+        doubt = self._doubt.get(key)
+        if entry is None:
+            return doubt
+        return entry[0] + entry[1] + (doubt or 0)
+
+    def floors(
+        self, checks: Sequence[Check], keys: Sequence[str], live: int, own_in_doubt: bool = False
+    ) -> tuple[int, ...]:
+        """:func:`knowledge_floor` per check (0 where nothing is known); ``own_in_doubt``: the
+        request's own script is on the wire, so its hits are not counted twice."""
         floors = []
         for check, key in zip(checks, keys, strict=True):
             known = self.known(key) if check.algorithm is Algorithm.FIXED_WINDOW else None
+            if known is not None and own_in_doubt:
+                known -= check.hits
             floors.append(0 if known is None else knowledge_floor(check, known + check.hits, live))
         return tuple(floors)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries) or bool(self._doubt)
 
     def _make_room(self, now: float) -> None:
         entries = self._entries

@@ -204,15 +204,25 @@ class StrictLimiter:
                 if not self.store.available:
                     raise RedisUnavailable("redis became unavailable while owed hits were being sent")
             call.abandoned = True  # until the batcher answers: its timeout leaves the call on the wire
-            counts = await self.batcher.decide(
-                call.keys,
-                call.checks,
-                call.expire_ats,
-                budget,
-                lambda counts: self._late_answer(call, counts),
-                now_us=call.now_us,
-                limit=limit,
-            )
+            known = self.policy.known
+            known.in_doubt(call.checks, call.keys, 1)  # Redis may admit its hits any moment
+            try:
+                counts = await self.batcher.decide(
+                    call.keys,
+                    call.checks,
+                    call.expire_ats,
+                    budget,
+                    lambda counts: self._late_answer(call, counts),
+                    now_us=call.now_us,
+                    limit=limit,
+                    on_settled=lambda: known.in_doubt(call.checks, call.keys, -1),
+                )
+            except TimeoutError:
+                raise  # still on the wire: the batcher ends the doubt when the call ends
+            except BaseException:
+                known.in_doubt(call.checks, call.keys, -1)
+                raise
+            known.in_doubt(call.checks, call.keys, -1)
         except TimeoutError:
             self.store.note_request_timeout()
             raise
