@@ -177,7 +177,7 @@ def fault_action(
             time.sleep(FAULT_FOR)
             os.kill(redis.process.pid, signal.SIGCONT)
         elif fault == "redis_debug_sleep":
-            redis_command(redis.port, "DEBUG", "SLEEP", FAULT_FOR)
+            redis_command(redis.port, "DEBUG", "SLEEP", str(FAULT_FOR))
         else:
             redis_command(redis.port, "EVAL", BUSY_SCRIPT, 0)
 
