@@ -11,6 +11,8 @@ the Envoy config, the descriptor config, the sidecar's settings and the image.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -22,13 +24,14 @@ import jsonschema
 import pytest
 import yaml
 
-from sidecar.__main__ import _parser
+from sidecar.__main__ import _parser, main
 from sidecar.config import load_config
 from sidecar.settings import SERVE_OPTIONS, resolve
+from stack.envoy import envoy_binary, ingress_manager
 from tests.support.deploy import COMPOSE_FILE, KUBERNETES, REPO, effective, read_dockerfile, stage_chain, tool
 
 BASE = KUBERNETES / "base"
-NATIVE = ("memory", "sync", "strict")
+NATIVE = ("memory", "sync", "strict", "quota")
 """Overlays with the sidecar as a native sidecar (an init container with restartPolicy: Always)."""
 OVERLAYS = (*NATIVE, "classic")
 VERSIONS = {
@@ -42,6 +45,7 @@ EXPECTED_BACKEND = {
     "sync": ("redis", "sync"),
     "strict": ("redis", "strict"),
     "classic": ("redis", "sync"),
+    "quota": ("redis", None),
 }
 COPIES = {
     "envoy/sidecar.yaml": REPO / "envoy" / "sidecar.yaml",
@@ -49,6 +53,19 @@ COPIES = {
     "grafana/ratelimit-sidecar.json": REPO / "deploy" / "grafana" / "ratelimit-sidecar.json",
 }
 """Files kustomize needs inside the base -> the originals they must equal."""
+QUOTA = KUBERNETES / "overlays" / "quota"
+QUOTA_ENVOY = QUOTA / "envoy" / "quota.yaml"
+REGENERATE_QUOTA = (
+    "export-envoy-quota",
+    "deploy/kubernetes/base/ratelimit-config",
+    "--envoy",
+    "deploy/kubernetes/base/envoy/sidecar.yaml",
+    "--full",
+)
+"""What overlays/quota/envoy/quota.yaml is the output of (stdout), run in the repository:
+the quota filters for the base's own Envoy config and descriptor config."""
+PER_REQUEST = tuple(overlay for overlay in OVERLAYS if overlay != "quota")
+"""Overlays whose Envoy calls ShouldRateLimit per request (envoy/sidecar.yaml)."""
 PODMONITOR_SCHEMA = Path(__file__).parent / "schemas" / "podmonitor.json"
 CRD_KINDS = {"PodMonitor"}
 SECRET_PLACEHOLDER = "rediss://user:password@redis.example.internal:6380"
@@ -320,7 +337,7 @@ def test_memory_instances_match_the_replicas(overlays: dict[str, Resources]) -> 
     assert not [key for key in resources if key[1] == "redis"]
 
 
-@pytest.mark.parametrize("overlay", ["sync", "classic"])
+@pytest.mark.parametrize("overlay", ["sync", "classic", "quota"])
 def test_redis_url_reaches_the_statefulset(overlays: dict[str, Resources], overlay: str) -> None:
     resources = overlays[overlay]
     url = urlsplit(env_of(sidecar_of(resources))["RLS_REDIS_URL"])
@@ -350,7 +367,7 @@ def envoy_address(config: dict[str, Any], cluster_name: str) -> str:
     return f"{address['address']}:{address['port_value']}"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", PER_REQUEST)
 def test_envoy_runs_envoy_sidecar_yaml_and_reaches_app_and_sidecar(
     overlays: dict[str, Resources], overlay: str
 ) -> None:
@@ -400,3 +417,76 @@ def test_envoy_version_is_the_same_in_compose_and_kubernetes(overlays: dict[str,
     assert re.fullmatch(r"envoyproxy/envoy:v\d+\.\d+\.\d+", envoy)
     compose = yaml.safe_load(COMPOSE_FILE.read_text())
     assert compose["x-envoy"]["image"] == envoy
+
+
+# ------------------------------------------------------------------------- quota
+
+
+def envoy_config_of(resources: Resources) -> tuple[dict[str, Any], str]:
+    """The Envoy container and the text of the config file it reads."""
+    envoy = named(pod(resources)["containers"], "envoy")
+    config_path = Path(envoy["args"][envoy["args"].index("--config-path") + 1])
+    assert Path(named(envoy["volumeMounts"], "envoy-config")["mountPath"]) == config_path.parent
+    return envoy, configmap_for(resources, "envoy-config")[config_path.name]
+
+
+def test_quota_envoy_config_is_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(REGENERATE_QUOTA))
+    assert code == 0, err.getvalue()
+    assert QUOTA_ENVOY.read_text() == out.getvalue(), (
+        f"{QUOTA_ENVOY.relative_to(REPO)} is stale: "
+        f"python -m sidecar {' '.join(REGENERATE_QUOTA)} > {QUOTA_ENVOY.relative_to(REPO)}"
+    )
+
+
+def test_quota_envoy_keeps_the_base_routes_and_reaches_app_and_sidecar(overlays: dict[str, Resources]) -> None:
+    resources = overlays["quota"]
+    _, text = envoy_config_of(resources)
+    assert text == QUOTA_ENVOY.read_text(), "the overlay's ConfigMap replaces the base's envoy-config"
+    assert len([key for key in resources if key[0] == "ConfigMap" and key[1].startswith("envoy-config")]) == 1
+    quota, base = yaml.safe_load(text), yaml.safe_load((BASE / "envoy" / "sidecar.yaml").read_text())
+    quota_manager, base_manager = ingress_manager(quota, QUOTA_ENVOY), ingress_manager(base, BASE)
+    assert {key: value for key, value in quota_manager.items() if key != "http_filters"} == {
+        key: value for key, value in base_manager.items() if key != "http_filters"
+    }, "the same listener and routes (rate_limits included) as the base's Envoy"
+    *limiters, router = quota_manager["http_filters"]
+    assert router["name"] == "envoy.filters.http.router"
+    assert limiters and all(item["name"].startswith("envoy.filters.http.rate_limit_quota") for item in limiters)
+    for item in limiters:
+        assert item["typed_config"]["rlqs_server"] == {"envoy_grpc": {"cluster_name": "rlqs"}}
+        assert item["typed_config"]["domain"] == "demo"
+    assert {item["name"] for item in quota["static_resources"]["clusters"]} == {"app", "rlqs"}
+    rlqs = named(quota["static_resources"]["clusters"], "rlqs")
+    options = rlqs["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert options["explicit_http_config"] == {"http2_protocol_options": {}}, "gRPC: HTTP/2"
+    assert env_of(sidecar_of(resources))["RLS_GRPC_ADDRESS"] == envoy_address(quota, "rlqs")
+    assert envoy_address(quota, "app") == envoy_address(base, "app")
+
+
+@pytest.mark.envoy
+def test_quota_envoy_config_validates_in_envoy(overlays: dict[str, Resources], tmp_path: Path) -> None:
+    _, text = envoy_config_of(overlays["quota"])
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout
+
+
+def test_quota_sidecar_shares_through_redis_at_a_small_cpu_request(overlays: dict[str, Resources]) -> None:
+    sidecar = sidecar_of(overlays["quota"])
+    settings = resolve(_parser().parse_args(sidecar["args"]), environ=env_of(sidecar))
+    assert settings.backend == "redis" and settings.redis_url == "redis://redis:6379"
+    defaults = resolve(_parser().parse_args(["serve", "--config", "c"]), environ={})
+    assert (settings.quota_ttl, settings.quota_idle_abandon) == (defaults.quota_ttl, defaults.quota_idle_abandon)
+    assert sidecar["resources"]["requests"]["cpu"] == "50m"
+    assert sidecar["resources"]["limits"] == sidecar_of(overlays["sync"])["resources"]["limits"]
