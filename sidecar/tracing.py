@@ -187,6 +187,23 @@ class Tracing:
         self.provider.shutdown()
 
 
+def proto_problem() -> str | None:
+    """Why the installed OTLP protos cannot carry spans, or None.
+
+    xds-protos (our Envoy API types) ships an old copy of the OpenTelemetry protos at the
+    same paths as opentelemetry-proto; when pip installed it last, ``ResourceSpans`` has no
+    ``scope_spans`` and every export would be dropped by collectors. Checked once, at
+    startup, only when tracing is asked for.
+    """
+    try:
+        from opentelemetry.proto.trace.v1 import trace_pb2  # noqa: PLC0415 - only when tracing is on
+    except ImportError:
+        return None  # the SDK's own import error says what to install
+    if "scope_spans" not in trace_pb2.ResourceSpans.DESCRIPTOR.fields_by_name:
+        return "opentelemetry/proto was overwritten by an older copy (xds-protos ships one): no scope_spans"
+    return None
+
+
 def start_tracing(mode: str, environ: Mapping[str, str] = os.environ) -> Tracing | None:
     """A :class:`Tracing` when the environment asks for it and the SDK is installed, else None.
 
@@ -194,6 +211,12 @@ def start_tracing(mode: str, environ: Mapping[str, str] = os.environ) -> Tracing
     limits matter more than traces.
     """
     if not tracing_requested(environ):
+        return None
+    problem = proto_problem()
+    if problem is not None:
+        log.error(
+            "tracing_unavailable", reason=problem, hint="pip install --force-reinstall --no-deps opentelemetry-proto"
+        )
         return None
     try:
         tracing = Tracing(mode)

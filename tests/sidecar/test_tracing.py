@@ -195,3 +195,12 @@ def test_sync_mode_escalation_near_the_limit_is_on_the_path(
                 lambda s, span=span: s.name == "ratelimit.escalate" and s.trace_id == span.trace_id
             )
             assert child.parent_span_id == span.span_id
+
+
+def test_the_installed_otlp_protos_carry_scope_spans() -> None:
+    """xds-protos ships an old copy of the OpenTelemetry protos at opentelemetry-proto's paths;
+    scripts/bootstrap puts opentelemetry-proto's files back, and the sidecar refuses to trace
+    (one error line) when they were overwritten: here they must be the current ones."""
+    from sidecar.tracing import proto_problem
+
+    assert proto_problem() is None

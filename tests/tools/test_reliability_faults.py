@@ -8,7 +8,8 @@ timeout, slow, unreachable), then a replica SIGKILLed. It checks what the rows p
 
 * every call answered, the request path within its budget (the client's p99 under
   50 ms unless other processes hogged the CPU, the sidecars' own p99 decision time
-  within 10 ms);
+  within the harness's SERVER_P99_BUDGET: Envoy's 25 ms deadline, since the Redis budget
+  became the caller's);
 * after recovery, Redis holds every hit the replicas admitted (``hits_lost`` 0); only
   faults that cut connections may leave hits counted twice (documented ambiguity);
 * the SIGKILLed replica's loss is at most what it admitted in its last two sync
@@ -68,7 +69,7 @@ def test_calls_are_answered_within_budget_and_redis_holds_every_admitted_hit(row
             assert name in figures, explain(row)
         assert figures["errors"] == 0, explain(row)
         assert figures["calls_during_fault"] > 0 and figures["hits_admitted"] > 0, explain(row)
-        assert 0 < figures["server_p99_bucket_ms"] <= 10, explain(row)
+        assert 0 < figures["server_p99_bucket_ms"] <= faults_module().SERVER_P99_BUDGET * 1000, explain(row)
         assert figures["hits_lost_at_drain"] == 0, explain(row)
 
 
