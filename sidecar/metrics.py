@@ -21,7 +21,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -32,9 +32,6 @@ from prometheus_client.core import (
     UnknownMetricFamily,
 )
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:
-    from sidecar.quota.registry import QuotaRegistry
 
 RULE_STATS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode", "warned")
 TOTAL_HITS, OVER_LIMIT, NEAR_LIMIT, WITHIN_LIMIT, SHADOW_MODE, WARNED = range(len(RULE_STATS))
@@ -380,12 +377,15 @@ class SidecarCollector(Collector):
     """Reads the service's and the backend's numbers when Prometheus scrapes."""
 
     def __init__(
-        self, stats: ServiceStats, snapshot: Callable[[], LimiterSnapshot], quota: QuotaRegistry | None = None
+        self,
+        stats: ServiceStats,
+        snapshot: Callable[[], LimiterSnapshot],
+        quota: Callable[[], Collectable] | None = None,
     ) -> None:
         self.stats = stats
         self.snapshot = snapshot
         self.quota = quota
-        """Quota mode's registry: its stats and live gauges (``ratelimit_sidecar_quota_*``)."""
+        """Quota mode's numbers (``ratelimit_sidecar_quota_*``), copied on the loop when called."""
 
     def collect(self) -> Iterator[Metric]:
         return self.frozen().collect()
@@ -401,7 +401,7 @@ class SidecarCollector(Collector):
                 flush_keys=snapshot.flush_keys.copy() if snapshot.flush_keys else None,
                 loop_lag=snapshot.loop_lag.copy() if snapshot.loop_lag else None,
             )
-        quota = self.quota.frozen_stats() if self.quota is not None else None
+        quota = self.quota() if self.quota is not None else None
         return FrozenScrape(self.stats.frozen(), self.stats.rules.frozen(), snapshot, quota)
 
 

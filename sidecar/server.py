@@ -276,7 +276,7 @@ class Sidecar:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.port = 0
         self.serving = False
-        self.collector = SidecarCollector(self.stats, self.service.limiter.snapshot, self.quota.registry)
+        self.collector = SidecarCollector(self.stats, self.service.limiter.snapshot, self.quota.registry.frozen_stats)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         process = ProcessCollector(registry=self.registry)

@@ -25,7 +25,7 @@ rate ``R / N`` for token buckets), as the memory backend divides its limits.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from fractions import Fraction
@@ -133,3 +133,25 @@ def fill_of(rate: Fraction) -> tuple[int, int]:
         scale = math.ceil(tokens / MAX_TOKENS)
         tokens, seconds = MAX_TOKENS, seconds * scale
     return tokens, max(MIN_FILL_SECONDS, seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One bucket action to send: an assignment, or abandon (``assignment`` None)."""
+
+    bucket_id: Mapping[str, str]
+    assignment: Assignment | None
+    nanos: int = 0
+    """``fill_interval.nanos``: 0 or 1, flipped when only the fill seconds change (Envoy
+    1.40 does not compare ``fill_interval.seconds``, so it would keep the old bucket)."""
+
+
+def nanos_after(old: Assignment, new: Assignment, nanos: int) -> int:
+    """The ``fill_interval.nanos`` that makes Envoy see ``new`` as a change from ``old``."""
+    if (
+        old.kind is new.kind is Kind.TOKEN_BUCKET
+        and old.fill_seconds != new.fill_seconds
+        and (old.max_tokens, old.tokens_per_fill) == (new.max_tokens, new.tokens_per_fill)
+    ):
+        return 1 - nanos
+    return nanos

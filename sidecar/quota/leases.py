@@ -45,7 +45,7 @@ import structlog
 
 from sidecar.limiter.algorithms import Algorithm
 from sidecar.limiter.redis.scripts import Script
-from sidecar.quota.assignments import MAX_TOKENS, MIN_FILL_SECONDS, Assignment, Kind, fill_of
+from sidecar.quota.assignments import MAX_TOKENS, MIN_FILL_SECONDS, Action, Assignment, Kind, fill_of, nanos_after
 from sidecar.quota.buckets import BucketKey
 from sidecar.quota.shares import LEAVE, POLL, Call, Reply, safe_capacity
 
@@ -532,7 +532,6 @@ class QuotaLeases:
             self._push(shared, now)
 
     def _push(self, shared: Shared, now: float) -> None:
-        from sidecar.quota.registry import Action, nanos_after  # noqa: PLC0415 - the registry imports us
 
         new = self.assignment_of(shared, now)
         for stream, live in shared.holders.values():

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from sidecar.config.model import RateLimitConfig
-from sidecar.quota.assignments import Assignment, Kind, assign, default
+from sidecar.quota.assignments import Action, Assignment, assign, default, nanos_after
 from sidecar.quota.buckets import BucketIdError, BucketKey, bucket_key, parse_bucket
 from sidecar.quota.stats import FrozenQuota, Gauges, QuotaStats
 
@@ -62,17 +62,6 @@ class QuotaSettings:
     def refresh_after(self) -> float:
         """Seconds after a push at which the assignment is pushed again."""
         return self.ttl / 3
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    """One bucket action to send: an assignment, or abandon (``assignment`` None)."""
-
-    bucket_id: Mapping[str, str]
-    assignment: Assignment | None
-    nanos: int = 0
-    """``fill_interval.nanos``: 0 or 1, flipped when only the fill seconds change (Envoy
-    1.40 does not compare ``fill_interval.seconds``, so it would keep the old bucket)."""
 
 
 @dataclass(slots=True)
@@ -123,17 +112,6 @@ class RateLimitedLog:
 
 def id_chars(bucket: Mapping[str, str]) -> int:
     return sum(len(name) + len(value) for name, value in bucket.items())
-
-
-def nanos_after(old: Assignment, new: Assignment, nanos: int) -> int:
-    """The ``fill_interval.nanos`` that makes Envoy see ``new`` as a change from ``old``."""
-    if (
-        old.kind is new.kind is Kind.TOKEN_BUCKET
-        and old.fill_seconds != new.fill_seconds
-        and (old.max_tokens, old.tokens_per_fill) == (new.max_tokens, new.tokens_per_fill)
-    ):
-        return 1 - nanos
-    return nanos
 
 
 class QuotaRegistry:

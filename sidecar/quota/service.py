@@ -20,8 +20,8 @@ import structlog
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from google.protobuf.message import DecodeError
 
-from sidecar.quota.assignments import Kind
-from sidecar.quota.registry import Action, QuotaRegistry, Stream
+from sidecar.quota.assignments import Action, Kind
+from sidecar.quota.registry import QuotaRegistry, Stream
 
 log = structlog.get_logger(__name__)
 

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.metrics import LimiterSnapshot, ServiceStats, SidecarCollector, render
-from sidecar.quota.assignments import Kind
+from sidecar.quota.assignments import Action, Kind, nanos_after
 from sidecar.quota.buckets import bucket_of
-from sidecar.quota.registry import ABANDON_MEMORY, Action, QuotaRegistry, QuotaSettings, Stream, nanos_after
+from sidecar.quota.registry import ABANDON_MEMORY, QuotaRegistry, QuotaSettings, Stream
 
 RULES = """
 domain: q
@@ -187,7 +187,7 @@ def test_metrics_and_config_show_the_live_buckets(setup: tuple[QuotaRegistry, St
     registry.report(stream, "q", usage((user("a"), 4, 1)))
     clock.advance(7)
     collector = CollectorRegistry(auto_describe=False)
-    collector.register(SidecarCollector(ServiceStats(), _snapshot, registry))
+    collector.register(SidecarCollector(ServiceStats(), _snapshot, registry.frozen_stats))
     text = render(collector).decode()
     assert 'ratelimit_sidecar_quota_allowed_total{domain="q",key="user"} 4.0' in text
     assert 'ratelimit_sidecar_quota_denied_total{domain="q",key="user"} 1.0' in text
