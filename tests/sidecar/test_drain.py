@@ -260,6 +260,7 @@ async def test_sigterm_mid_load_answers_accepted_calls_and_flushes_every_admitte
         watchers = [asyncio.create_task(watch_health(channel, name, seen)) for name, seen in health_seen.items()]
         clients = [asyncio.create_task(drive(channel, ledger, stop_clients, seed)) for seed in range(WORKERS)]
         load_began = time.monotonic()
+        first_hour = int(time.time() // 3600)
         while time.monotonic() - load_began < LOAD_BEFORE_SIGNAL or sum(ledger.outcomes.values()) < (
             MIN_CALLS_BEFORE_SIGNAL
         ):
@@ -317,8 +318,10 @@ async def test_sigterm_mid_load_answers_accepted_calls_and_flushes_every_admitte
     in_redis = await asyncio.to_thread(redis_totals, redis_server, prefix, config_dir)
     expected = {name: ledger.admitted[name] for name in COUNTERS}
     assert in_redis == expected, {"redis": in_redis, "admitted": expected, "outcomes": ledger.outcomes}
+    # Per hour window: a run that crosses the top of the hour fills two windows of the counter.
+    windows = int(time.time() // 3600) - first_hour + 1
     for name in NEAR:
-        assert expected[name] <= NEAR_LIMIT
+        assert expected[name] <= NEAR_LIMIT * windows
 
     # With a long interval the final flush, not the periodic one, carried most hot hits.
     hot_admitted = sum(admitted_before_signal.get(name, 0) for name in HOT)
