@@ -21,7 +21,6 @@ from tests.support.sidecars import (
     clean_env,
     free_port,
     in_one_window,
-    log_events,
     request,
     run_cli,
     write_config,
@@ -198,7 +197,7 @@ def test_environment_variables_replace_flags(start_sidecar: SidecarFactory, conf
     env = clean_env(RLS_GRPC_ADDRESS=f"127.0.0.1:{port}", RLS_CONFIG=str(config_dir), RLS_INSTANCES="5")
     sidecar = start_sidecar(env=env, port=port, pass_address=False)
 
-    started = next(e for e in log_events(sidecar.stderr()) if e["event"] == "sidecar_started")
+    started = sidecar.event("sidecar_started")
     assert started["address"] == f"127.0.0.1:{port}"
     assert started["port"] == port
     assert started["instances"] == 5
@@ -216,7 +215,7 @@ def test_environment_variables_replace_flags(start_sidecar: SidecarFactory, conf
 def test_flag_wins_over_environment(start_sidecar: SidecarFactory, config_dir: Path) -> None:
     env = clean_env(RLS_INSTANCES="0", RLS_CONFIG="/nonexistent")
     sidecar = start_sidecar("--instances", "1", config=config_dir, env=env)
-    started = next(e for e in log_events(sidecar.stderr()) if e["event"] == "sidecar_started")
+    started = sidecar.event("sidecar_started")
     assert started["instances"] == 1
 
 
@@ -247,7 +246,7 @@ def test_shadow_mode_reports_over_limit_but_admits(start_sidecar: SidecarFactory
     codes = [[s.code for s in a.statuses] for a in answers]
     assert codes == [[OK, OK], [OK, OK], [OVER_LIMIT, OK], [OVER_LIMIT, OK]]
     assert [a.statuses[1].limit_remaining for a in answers] == [9, 8, 7, 6]
-    started = next(e for e in log_events(sidecar.stderr()) if e["event"] == "sidecar_started")
+    started = sidecar.event("sidecar_started")
     assert started["shadow_mode"] is True
 
 

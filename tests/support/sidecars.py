@@ -305,6 +305,18 @@ class Sidecar:
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
 
+    def event(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The first log event called ``name``, waiting for it: the sidecar reports SERVING
+        before ``sidecar_started`` is written (the watcher's first look comes in between)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [event for event in log_events(self.stderr()) if event.get("event") == name]
+            if found:
+                return found[0]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {name} event within {timeout} s:\n{self.stderr()}")
+            time.sleep(0.05)
+
     def stdout(self) -> str:
         return self.stdout_path.read_text(errors="replace")
 
