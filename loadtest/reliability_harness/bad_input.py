@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from loadtest.reliability_harness.bounds_oracle import outcome_problem
 from loadtest.reliability_harness.hostile_configs import config_cases, exercise, refusal_problems
@@ -242,6 +242,33 @@ def send_all(address: str, payloads: Iterator[bytes], tally: Tally, in_flight: i
                 tally.violation(f"{len(payload)} bytes {payload[:24]!r}: {code.name}")
 
 
+class Aftermath(NamedTuple):
+    """How a sidecar came out of a flood of bad input."""
+
+    alive: bool
+    serving: bool
+    rss_after: int
+    hwm: int
+    """Peak RSS (``VmHWM``)."""
+    internal: int
+    """``request_errors_total{kind="internal"}``: our own faults."""
+    exceptions: int
+    """Tracebacks in its log."""
+
+
+def aftermath(sidecar: Any) -> Aftermath:
+    """Read, after a flood, whether ``sidecar`` lives and serves, its memory, and its own faults."""
+    from sidecar.client import health_status
+
+    alive = sidecar.alive()
+    rss_after = rss(sidecar.pid) if alive else 0
+    hwm = (proc_status(sidecar.pid, "VmHWM") or 0) if alive else 0
+    serving = alive and health_status(sidecar.address, timeout=5.0) == "SERVING"
+    errors = scrape(sidecar.metrics_url) if alive else {}
+    internal = int(errors.get('ratelimit_sidecar_request_errors_total{kind="internal"}', 0))
+    return Aftermath(alive, serving, rss_after, hwm, internal, log_exceptions(sidecar))
+
+
 def log_exceptions(child: Child) -> int:
     """Tracebacks and failed decisions in the sidecar's log."""
     text = child.log_text()
@@ -250,7 +277,6 @@ def log_exceptions(child: Child) -> int:
 
 def raw_bytes(context: Context) -> Row:
     """Random and mutated bytes to a real sidecar's ``ShouldRateLimit``."""
-    from sidecar.client import health_status
 
     count = 1_500 if context.quick else 12_000
     warm_up = 300
@@ -271,13 +297,7 @@ def raw_bytes(context: Context) -> Row:
             send_all(sidecar.address, raw_payloads(context.seed, count), tally)
             elapsed = time.monotonic() - started
             time.sleep(0.3)
-            alive = sidecar.alive()
-            rss_after = rss(sidecar.pid) if alive else 0
-            hwm = (proc_status(sidecar.pid, "VmHWM") or 0) if alive else 0
-            serving = alive and health_status(sidecar.address, timeout=5.0) == "SERVING"
-            errors = scrape(sidecar.metrics_url) if alive else {}
-            internal = int(errors.get('ratelimit_sidecar_request_errors_total{kind="internal"}', 0))
-            exceptions = log_exceptions(sidecar)
+            alive, serving, rss_after, hwm, internal, exceptions = aftermath(sidecar)
         except Exception as error:
             return failed_row(AREA, "raw bytes to gRPC", error, children)
     growth = rss_after - rss_before

@@ -44,7 +44,7 @@ from typing import Any
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import json_format
 
-from loadtest.reliability_harness.bad_input import Tally, log_exceptions
+from loadtest.reliability_harness.bad_input import Tally, aftermath
 from loadtest.reliability_harness.bounds_oracle import REFUSAL_DETAILS, bound_broken, response_problems
 from loadtest.reliability_harness.hostile_requests import (
     INVALID_UTF8,
@@ -64,10 +64,8 @@ from loadtest.reliability_harness.support import (
     failed_row,
     free_port,
     main,
-    proc_status,
     process_group,
     rss,
-    scrape,
     start_sidecar,
 )
 
@@ -266,7 +264,6 @@ def healthcheck(port: int) -> int:
 
 def hostile_bodies(context: Context) -> Row:
     """The hostile bodies to a real sidecar's ``POST /json``."""
-    from sidecar.client import health_status
 
     count = 1_500 if context.quick else 12_000
     warm_up = 300
@@ -291,14 +288,9 @@ def hostile_bodies(context: Context) -> Row:
             send_all(json_port, bodies(context.seed, count), tally)
             elapsed = time.monotonic() - started
             time.sleep(0.3)
-            alive = sidecar.alive()
-            rss_after = rss(sidecar.pid) if alive else 0
-            hwm = (proc_status(sidecar.pid, "VmHWM") or 0) if alive else 0
-            serving = alive and health_status(sidecar.address, timeout=5.0) == "SERVING"
+            alive, serving, rss_after, hwm, internal, exceptions = aftermath(sidecar)
             health = healthcheck(json_port) if alive else 0
-            errors = scrape(sidecar.metrics_url) if alive else {}
-            internal = int(errors.get('ratelimit_sidecar_request_errors_total{kind="internal"}', 0))
-            exceptions = log_exceptions(sidecar) + sidecar.log_text().count("json_request_failed")
+            exceptions += sidecar.log_text().count("json_request_failed")
         except Exception as error:
             return failed_row(AREA, SCENARIO, error, children)
     growth = rss_after - rss_before
