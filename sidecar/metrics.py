@@ -302,6 +302,8 @@ class LimiterSnapshot:
     """Admitted hits a flush could not add, their key holding no counter."""
     failure_reasons: dict[str, int] | None = None
     """Requests decided without Redis, by reason (``sidecar.limiter.budget.REASONS``)."""
+    full_window_refusals: int | None = None
+    """strict: requests refused without a round trip, on windows Redis had reported full."""
     loop_lag_latest: float | None = None
     """Lateness of the event loop's last timer tick, seconds."""
     loop_lag_max: float | None = None
@@ -353,6 +355,12 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
         for reason, count in snapshot.failure_reasons.items():
             reasons.add_metric((reason,), count)
         yield reasons
+    if snapshot.full_window_refusals is not None:
+        yield CounterMetricFamily(
+            "ratelimit_sidecar_full_window_refusals",
+            "Requests refused without a Redis round trip: a window they need was reported full by Redis",
+            value=snapshot.full_window_refusals,
+        )
     if snapshot.loop_lag is not None:
         yield GaugeMetricFamily(
             "ratelimit_sidecar_event_loop_lag_latest_seconds",

@@ -8,6 +8,12 @@ replica can overshoot a limit while Redis answers within the budget
 pipelined round trip (:class:`DecisionBatcher`); each request is still its own
 atomic script and waits only its own budget.
 
+A request that only windows Redis has already reported full would refuse is refused
+without a round trip (:class:`~sidecar.limiter.full_windows.FullWindows`): Redis
+would refuse it too and record nothing, so this stays exact, and in a burst or a flood
+the requests over the limit (most of them) neither wait for Redis nor risk their
+deadline.
+
 When Redis does not answer in time, the request is decided by the failure policy,
 and the accounting is made exact afterwards. The script usually still runs, so the
 hits the failure policy admitted for it are held, not owed, until its answer comes
@@ -48,6 +54,7 @@ import structlog
 from sidecar.limiter.algorithms import Algorithm, now_us
 from sidecar.limiter.budget import FailureReasons, Reason, redis_wait
 from sidecar.limiter.failure import FailurePolicy
+from sidecar.limiter.full_windows import FullWindows
 from sidecar.limiter.ledger import Admitted
 from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
@@ -118,6 +125,8 @@ class StrictLimiter:
         self.redis_time = redis_time
         """The script's clock is Redis ``TIME`` (else each request's ``now``)."""
         self.batcher = DecisionBatcher(store, admit_all)
+        self.full = FullWindows(policy.max_counters)
+        """Windows Redis reported full: requests that only they refuse are refused here."""
         self.redis_decisions = 0
         self.reasons = FailureReasons()
         """Requests the failure policy decided, by why (``deadline``, ``redis_down``, ...)."""
@@ -151,11 +160,14 @@ class StrictLimiter:
         keys = [key for key, _ in windows]
         expire_ats = [expires for _, expires in windows]
         call = RedisCall(keys, checks, expire_ats, 0 if self.redis_time else now_us(now))
+        available = self.store.available
+        if available and (refused := self.full.refusal(checks, keys, self.admit_all)) is not None:
+            return refused  # Redis would refuse it too, recording nothing
         wait, limit, deadline = redis_wait(self.store.request_timeout, budget)
         reason: Reason = "redis_down"
-        if self.store.available and wait <= 0:
+        if available and wait <= 0:
             reason = "deadline"  # nothing left to wait with: the answer is due now
-        elif self.store.available:
+        elif available:
             try:
                 counts = await self._ask(call, wait, limit)
             except (TimeoutError, RedisUnavailable) as error:
@@ -239,6 +251,8 @@ class StrictLimiter:
         self.redis_decisions += 1
         self.policy.note_admitted(checks, consume, now)
         self.policy.learn(checks, call.keys, call.expire_ats, counts, consume, now=now)
+        if self.ledger.settled(call.keys):  # else a give-back on its way may lower a count
+            self.full.learn(checks, call.keys, call.expire_ats, counts, consume, now)
         ban_ends = counts.ban_ends if isinstance(counts, Counts) else ()
         return Decision(admitted, over, tuple(counts), limits, ban_ends)
 
@@ -287,6 +301,8 @@ class StrictLimiter:
             zip(call.checks, call.keys, call.expire_ats, call.spent, consumed, strict=True)
         ):
             change = spent - script - call.owed[index]
+            if change < 0:
+                self.full.forget(key)  # a give-back lowers the count Redis reported
             if change and self.ledger.owe(key, change, deadline, per_hit(check)):
                 call.owed[index] += change
 
@@ -339,6 +355,7 @@ class StrictLimiter:
             replicas=self.replicas.live,
             pending_hits=self.unreconciled_hits(),
             failure_reasons=self.reasons.copy(),
+            full_window_refusals=self.full.refusals,
         )
 
     def unreconciled_hits(self) -> int:
@@ -375,6 +392,7 @@ class StrictLimiter:
         (log.warning if unreconciled else log.info)(
             "strict_closed",
             redis_decisions=self.redis_decisions,
+            full_window_refusals=self.full.refusals,
             failure_decisions=self.policy.decisions,
             failure_reasons={reason: count for reason, count in self.reasons.counts.items() if count},
             late_answers=self.batcher.late_answers,

@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -26,43 +26,20 @@ from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import Pending
 from sidecar.limiter.strict import StrictLimiter
 from sidecar.server import build_redis_store, build_strict_limiter
-from sidecar.settings import Settings
+from tests.sidecar.limiter.conftest import Factory, strict_settings
 from tests.support.redis_servers import (
     ACL_PASSWORD,
     ACL_USER,
     RedisCluster,
     RedisServer,
     fresh_prefix,
-    redis_settings,
 )
 from tests.support.sidecars import OK, OVER_LIMIT, SidecarFactory, in_one_window, log_events, request
 
-GENEROUS = 2.0
-"""Budget for exactness tests: a slow answer on a busy machine must not switch modes."""
 SLOW_CALL = 0.1
 """No call may take this long while Redis is away: the budget is 5 ms, and the point is
 that nothing waits for a socket or background timeout (1 s); 20x headroom keeps a
 loaded 2-core machine from failing the test."""
-
-Factory = Callable[..., StrictLimiter]
-
-
-def strict_settings(url: str, **overrides: object) -> Settings:
-    return redis_settings(url, "strict", GENEROUS, **{"heartbeat_interval": 0.1, **overrides})
-
-
-@pytest.fixture
-async def limiters() -> AsyncIterator[Factory]:
-    """Build started StrictLimiters (replicas); every one is closed when the test ends."""
-    started: list[StrictLimiter] = []
-
-    def build(url: str, **overrides: object) -> StrictLimiter:
-        limiter = build_strict_limiter(strict_settings(url, **overrides))
-        started.append(limiter)
-        return limiter
-
-    yield build
-    await asyncio.gather(*(limiter.close() for limiter in started))
 
 
 async def started(*limiters: StrictLimiter) -> None:
