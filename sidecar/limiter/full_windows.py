@@ -40,7 +40,7 @@ class FullWindows:
     """Per fixed-window Redis key, the count Redis last reported: the windows at or past
     their limit refuse requests here; the others give refused requests their counts."""
 
-    __slots__ = ("max_keys", "refusals", "_entries")
+    __slots__ = ("_entries", "max_keys", "refusals")
 
     def __init__(self, max_keys: int) -> None:
         self.max_keys = max(1, max_keys)
@@ -59,6 +59,7 @@ class FullWindows:
         expire_ats: Sequence[int],
         counts: Sequence[int],
         consume: Sequence[bool],
+        *,
         now: float,
     ) -> None:
         """Remember what a script's answer shows each fixed window holds (``counts`` are

@@ -252,7 +252,7 @@ class StrictLimiter:
         self.policy.note_admitted(checks, consume, now)
         self.policy.learn(checks, call.keys, call.expire_ats, counts, consume, now=now)
         if self.ledger.settled(call.keys):  # else a give-back on its way may lower a count
-            self.full.learn(checks, call.keys, call.expire_ats, counts, consume, now)
+            self.full.learn(checks, call.keys, call.expire_ats, counts, consume, now=now)
         ban_ends = counts.ban_ends if isinstance(counts, Counts) else ()
         return Decision(admitted, over, tuple(counts), limits, ban_ends)
 
