@@ -20,6 +20,10 @@ of its checks is not a fixed window Redis has reported on (its status would be a
 or names a counter twice. The limit is
 compared at request time, so a reload that raises it sends the key to Redis again.
 
+Not in Redis Cluster: a request whose counters live in different slots takes hits per
+counter and gives back those of a refused request afterwards, so a count Redis reports
+there may include hits on their way back.
+
 If someone deletes a counter in Redis by hand (or a failover loses writes), requests on
 it are refused until its window ends, as they were before; an exactly-counting design
 cannot tell that apart from a full window without asking.
@@ -43,7 +47,8 @@ class FullWindows:
     __slots__ = ("_entries", "max_keys", "refusals")
 
     def __init__(self, max_keys: int) -> None:
-        self.max_keys = max(1, max_keys)
+        self.max_keys = max(0, max_keys)
+        """0: nothing is remembered (Redis Cluster, see :class:`~sidecar.limiter.strict.StrictLimiter`)."""
         self.refusals = 0
         """Requests refused here without asking Redis."""
         self._entries: dict[str, tuple[int, int]] = {}
@@ -65,8 +70,8 @@ class FullWindows:
         """Remember what a script's answer shows each fixed window holds (``counts`` are
         would-be counts: the request's hits are in Redis only where ``consume`` says so)."""
         entries = self._entries
-        if len(keys) > 1 and len(set(keys)) < len(keys):
-            return  # a counter named twice: its would-be counts add up within the request
+        if not self.max_keys or (len(keys) > 1 and len(set(keys)) < len(keys)):
+            return  # off, or a counter named twice: its would-be counts add up within the request
         for check, key, expire_at, count, spent in zip(checks, keys, expire_ats, counts, consume, strict=True):
             if check.algorithm is not Algorithm.FIXED_WINDOW:
                 continue

@@ -125,8 +125,9 @@ class StrictLimiter:
         self.redis_time = redis_time
         """The script's clock is Redis ``TIME`` (else each request's ``now``)."""
         self.batcher = DecisionBatcher(store, admit_all)
-        self.full = FullWindows(policy.max_counters)
-        """Windows Redis reported full: requests that only they refuse are refused here."""
+        self.full = FullWindows(0 if getattr(store, "cluster", False) else policy.max_counters)
+        """Windows Redis reported full: requests that only they refuse are refused here
+        (not in Cluster, where a cross-slot request's give-backs may lower a count)."""
         self.redis_decisions = 0
         self.reasons = FailureReasons()
         """Requests the failure policy decided, by why (``deadline``, ``redis_down``, ...)."""

@@ -137,3 +137,11 @@ def test_the_memory_is_bounded_and_forgets_ended_windows_first() -> None:
         key = f"more-{index}"
         memory.learn([window(key)], [key], [LATER], [20], [True], now=NOW)
     assert len(memory) <= 10
+
+
+def test_a_memory_of_no_keys_remembers_nothing() -> None:
+    memory = FullWindows(0)
+    hot = window("hot")
+    told(memory, [hot], [20])
+    assert len(memory) == 0
+    assert ask(memory, [hot]) is None
