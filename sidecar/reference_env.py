@@ -121,7 +121,12 @@ REFERENCE_VARIABLES: tuple[ReferenceVariable, ...] = (
         "RUNTIME_WATCH_ROOT", "true", "the config directory is always watched: symlink swaps and edits both reload"
     ),
     _ignored("EXPIRATION_JITTER_MAX_SECONDS", "300", "keys expire a fixed grace after their window ends"),
-    _ignored("LOCAL_CACHE_SIZE_IN_BYTES", "0", "sync mode refuses known over-limit keys locally without a cache"),
+    _ignored(
+        "LOCAL_CACHE_SIZE_IN_BYTES",
+        "0",
+        "both modes refuse windows known to be full without a round trip (sync from its windows, strict from "
+        "what Redis last reported), bounded by --max-counters",
+    ),
     ReferenceVariable("NEAR_LIMIT_RATIO", "0.8", "`--near-limit-ratio`"),
     ReferenceVariable("CACHE_KEY_PREFIX", "", "`--redis-prefix` (when not empty)"),
     ReferenceVariable("BACKEND_TYPE", "redis", "redis: Redis when REDIS_URL is set; memcache is refused"),
@@ -181,7 +186,7 @@ REFERENCE_VARIABLES: tuple[ReferenceVariable, ...] = (
     _ignored(
         "REDIS_TIMEOUT",
         "10s",
-        "`--redis-timeout` is a request budget in seconds (default 0.02, shortened by a caller's gRPC deadline), "
+        "`--redis-timeout` is a request budget in seconds (default 0.1, shortened by a caller's gRPC deadline), "
         "not an I/O timeout",
     ),
     _ignored("REDIS_POOL_ON_EMPTY_BEHAVIOR", "WAIT", POOL),

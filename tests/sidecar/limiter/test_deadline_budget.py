@@ -36,8 +36,9 @@ from tests.support.redis_servers import RedisServer, fresh_prefix, redis_setting
 # -- the arithmetic ------------------------------------------------------------------------
 
 
-def test_the_default_budget_is_envoys_timeout() -> None:
-    assert DEFAULT_REDIS_TIMEOUT == 0.02
+def test_the_default_bound_leaves_envoys_deadline_in_charge() -> None:
+    assert DEFAULT_REDIS_TIMEOUT == 0.1
+    assert caller_budget(0.025) < DEFAULT_REDIS_TIMEOUT
     assert Settings(config="x").redis_timeout == DEFAULT_REDIS_TIMEOUT
 
 
