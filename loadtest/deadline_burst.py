@@ -8,8 +8,9 @@ The burst: one descriptor limited to ``--limit`` (20) per hour, ``--replicas`` (
 ``--calls`` (300) split evenly over them, ``--in-flight`` (32) in flight per replica (one h2load
 and one HTTP/2 connection per replica, all started at once), every call with Envoy's
 ``--deadline-ms`` (25 ms) gRPC deadline. Targets: ``bare`` (``loadtest.bare_servicer``, constant
-OK: the floor of any Python handler here), ``sync`` and ``strict`` (sidecars ``--backend redis
---mode sync|strict`` on one redis-server). Each round starts fresh processes per target (the
+OK: the floor of any Python handler here), ``memory`` (sidecars ``--backend memory``: the
+handler's own cost, each replica counting alone), ``sync`` and ``strict`` (sidecars
+``--backend redis --mode sync|strict`` on one redis-server). Each round starts fresh processes per target (the
 sidecars on a FLUSHALL'd Redis), warms every replica with ``WARMUP_CALLS`` calls on another
 value (lazy imports and first calls stay out of the burst), then fires the burst on a value of
 its own. h2load sees every gRPC answer as HTTP 200 (a call past its deadline ends as
@@ -18,7 +19,7 @@ sidecars: what Redis holds for the burst's value, and the failure-mode decisions
 full-window refusals of the burst (``/metrics`` after minus before, all replicas). The target
 order rotates each round; the table gives medians over rounds.
 
-    python -m loadtest.deadline_burst                       # 3 rounds of bare, sync, strict
+    python -m loadtest.deadline_burst                       # 3 rounds of bare, memory, sync, strict
     python -m loadtest.deadline_burst --targets sync,strict --rounds 5 --json /tmp/burst.json
 
 Only 127.0.0.1; every child is stopped at the end, also on Ctrl-C, SIGTERM or error.
@@ -51,7 +52,13 @@ from stack.processes import Child, ProcessGroup, free_port
 from stack.redis import RedisProcess
 from stack.sidecar import SidecarProcess
 
-TARGETS = {"bare": "bare servicer (no work)", "sync": "sidecar, redis sync", "strict": "sidecar, redis strict"}
+TARGETS = {
+    "bare": "bare servicer (no work)",
+    "memory": "sidecar, memory backend",
+    "sync": "sidecar, redis sync",
+    "strict": "sidecar, redis strict",
+}
+REDIS_TARGETS = ("sync", "strict")
 DOMAIN, KEY = "burst", "client"
 PREFIX = "rls"
 """The sidecars' default ``--redis-prefix``."""
@@ -130,9 +137,12 @@ def start_replicas(group: ProcessGroup, context: Context, target: str, number: i
     names = [f"{target}-r{number}-{index}" for index in range(context.arguments.replicas)]
     if target == "bare":
         return group.start_all_ready([functools.partial(BareServicer, name, context.directory) for name in names])
-    assert context.redis is not None
     serve = ["--config", str(context.directory / "config"), "--watch-config", "false", "--log-level", "warning"]
-    serve += ["--backend", "redis", "--redis-url", context.redis.url, "--mode", target]
+    if target in REDIS_TARGETS:
+        assert context.redis is not None
+        serve += ["--backend", "redis", "--redis-url", context.redis.url, "--mode", target]
+    else:  # each replica its own limit: the handler's cost without Redis, not a shared limit
+        serve += ["--backend", "memory"]
     return group.start_all_ready([functools.partial(SidecarProcess, n, serve, context.directory) for n in names])
 
 
@@ -228,14 +238,14 @@ def burst(context: Context, target: str, replicas: Sequence[Any], number: int) -
 
 def measure(context: Context, target: str, number: int) -> RoundResult:
     """Fresh replicas of ``target`` (the sidecars on a flushed Redis), one burst, Redis read after."""
-    if context.redis is not None and target != "bare":
+    if context.redis is not None and target in REDIS_TARGETS:
         redis_command(context.redis.port, "FLUSHALL")
     group = ProcessGroup()
     try:
         result = burst(context, target, start_replicas(group, context, target, number), number)
     finally:
         group.close()
-    if context.redis is not None and target != "bare":
+    if context.redis is not None and target in REDIS_TARGETS:
         digest = CounterNames(context.directory / "config", DOMAIN).digest([(KEY, f"burst-{number}")])
         result.redis_count = redis_counts(context.redis.port, PREFIX).get(digest, 0)
     return result
@@ -366,7 +376,7 @@ def write_json(path: Path, arguments: argparse.Namespace, facts: dict[str, Any],
 
 def run(arguments: argparse.Namespace) -> int:
     h2load_binary()
-    needs_redis = arguments.targets != ["bare"]
+    needs_redis = any(target in REDIS_TARGETS for target in arguments.targets)
     if needs_redis and not stack_redis.available():
         raise RuntimeError("no redis-server: install redis-server (apt-get install redis-server)")
     facts = machine_facts()
@@ -413,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--rounds", type=positive_int, default=3, help="rounds of every target (default 3)")
-    add("--targets", type=target_list, default=list(TARGETS), help="comma list of bare,sync,strict (default all)")
+    targets = ",".join(TARGETS)
+    add("--targets", type=target_list, default=list(TARGETS), help=f"comma list of {targets} (default all)")
     add("--limit", type=positive_int, default=20, help="requests per hour of the descriptor (default 20)")
     add("--calls", type=positive_int, default=300, help="calls of the burst, across replicas (default 300)")
     add("--in-flight", type=positive_int, default=32, help="calls in flight per replica (default 32)")

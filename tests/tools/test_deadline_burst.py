@@ -72,7 +72,7 @@ def test_calls_are_split_evenly_and_the_order_rotates_each_round() -> None:
 
 def test_targets_are_a_comma_list_of_known_ones_each_once() -> None:
     assert target_list("sync, strict") == ["sync", "strict"]
-    for bad in ("", "sync,sync", "memory"):
+    for bad in ("", "sync,sync", "redis"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma list"):
             target_list(bad)
 
@@ -118,21 +118,27 @@ def test_a_short_run_reports_every_target_with_sane_figures(tmp_path: Path) -> N
     )
     output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}"
     assert result.returncode == 0, output
-    assert result.stdout.startswith("command: python -m loadtest.deadline_burst --rounds 1 --targets bare,sync,strict")
+    command = "command: python -m loadtest.deadline_burst --rounds 1 --targets bare,memory,sync,strict"
+    assert result.stdout.startswith(command), output
     assert "machine: " in result.stdout and " cores " in result.stdout, output
 
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| target (median of 1 rounds) | p50 ms | p99 ms | calls past 25 ms |"), output
     labels = [row.split(" | ")[0].removeprefix("| ") for row in table[1:]]
-    assert labels == ["bare servicer (no work)", "sidecar, redis sync", "sidecar, redis strict"], output
+    assert labels == [
+        "bare servicer (no work)",
+        "sidecar, memory backend",
+        "sidecar, redis sync",
+        "sidecar, redis strict",
+    ], output
 
     runs = {run["target"]: run for run in json.loads(report.read_text())["runs"]}
-    assert set(runs) == {"bare", "sync", "strict"}, output
+    assert set(runs) == {"bare", "memory", "sync", "strict"}, output
     for target, run in runs.items():
         assert run["calls"] == calls and run["failed"] == 0, (target, run)
         assert 0 < run["p50_ms"] <= run["p99_ms"] < 5000, (target, run)
         assert 0 <= run["over_deadline"] <= calls, (target, run)
-    assert runs["bare"]["redis_count"] is None
+    assert runs["bare"]["redis_count"] is None and runs["memory"]["redis_count"] is None
     # Redis holds what was admitted: strict exactly the limit; sync within its bound.
     assert runs["strict"]["redis_count"] == limit, output
     assert limit <= runs["sync"]["redis_count"] <= limit + replicas - 1, output
