@@ -1,6 +1,6 @@
 """Redis down, paused or slow, with the caller's deadline as the budget (issue 17).
 
-One real sidecar per (mode, fault), at default settings (``--redis-timeout`` 20 ms, the
+One real sidecar per (mode, fault), at default settings (``--redis-timeout`` 100 ms, the
 budget being each call's gRPC deadline less a margin), on its own redis-server, gets
 steady open-loop gRPC load in which every call carries Envoy's deadline (25 ms, the
 filter ``timeout`` of ``envoy/sidecar.yaml``). A fault lasts about a second mid-load:
