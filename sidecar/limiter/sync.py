@@ -248,20 +248,27 @@ class SyncLimiter(SyncFallback):
         if decision is not None:
             self.local_decisions += 1
             return decision
+        return await self._escalate_in_time(checks, counters, now, budget)
+
+    async def _escalate_in_time(
+        self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float, budget: float | None
+    ) -> Decision:
+        """Escalate within the caller's budget; the failure mode decides what Redis cannot in time."""
         wait, limit, deadline = redis_wait(self.request_budget, budget)
-        reason: Reason = "deadline"
-        if wait > 0:
-            try:
-                return await self._escalate(checks, counters, wait, limit)
-            except TimeoutError as error:
-                caller = deadline or (budget is not None and isinstance(error, DeadlineReached))
-                return self._decide_without_redis(
-                    checks, counters, now, "deadline" if caller else "redis_timeout", in_doubt=True
-                )
-            except CorruptKey:
-                reason = "corrupt_key"
-            except RedisUnavailable:
-                reason = "redis_refused" if self.store.available else "redis_down"
+        if wait <= 0:  # no time left to ask, though Redis may be answering: no guess near the limit
+            return self._decide_without_redis(checks, counters, now, "deadline", late=True)
+        reason: Reason
+        try:
+            return await self._escalate(checks, counters, wait, limit)
+        except TimeoutError as error:
+            caller = deadline or (budget is not None and isinstance(error, DeadlineReached))
+            return self._decide_without_redis(
+                checks, counters, now, "deadline" if caller else "redis_timeout", in_doubt=True, late=True
+            )
+        except CorruptKey:
+            reason = "corrupt_key"
+        except RedisUnavailable:
+            reason = "redis_refused" if self.store.available else "redis_down"
         return self._decide_without_redis(checks, counters, now, reason)
 
     def _ban(self, check: Check, now: float) -> None:

@@ -21,6 +21,7 @@ from sidecar.limiter.failure import FailureMode, failure_limits
 from sidecar.limiter.fallback import local_counts
 from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.redis.replicas import Replicas
+from sidecar.limiter.redis.store import RedisStore
 from sidecar.limiter.redis.store import verdict as script_verdict
 from sidecar.limiter.sync_counters import WindowCounter
 
@@ -35,6 +36,7 @@ class SyncFallback:
     failure_decisions: int
     reasons: FailureReasons
     replicas: Replicas
+    store: RedisStore
     dropped_hits: int
     max_counters: int
     _drop_logged: bool
@@ -61,6 +63,7 @@ class SyncFallback:
         reason: Reason,
         *,
         in_doubt: bool = False,
+        late: bool = False,
     ) -> Decision:
         """Redis did not decide (``reason``): apply the failure mode
         (:func:`~sidecar.limiter.failure.failure_limits`); admitted hits stay pending.
@@ -74,6 +77,13 @@ class SyncFallback:
         Escalations still on the wire count as admitted (``doubt``: their scripts may
         admit any moment), but for this request's own (``in_doubt``). ``open`` and
         ``closed`` count what is known.
+
+        ``late``: the request escalated (it is near a limit) and ran out of time to hear
+        Redis's answer. While Redis is not known to be down, the other replicas are still
+        admitting through it, so a share on top of theirs would overshoot (issue 17: 23 of
+        20 in a burst at Envoy's 25 ms deadline); ``local`` then refuses the enforced checks,
+        as the script may yet do, and a late answer that admitted gives its hits back.
+        Once Redis is marked down, every replica holds to its share and ``local`` shares.
         """
         self.failure_decisions += 1
         self.reasons.note(reason)
@@ -87,7 +97,8 @@ class SyncFallback:
             ]
             known = tuple(count + max(0, hits) for count, hits in zip(known, doubt, strict=True))
             counts = local_counts(checks, counts, known, live)
-        limits = failure_limits(self.failure_mode, checks, counts, live)
+        mode: FailureMode = "closed" if local and late and self.store.available else self.failure_mode
+        limits = failure_limits(mode, checks, counts, live)
         if local and not all(counter.remembered for counter in counters):
             # A counter with no room to be remembered cannot be held to a share (nothing
             # counts its hits) and could not keep them for Redis: refused, as ``closed``.

@@ -1,4 +1,4 @@
-"""Strict-mode limiters against real redis-server processes, shared by the strict test modules."""
+"""Strict and sync limiters against real redis-server processes, shared by their test modules."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from sidecar.limiter.strict import StrictLimiter
-from sidecar.server import build_strict_limiter
+from sidecar.limiter.sync import SyncLimiter
+from sidecar.server import build_redis_limiter, build_strict_limiter
 from sidecar.settings import Settings
-from tests.support.redis_servers import redis_settings
+from tests.support.redis_servers import fresh_prefix, redis_settings
 
 GENEROUS = 2.0
-"""Budget for exactness tests: a slow answer on a busy machine must not switch modes."""
+"""Request budget of the exactness tests: a slow answer on a loaded machine must not switch a
+decision to the failure mode (the tests assert it never does)."""
 
 Factory = Callable[..., StrictLimiter]
 
@@ -34,3 +36,43 @@ async def limiters() -> AsyncIterator[Factory]:
 
     yield build
     await asyncio.gather(*(limiter.close() for limiter in built))
+
+
+def sync_settings(url: str, **overrides: object) -> Settings:
+    # A replica is dead after 3 missed beats: 1.5 s, far beyond any stall of the shared
+    # event loop, so no replica drops out (and enlarges its blind cap) mid-test.
+    defaults: dict[str, object] = {"heartbeat_interval": 0.5, "sync_interval": 0.05}
+    return redis_settings(url, "sync", GENEROUS, **{**defaults, **overrides})
+
+
+class Fleet:
+    """Builds SyncLimiters the way ``serve`` does; closes what the test did not."""
+
+    def __init__(self) -> None:
+        self.built: list[SyncLimiter] = []
+        self.closed: set[int] = set()
+
+    def build(self, url: str, **overrides: object) -> SyncLimiter:
+        limiter = build_redis_limiter(sync_settings(url, **overrides))
+        assert isinstance(limiter, SyncLimiter)
+        self.built.append(limiter)
+        return limiter
+
+    def group(self, count: int, url: str, **overrides: object) -> list[SyncLimiter]:
+        prefix = str(overrides.pop("redis_prefix", fresh_prefix()))
+        return [self.build(url, redis_prefix=prefix, **overrides) for _ in range(count)]
+
+    async def close(self, *limiters: SyncLimiter) -> None:
+        todo = [limiter for limiter in limiters if id(limiter) not in self.closed]
+        self.closed.update(id(limiter) for limiter in todo)
+        await asyncio.gather(*(limiter.close() for limiter in todo))
+
+    async def close_all(self) -> None:
+        await self.close(*self.built)
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    built = Fleet()
+    yield built
+    await built.close_all()

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,16 +31,12 @@ from sidecar.limiter.protocol import Check, Decision, Role
 from sidecar.limiter.redis.keys import counter_window
 from sidecar.limiter.sync import SyncLimiter
 from sidecar.limiter.windows import window_start
-from sidecar.server import build_redis_limiter
-from sidecar.settings import Settings
-from tests.support.redis_servers import REDIS_CLI, RedisCluster, RedisServer, fresh_prefix, redis_settings
+from tests.sidecar.limiter.conftest import Fleet
+from tests.support.redis_servers import REDIS_CLI, RedisCluster, RedisServer
 from tests.support.sidecars import OK, OVER_LIMIT, SidecarFactory, log_events, request, write_config
 
 UNIT = 3600
 """Window of the in-process tests: long, so a test never straddles a boundary (see :func:`steady_now`)."""
-GENEROUS = 2.0
-"""Request budget of the accuracy tests: a slow escalation on a loaded machine must not
-switch a decision to the failure mode (the tests assert it never does)."""
 BUDGET = 0.005
 """The default request budget, for the outage tests."""
 SLOW_CALL = 0.1
@@ -49,46 +45,6 @@ nothing may wait for a socket or background timeout (1 s); the headroom is for a
 2-core machine."""
 SETTLE = 10.0
 """Longest wait for reconciliation after an outage (the probe backs off up to 1 s)."""
-
-
-def sync_settings(url: str, **overrides: object) -> Settings:
-    # A replica is dead after 3 missed beats: 1.5 s, far beyond any stall of the shared
-    # event loop, so no replica drops out (and enlarges its blind cap) mid-test.
-    defaults: dict[str, object] = {"heartbeat_interval": 0.5, "sync_interval": 0.05}
-    return redis_settings(url, "sync", GENEROUS, **{**defaults, **overrides})
-
-
-class Fleet:
-    """Builds SyncLimiters the way ``serve`` does; closes what the test did not."""
-
-    def __init__(self) -> None:
-        self.built: list[SyncLimiter] = []
-        self.closed: set[int] = set()
-
-    def build(self, url: str, **overrides: object) -> SyncLimiter:
-        limiter = build_redis_limiter(sync_settings(url, **overrides))
-        assert isinstance(limiter, SyncLimiter)
-        self.built.append(limiter)
-        return limiter
-
-    def group(self, count: int, url: str, **overrides: object) -> list[SyncLimiter]:
-        prefix = str(overrides.pop("redis_prefix", fresh_prefix()))
-        return [self.build(url, redis_prefix=prefix, **overrides) for _ in range(count)]
-
-    async def close(self, *limiters: SyncLimiter) -> None:
-        todo = [limiter for limiter in limiters if id(limiter) not in self.closed]
-        self.closed.update(id(limiter) for limiter in todo)
-        await asyncio.gather(*(limiter.close() for limiter in todo))
-
-    async def close_all(self) -> None:
-        await self.close(*self.built)
-
-
-@pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    built = Fleet()
-    yield built
-    await built.close_all()
 
 
 async def started(*limiters: SyncLimiter) -> None:
@@ -423,7 +379,9 @@ EXPECTED_DURING_OUTAGE = {"open": 16, "closed": 0, "local": 12}
 ``open`` admits all, ``closed`` none, ``local`` each replica's share ``ceil((20 - 8) / 2) = 6``."""
 EXPECTED_DURING_PAUSE = {"open": 18, "closed": 0, "local": 14}
 """Two replicas, 9 requests of 1 hit each, limit 20 with 6 known used before the pause:
-``local`` admits ``ceil((20 - 6) / 2) = 7`` per replica."""
+``local`` admits ``ceil((20 - 6) / 2) = 7`` per replica once Redis is marked down, and
+refuses the escalations that are late before (Redis, not known down, may yet decide them):
+at most 14."""
 PAUSE = 1.0
 """Longer than 18 requests' budgets on a loaded machine, shorter than the 4 s background
 timeout that the generous setting gives the store."""
@@ -512,7 +470,10 @@ async def test_paused_redis_answers_late_and_late_answers_are_corrected(
         durations.append(time.perf_counter() - began)
     assert time.monotonic() - paused_at < PAUSE, "the machine is too slow for this test: the pause ended first"
     assert max(durations) < SLOW_CALL, [round(took, 4) for took in durations]
-    assert ledger.admitted - 6 == EXPECTED_DURING_PAUSE[mode]
+    if mode == "local":
+        assert 0 <= ledger.admitted - 6 <= EXPECTED_DURING_PAUSE[mode]
+    else:
+        assert ledger.admitted - 6 == EXPECTED_DURING_PAUSE[mode]
     assert sum(limiter.failure_decisions for limiter in pair) == 18
 
     # Every script that timed out ran once the pause ended; what it consumed is taken off
