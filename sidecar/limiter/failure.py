@@ -108,9 +108,13 @@ class FailurePolicy:
         keys: Sequence[str],
         expire_ats: Sequence[int],
         now: float,
+        *,
+        late: bool = False,
     ) -> Decision:
-        """Decide one request without Redis; ``keys``/``expire_ats`` are its Redis window keys."""
-        return self._check(checks, keys, expire_ats, now, owe=True, in_doubt=False)[0]
+        """Decide one request without Redis; ``keys``/``expire_ats`` are its Redis window keys.
+
+        ``late``: Redis is up, only this request could not hear it in time (:meth:`_held_back`)."""
+        return self._check(checks, keys, expire_ats, now, owe=True, in_doubt=False, late=late)[0]
 
     def check_without_owing(
         self,
@@ -118,6 +122,8 @@ class FailurePolicy:
         keys: Sequence[str],
         expire_ats: Sequence[int],
         now: float,
+        *,
+        late: bool = False,
     ) -> tuple[Decision, tuple[int, ...]]:
         """:meth:`check`, but owing nothing: returns the hits admitted per check instead.
 
@@ -126,7 +132,7 @@ class FailurePolicy:
         holds the keys meanwhile (:meth:`hold`). Its script's hits are in doubt
         (:meth:`KnownCounts.in_doubt`) and not counted twice.
         """
-        return self._check(checks, keys, expire_ats, now, owe=False, in_doubt=True)
+        return self._check(checks, keys, expire_ats, now, owe=False, in_doubt=True, late=late)
 
     def _check(
         self,
@@ -137,9 +143,12 @@ class FailurePolicy:
         *,
         owe: bool,
         in_doubt: bool,
+        late: bool = False,
     ) -> tuple[Decision, tuple[int, ...]]:
         self.decisions += 1
         local = self.mode == "local"
+        if local and late and self._held_back(checks, keys, in_doubt):
+            return self._without_counting(checks, "closed"), (0,) * len(checks)
         decision = self._decide_locally(checks, keys, now, in_doubt) if local else self._without_counting(checks)
         if not decision.admitted and not any(check.count_past for check in checks):
             return decision, (0,) * len(checks)
@@ -154,6 +163,32 @@ class FailurePolicy:
                 if hits:
                     self.ledger.owe_amount(key, hits * per_hit(check), expire_at, now, per_hit(check))
         return decision, spent
+
+    def _held_back(self, checks: Sequence[Check], keys: Sequence[str], in_doubt: bool) -> bool:
+        """Redis is up and only this request could not hear it in time (its deadline ran out):
+        the other replicas are still admitting through Redis, so a share on top of theirs
+        would overshoot. True (refuse, as ``closed``) when an enforced fixed window may be
+        near its limit: what is known of it, the count Redis last answered plus this
+        replica's scripts on the wire, leaves less room than every other replica's share
+        (``(R - 1) * ceil(limit / R)``; with one replica, nobody else admits, and the
+        share's own floor already counts what is known). Elsewhere the share applies as
+        in an outage: far from a limit, and where
+        nothing is known (a window no answer has come for yet, a sliding window, a bucket),
+        so a Redis hiccup shorter than the silence that marks it down does not refuse every
+        request of a new window.
+        """
+        live = max(1, self.live())
+        for check, key in zip(checks, keys, strict=True):
+            if check.role is not Role.ENFORCED:
+                continue
+            known = self.known.known(key) if check.algorithm is Algorithm.FIXED_WINDOW else None
+            if known is None:
+                continue
+            if in_doubt:
+                known -= check.hits  # its own script is on the wire: counted once
+            if known + check.hits > check.limit - (live - 1) * share_of_limit(check.limit, live):
+                return True
+        return False
 
     def _decide_locally(self, checks: Sequence[Check], keys: Sequence[str], now: float, in_doubt: bool) -> Decision:
         """This replica's share of each limit, counted over all of its own hits of the window,
@@ -199,10 +234,10 @@ class FailurePolicy:
                 held = count if spent else count - check.hits
                 self.known.learn(key, held, expire_at, ledger.settled((key,)), now)
 
-    def _without_counting(self, checks: Sequence[Check]) -> Decision:
+    def _without_counting(self, checks: Sequence[Check], mode: FailureMode | None = None) -> Decision:
         """``open`` and ``closed``: the request's own hits against :func:`failure_limits`."""
         counts = tuple(check.hits for check in checks)
-        limits = failure_limits(self.mode, checks, counts, self.live())
+        limits = failure_limits(mode or self.mode, checks, counts, self.live())
         admitted, over, _ = decide(checks, counts, limits, self.admit_all)
         return Decision(admitted, over, counts, tuple(max(0, limit) for limit in limits))
 

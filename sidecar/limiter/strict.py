@@ -67,6 +67,8 @@ from sidecar.metrics import LimiterSnapshot
 
 log = structlog.get_logger(__name__)
 
+LATE: tuple[Reason, ...] = ("deadline", "redis_timeout")
+"""Reasons that say nothing against Redis: the request's own budget ran out."""
 RECONCILE_RETRY = 0.1
 """Seconds between two failed reconciliations while Redis still counts as available."""
 
@@ -176,13 +178,19 @@ class StrictLimiter:
                 if call.abandoned:
                     self.reasons.note(reason)
                     # Same step as the timeout, so before any late answer can be applied.
-                    decision, call.spent = self.policy.check_without_owing(checks, keys, expire_ats, now)
+                    decision, call.spent = self.policy.check_without_owing(
+                        checks, keys, expire_ats, now, late=self._late(reason)
+                    )
                     self._hold(call)
                     return decision
             else:
                 return self._redis_decision(call, counts, now)
         self.reasons.note(reason)
-        return self.policy.check(checks, keys, expire_ats, now)
+        return self.policy.check(checks, keys, expire_ats, now, late=self._late(reason))
+
+    def _late(self, reason: Reason) -> bool:
+        """Redis is up, only this request's time ran out: no share near a limit (issue 17)."""
+        return reason in LATE and self.store.available
 
     def _reason(self, error: Exception, deadline: bool) -> Reason:
         """Why Redis did not decide a request that asked it."""

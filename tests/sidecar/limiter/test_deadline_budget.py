@@ -26,6 +26,7 @@ from sidecar.limiter.budget import (
     caller_budget,
     redis_wait,
 )
+from sidecar.limiter.failure import FailurePolicy
 from sidecar.limiter.fallback import KnownCounts, knowledge_floor, local_counts
 from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.strict import StrictLimiter
@@ -80,6 +81,34 @@ def test_the_local_share_starts_from_what_is_known() -> None:
     known.learn("b", 1, expire_at=10, settled=True, now=0)
     known.learn("c", 1, expire_at=20, settled=True, now=11)  # at the cap: ended windows go first
     assert known.known("a") is None and known.known("c") == 1
+
+
+def late_policy(mode: str, live: int, known: int) -> tuple[FailurePolicy, list[Check], list[str]]:
+    """A failure policy that last heard Redis say ``known`` on a 20-per-minute window."""
+    policy = FailurePolicy(mode, lambda: live)  # type: ignore[arg-type]
+    checks, keys = [Check(("k",), 60, 20, 1)], ["window"]
+    policy.learn(checks, keys, [10**10], [known], [True], now=0.0)
+    return policy, checks, keys
+
+
+def test_late_with_redis_up_the_local_share_leaves_room_for_the_other_replicas() -> None:
+    """Redis up, this request's time ran out: the others still admit through Redis, so the
+    share applies only while what is known leaves them their shares (issue 17)."""
+    # 3 replicas, share 7: the other two's 14 must fit in 20, so 6 with this hit at most.
+    policy, checks, keys = late_policy("local", 3, 5)
+    assert policy.check(checks, keys, [10**10], 0.0, late=True).admitted  # 5 + 1 <= 20 - 14
+    policy, checks, keys = late_policy("local", 3, 7)
+    assert not policy.check(checks, keys, [10**10], 0.0, late=True).admitted
+    assert policy.check(checks, keys, [10**10], 0.0).admitted, "Redis down: the share, as in an outage"
+    # One replica: nobody else admits; what is known is the floor, as without Redis.
+    policy, checks, keys = late_policy("local", 1, 18)
+    assert policy.check(checks, keys, [10**10], 0.0, late=True).admitted
+    # Nothing known (no answer yet in this window): the share.
+    policy = FailurePolicy("local", lambda: 3)
+    assert policy.check(checks, keys, [10**10], 0.0, late=True).admitted
+    # open stays open.
+    policy, checks, keys = late_policy("open", 3, 19)
+    assert policy.check(checks, keys, [10**10], 0.0, late=True).admitted
 
 
 # -- the servicer --------------------------------------------------------------------------
