@@ -32,7 +32,7 @@ from typing import Literal, get_args
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.fallback import KnownCounts
+from sidecar.limiter.fallback import KnownCounts, redis_holds
 from sidecar.limiter.ledger import OwedHits
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, MemoryLimiter, share_of_limit
 from sidecar.limiter.protocol import Check, Decision, Role, decide
@@ -229,10 +229,8 @@ class FailurePolicy:
         if self.mode != "local":
             return
         ledger = self.ledger
-        for check, key, expire_at, count, spent in zip(checks, keys, expire_ats, counts, consume, strict=True):
-            if check.algorithm is Algorithm.FIXED_WINDOW:
-                held = count if spent else count - check.hits
-                self.known.learn(key, held, expire_at, ledger.settled((key,)), now)
+        for key, held, expire_at in redis_holds(checks, keys, expire_ats, counts, consume):
+            self.known.learn(key, held, expire_at, ledger.settled((key,)), now)
 
     def _without_counting(self, checks: Sequence[Check], mode: FailureMode | None = None) -> Decision:
         """``open`` and ``closed``: the request's own hits against :func:`failure_limits`."""

@@ -20,7 +20,7 @@ ledger), so the Redis counters still equal the admitted hits afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from sidecar.limiter.algorithms import Algorithm
 from sidecar.limiter.memory import share_of_limit
@@ -42,6 +42,21 @@ def local_counts(checks: Sequence[Check], own: Sequence[int], known: Sequence[in
     return tuple(
         max(count, knowledge_floor(check, seen, live)) for check, count, seen in zip(checks, own, known, strict=True)
     )
+
+
+def redis_holds(
+    checks: Sequence[Check],
+    keys: Sequence[str],
+    expire_ats: Sequence[int],
+    counts: Sequence[int],
+    consume: Sequence[bool],
+) -> Iterator[tuple[str, int, int]]:
+    """``(key, count Redis holds, expire_at)`` per fixed window of a script's answer:
+    its would-be count where the script consumed the request's hits, else that less them
+    (a sliding window's answer is an estimate, a bucket's a time: neither is a count)."""
+    for check, key, expire_at, count, spent in zip(checks, keys, expire_ats, counts, consume, strict=True):
+        if check.algorithm is Algorithm.FIXED_WINDOW:
+            yield key, (count if spent else count - check.hits), expire_at
 
 
 class KnownCounts:

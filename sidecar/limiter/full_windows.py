@@ -31,7 +31,7 @@ cannot tell that apart from a full window without asking.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from sidecar.limiter.algorithms import Algorithm
 from sidecar.limiter.protocol import Check, Decision, Role
@@ -57,25 +57,16 @@ class FullWindows:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def learn(
-        self,
-        checks: Sequence[Check],
-        keys: Sequence[str],
-        expire_ats: Sequence[int],
-        counts: Sequence[int],
-        consume: Sequence[bool],
-        *,
-        now: float,
-    ) -> None:
-        """Remember what a script's answer shows each fixed window holds (``counts`` are
-        would-be counts: the request's hits are in Redis only where ``consume`` says so)."""
+    def learn(self, holds: Iterable[tuple[str, int, int]], *, now: float) -> None:
+        """Remember what a script's answer shows each fixed window holds:
+        ``(key, count, expire_at)`` from :func:`~sidecar.limiter.fallback.redis_holds`."""
+        if not self.max_keys:
+            return
+        answered = list(holds)
+        if len(answered) > 1 and len({key for key, _, _ in answered}) < len(answered):
+            return  # a counter named twice: its would-be counts add up within the request
         entries = self._entries
-        if not self.max_keys or (len(keys) > 1 and len(set(keys)) < len(keys)):
-            return  # off, or a counter named twice: its would-be counts add up within the request
-        for check, key, expire_at, count, spent in zip(checks, keys, expire_ats, counts, consume, strict=True):
-            if check.algorithm is not Algorithm.FIXED_WINDOW:
-                continue
-            held = count if spent else count - check.hits
+        for key, held, expire_at in answered:
             entry = entries.get(key)
             if entry is None:
                 self._make_room(now)

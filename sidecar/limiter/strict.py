@@ -54,6 +54,7 @@ import structlog
 from sidecar.limiter.algorithms import Algorithm, now_us
 from sidecar.limiter.budget import FailureReasons, Reason, redis_wait
 from sidecar.limiter.failure import FailurePolicy
+from sidecar.limiter.fallback import redis_holds
 from sidecar.limiter.full_windows import FullWindows
 from sidecar.limiter.ledger import Admitted
 from sidecar.limiter.protocol import Check, Decision
@@ -261,7 +262,7 @@ class StrictLimiter:
         self.policy.note_admitted(checks, consume, now)
         self.policy.learn(checks, call.keys, call.expire_ats, counts, consume, now=now)
         if self.ledger.settled(call.keys):  # else a give-back on its way may lower a count
-            self.full.learn(checks, call.keys, call.expire_ats, counts, consume, now=now)
+            self.full.learn(redis_holds(checks, call.keys, call.expire_ats, counts, consume), now=now)
         ban_ends = counts.ban_ends if isinstance(counts, Counts) else ()
         return Decision(admitted, over, tuple(counts), limits, ban_ends)
 

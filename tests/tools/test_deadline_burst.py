@@ -11,8 +11,6 @@ import argparse
 import json
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,8 +29,7 @@ from loadtest.deadline_burst import (
 )
 from sidecar.config.load import parse_text
 from stack import redis as stack_redis
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.tools import run_tool
 
 
 def test_the_frame_is_one_length_prefixed_uncompressed_rate_limit_request() -> None:
@@ -108,15 +105,7 @@ def test_a_short_run_reports_every_target_with_sane_figures(tmp_path: Path) -> N
     report = tmp_path / "burst.json"
     limit, replicas, calls = 5, 3, 60
     argv = ["--rounds", "1", "--calls", str(calls), "--in-flight", "8", "--limit", str(limit), "--json", str(report)]
-    result = subprocess.run(
-        [sys.executable, "-m", "loadtest.deadline_burst", *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}"
+    result, output = run_tool("deadline_burst", argv, timeout=180)
     assert result.returncode == 0, output
     command = "command: python -m loadtest.deadline_burst --rounds 1 --targets bare,memory,sync,strict"
     assert result.stdout.startswith(command), output

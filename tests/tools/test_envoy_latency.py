@@ -10,27 +10,20 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.envoy, pytest.mark.redis]
+from tests.support.tools import run_tool
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.envoy, pytest.mark.redis]
 
 
 @pytest.mark.slow
 def test_envoy_latency_reports_every_variant(tmp_path: Path) -> None:
     report = tmp_path / "latency.json"
-    argv = [
-        sys.executable, "-m", "loadtest.envoy_latency",
-        "--rate", "50", "--duration", "1", "--warmup", "0.5", "--rounds", "1",
-        "--json", str(report),
-    ]  # fmt: skip
-    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
-    output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}"
+    argv = ["--rate", "50", "--duration", "1", "--warmup", "0.5", "--rounds", "1", "--json", str(report)]
+    result, output = run_tool("envoy_latency", argv, timeout=150)
     assert result.returncode == 0, output
 
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.tools import run_tool
 
 pytestmark = [
     pytest.mark.slow,
@@ -22,15 +20,7 @@ pytestmark = [
 def test_a_short_run_reports_four_variants_and_plots_them(tmp_path: Path) -> None:
     plot = tmp_path / "paths.png"
     argv = ["--rounds", "1", "--duration", "1", "--warmup", "1", "--connections", "4", "--plot", str(plot)]
-    result = subprocess.run(
-        [sys.executable, "-m", "loadtest.quota_paths", *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-    )
-    output = result.stdout + result.stderr
+    result, output = run_tool("quota_paths", argv, timeout=90)
     assert result.returncode == 0, output
     rows = [line for line in result.stdout.splitlines() if line.startswith("| (")]
     assert [row.split(" | ")[0] for row in rows] == ["| (a) Envoy alone", "| (b) Envoy + local_ratelimit",

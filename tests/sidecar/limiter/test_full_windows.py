@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar.limiter.algorithms import Algorithm
+from sidecar.limiter.fallback import redis_holds
 from sidecar.limiter.full_windows import FullWindows
 from sidecar.limiter.protocol import Check, Decision, Role
 
@@ -19,7 +20,7 @@ def window(name: str, limit: int = 20, hits: int = 1, role: Role = Role.ENFORCED
 def told(memory: FullWindows, checks: list[Check], counts: list[int], consumed: bool = True) -> None:
     """Redis answered a request on ``checks`` with would-be ``counts``."""
     keys = [check.key[0] for check in checks]
-    memory.learn(checks, keys, [LATER] * len(checks), counts, [consumed] * len(checks), now=NOW)
+    memory.learn(redis_holds(checks, keys, [LATER] * len(checks), counts, [consumed] * len(checks)), now=NOW)
 
 
 def ask(memory: FullWindows, checks: list[Check], admit_all: bool = False) -> Decision | None:
@@ -127,15 +128,15 @@ def test_the_memory_is_bounded_and_forgets_ended_windows_first() -> None:
     memory = FullWindows(10)
     for index in range(10):
         key = f"old-{index}"
-        memory.learn([window(key)], [key], [int(NOW) - 1 if index < 5 else LATER], [20], [True], now=NOW)
-    memory.learn([window("new")], ["new"], [LATER], [20], [True], now=NOW)
+        memory.learn([(key, 20, int(NOW) - 1 if index < 5 else LATER)], now=NOW)
+    memory.learn([("new", 20, LATER)], now=NOW)
     assert len(memory) == 6
     assert ask(memory, [window("new")]) is not None
     assert ask(memory, [window("old-9")]) is not None
     assert ask(memory, [window("old-0")]) is None
     for index in range(30):
         key = f"more-{index}"
-        memory.learn([window(key)], [key], [LATER], [20], [True], now=NOW)
+        memory.learn([(key, 20, LATER)], now=NOW)
     assert len(memory) <= 10
 
 
