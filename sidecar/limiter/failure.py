@@ -172,10 +172,9 @@ class FailurePolicy:
         replica's scripts on the wire, leaves less room than every other replica's share
         (``(R - 1) * ceil(limit / R)``; with one replica, nobody else admits, and the
         share's own floor already counts what is known). Elsewhere the share applies as
-        in an outage: far from a limit, and where
-        nothing is known (a window no answer has come for yet, a sliding window, a bucket),
-        so a Redis hiccup shorter than the silence that marks it down does not refuse every
-        request of a new window.
+        in an outage: far from a limit, and where nothing is known (a window no answer
+        has come for yet, a sliding window, a bucket), so a Redis hiccup shorter than the
+        silence that marks it down does not refuse every request of a new window.
         """
         live = max(1, self.live())
         for check, key in zip(checks, keys, strict=True):

@@ -17,8 +17,8 @@ still sent to Redis when anything could make Redis answer otherwise or record
 something: global shadow mode (every request consumes), a ``count_past_limit`` check
 (consumes even when refused) or a ``ban_duration`` (Redis starts the ban), and when one
 of its checks is not a fixed window Redis has reported on (its status would be a guess)
-or names a counter twice. The limit is
-compared at request time, so a reload that raises it sends the key to Redis again.
+or names a counter twice. The limit is compared at request time, so a reload that
+raises it sends the key to Redis again.
 
 Not in Redis Cluster: a request whose counters live in different slots takes hits per
 counter and gives back those of a refused request afterwards, so a count Redis reports
