@@ -331,6 +331,20 @@ def test_sidecar_env_names_and_values_are_settings(overlays: dict[str, Resources
     assert str(sidecar["securityContext"]["runAsUser"]) == uid.arguments.split(":")[0]
 
 
+@pytest.mark.parametrize("overlay", ["sync", "strict"])
+def test_pinned_production_settings_are_the_defaults(overlays: dict[str, Resources], overlay: str) -> None:
+    """The overlays spell out the settings that matter in production at their defaults, so a
+    reader sees them; a default that changes must change here too (RLS_REDIS_TIMEOUT kept
+    the old 5 ms after the default moved to 20 ms, then 100 ms)."""
+    environment = env_of(sidecar_of(overlays[overlay]))
+    by_env = {option.env: option for option in SERVE_OPTIONS}
+    pinned = {"RLS_SYNC_INTERVAL", "RLS_REDIS_TIMEOUT", "RLS_REDIS_FAILURE_MODE"} & set(environment)
+    assert "RLS_REDIS_TIMEOUT" in pinned
+    for name in pinned:
+        option = by_env[name]
+        assert option.parse(environment[name]) == option.default, (overlay, name, environment[name], option.default)
+
+
 def test_memory_instances_match_the_replicas(overlays: dict[str, Resources]) -> None:
     resources = overlays["memory"]
     assert int(env_of(sidecar_of(resources))["RLS_INSTANCES"]) == resources["Deployment", "app"]["spec"]["replicas"]
