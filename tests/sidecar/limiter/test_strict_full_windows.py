@@ -10,6 +10,7 @@ import time
 
 from sidecar.limiter.redis.keys import check_window
 from sidecar.limiter.strict import RedisCall
+from sidecar.metrics import limiter_families
 from tests.sidecar.limiter.conftest import Factory
 from tests.sidecar.limiter.test_strict import key_of, one, started
 from tests.support.redis_servers import RedisServer, fresh_prefix
@@ -34,7 +35,8 @@ async def test_a_window_another_replica_filled_is_refused_here_after_one_answer(
     assert second.full.refusals == 20
     assert second.policy.decisions == 0
     assert redis_server.client().get(key_of(prefix, item, now)) == "3"
-    assert second.snapshot().full_window_refusals == 20
+    families = {family.name: family for family in limiter_families(second.snapshot())}
+    assert families["ratelimit_sidecar_full_window_refusals"].samples[0].value == 20
 
 
 async def test_the_next_window_and_a_raised_limit_go_to_redis(redis_server: RedisServer, limiters: Factory) -> None:
