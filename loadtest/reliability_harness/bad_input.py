@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -269,6 +269,54 @@ def aftermath(sidecar: Any) -> Aftermath:
     return Aftermath(alive, serving, rss_after, hwm, internal, log_exceptions(sidecar))
 
 
+def flood_verdict(
+    unit: str,
+    tally: Tally,
+    warm: Tally,
+    elapsed: float,
+    *,
+    rss_before: int,
+    after: Aftermath,
+    checks: Sequence[tuple[bool, str]] = (),
+) -> tuple[bool, str, dict[str, float]]:
+    """Whether a sidecar came out of a flood of ``unit`` (calls, bodies) well, a note
+    saying how, and the figures every bad-input flood reports. ``checks``: more
+    ``(held, what)`` for the note, each of which must hold too."""
+    growth = after.rss_after - rss_before
+    ok = (
+        tally.violation_count == 0
+        and warm.violation_count == 0
+        and after.alive
+        and after.serving
+        and after.internal == 0
+        and after.exceptions == 0
+        and growth < RSS_GROWTH_LIMIT
+        and all(held for held, _ in checks)
+    )
+    state = "alive and SERVING" if after.serving else "NOT SERVING" if after.alive else "DEAD"
+    notes = (
+        f"{tally.cases:,} {unit} in {elapsed:.1f} s: {tally.summary()}; process {state}, "
+        + "".join(f"{what}, " for _, what in checks)
+        + f"{after.internal} internal errors, {after.exceptions} exceptions logged; RSS "
+        f"{rss_before / MIB:.1f} -> {after.rss_after / MIB:.1f} MB (growth {growth / MIB:+.1f} MB, limit "
+        f"{RSS_GROWTH_LIMIT // MIB} MB; peak {after.hwm / MIB:.1f} MB)"
+    )
+    violations = tally.violation_count + warm.violation_count
+    if violations:
+        notes += f"; {violations} violations: " + " | ".join(warm.violations + tally.violations)
+    figures = {
+        "violations": float(violations),
+        "internal": float(after.internal),
+        "exceptions_logged": float(after.exceptions),
+        "rss_before_mb": round(rss_before / MIB, 1),
+        "rss_after_mb": round(after.rss_after / MIB, 1),
+        "rss_growth_mb": round(growth / MIB, 1),
+        "rss_peak_mb": round(after.hwm / MIB, 1),
+        f"{unit}_per_second": round(tally.cases / elapsed, 1) if elapsed else 0.0,
+    }
+    return ok, notes, figures
+
+
 def log_exceptions(child: Child) -> int:
     """Tracebacks and failed decisions in the sidecar's log."""
     text = child.log_text()
@@ -297,41 +345,16 @@ def raw_bytes(context: Context) -> Row:
             send_all(sidecar.address, raw_payloads(context.seed, count), tally)
             elapsed = time.monotonic() - started
             time.sleep(0.3)
-            alive, serving, rss_after, hwm, internal, exceptions = aftermath(sidecar)
+            after = aftermath(sidecar)
         except Exception as error:
             return failed_row(AREA, "raw bytes to gRPC", error, children)
-    growth = rss_after - rss_before
-    ok = (
-        tally.violation_count == 0
-        and warm.violation_count == 0
-        and alive
-        and serving
-        and internal == 0
-        and exceptions == 0
-        and growth < RSS_GROWTH_LIMIT
-    )
-    notes = (
-        f"{tally.cases:,} calls in {elapsed:.1f} s: {tally.summary()}; process "
-        f"{'alive and SERVING' if serving else 'NOT SERVING' if alive else 'DEAD'}, {internal} internal errors, "
-        f"{exceptions} exceptions logged; RSS {rss_before / MIB:.1f} -> {rss_after / MIB:.1f} MB "
-        f"(growth {growth / MIB:+.1f} MB, limit {RSS_GROWTH_LIMIT // MIB} MB; peak {hwm / MIB:.1f} MB)"
-    )
-    if tally.violation_count or warm.violation_count:
-        notes += f"; {tally.violation_count + warm.violation_count} violations: " + " | ".join(
-            warm.violations + tally.violations
-        )
+    ok, notes, common = flood_verdict("calls", tally, warm, elapsed, rss_before=rss_before, after=after)
     figures = {
         "calls": float(tally.cases),
         "ok": float(tally.outcomes["OK"]),
         "invalid_argument": float(tally.outcomes["INVALID_ARGUMENT"]),
         "resource_exhausted": float(tally.outcomes["RESOURCE_EXHAUSTED"]),
-        "violations": float(tally.violation_count + warm.violation_count),
-        "internal": float(internal),
-        "rss_before_mb": round(rss_before / MIB, 1),
-        "rss_after_mb": round(rss_after / MIB, 1),
-        "rss_growth_mb": round(growth / MIB, 1),
-        "rss_peak_mb": round(hwm / MIB, 1),
-        "calls_per_second": round(tally.cases / elapsed, 1) if elapsed else 0.0,
+        **common,
     }
     return Row(AREA, "raw bytes to gRPC", inputs=tally.cases, ok=ok, notes=notes, figures=figures)
 

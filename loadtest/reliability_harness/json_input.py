@@ -44,12 +44,11 @@ from typing import Any
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import json_format
 
-from loadtest.reliability_harness.bad_input import Tally, aftermath
+from loadtest.reliability_harness.bad_input import Tally, aftermath, flood_verdict
 from loadtest.reliability_harness.bounds_oracle import REFUSAL_DETAILS, bound_broken, response_problems
 from loadtest.reliability_harness.hostile_requests import (
     INVALID_UTF8,
     PLACEHOLDER,
-    RSS_GROWTH_LIMIT,
     STRING_FIELDS,
     mutate,
     random_edits,
@@ -57,7 +56,6 @@ from loadtest.reliability_harness.hostile_requests import (
     raw_payloads,
 )
 from loadtest.reliability_harness.support import (
-    MIB,
     Child,
     Context,
     Row,
@@ -288,32 +286,20 @@ def hostile_bodies(context: Context) -> Row:
             send_all(json_port, bodies(context.seed, count), tally)
             elapsed = time.monotonic() - started
             time.sleep(0.3)
-            alive, serving, rss_after, hwm, internal, exceptions = aftermath(sidecar)
-            health = healthcheck(json_port) if alive else 0
-            exceptions += sidecar.log_text().count("json_request_failed")
+            after = aftermath(sidecar)
+            health = healthcheck(json_port) if after.alive else 0
+            after = after._replace(exceptions=after.exceptions + sidecar.log_text().count("json_request_failed"))
         except Exception as error:
             return failed_row(AREA, SCENARIO, error, children)
-    growth = rss_after - rss_before
-    ok = (
-        tally.violation_count == 0
-        and warm.violation_count == 0
-        and serving
-        and health == 200
-        and internal == 0
-        and exceptions == 0
-        and growth < RSS_GROWTH_LIMIT
+    ok, notes, common = flood_verdict(
+        "bodies",
+        tally,
+        warm,
+        elapsed,
+        rss_before=rss_before,
+        after=after,
+        checks=[(health == 200, f"/healthcheck {health}")],
     )
-    notes = (
-        f"{tally.cases:,} bodies in {elapsed:.1f} s: {tally.summary()}; process "
-        f"{'alive and SERVING' if serving else 'NOT SERVING' if alive else 'DEAD'}, /healthcheck {health}, "
-        f"{internal} internal errors, {exceptions} exceptions logged; RSS {rss_before / MIB:.1f} -> "
-        f"{rss_after / MIB:.1f} MB (growth {growth / MIB:+.1f} MB, limit {RSS_GROWTH_LIMIT // MIB} MB; "
-        f"peak {hwm / MIB:.1f} MB)"
-    )
-    if tally.violation_count or warm.violation_count:
-        notes += f"; {tally.violation_count + warm.violation_count} violations: " + " | ".join(
-            warm.violations + tally.violations
-        )
     figures = {
         "bodies": float(tally.cases),
         "answered_200": float(tally.outcomes["200"]),
@@ -321,14 +307,7 @@ def hostile_bodies(context: Context) -> Row:
         "refused_400": float(tally.outcomes["400"]),
         "refused_413": float(tally.outcomes["413"]),
         "reset": float(tally.outcomes[RESET]),
-        "violations": float(tally.violation_count + warm.violation_count),
-        "internal": float(internal),
-        "exceptions_logged": float(exceptions),
-        "rss_before_mb": round(rss_before / MIB, 1),
-        "rss_after_mb": round(rss_after / MIB, 1),
-        "rss_growth_mb": round(growth / MIB, 1),
-        "rss_peak_mb": round(hwm / MIB, 1),
-        "bodies_per_second": round(tally.cases / elapsed, 1) if elapsed else 0.0,
+        **common,
     }
     return Row(AREA, SCENARIO, inputs=tally.cases, ok=ok, notes=notes, figures=figures)
 
