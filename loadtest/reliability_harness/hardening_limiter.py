@@ -106,6 +106,28 @@ def start_redis(group: ProcessGroup, context: Context, where: Path, port: int = 
     return group.start_ready(lambda: pin(RedisProcess(where, port=port), context.server_cpus))
 
 
+def redis_and_sidecars(
+    group: ProcessGroup,
+    context: Context,
+    where: Path,
+    children: list[Child],
+    args: Sequence[str],
+    *,
+    mode: str,
+    prefix: str,
+    count: int = 1,
+) -> tuple[RedisProcess, list[SidecarProcess]]:
+    """A redis-server and ``count`` sidecars on it in ``mode`` with ``args``, all put in
+    ``children`` (their logs go into a failed row)."""
+    redis = start_redis(group, context, where)
+    children.append(redis)
+    serve = [*args, *redis_args(redis, mode, prefix)]
+    names = ["sidecar"] if count == 1 else [f"sidecar-{index}" for index in range(count)]
+    sidecars = [start_sidecar(group, context, name, serve, where) for name in names]
+    children += sidecars
+    return redis, sidecars
+
+
 def held(redis: RedisProcess, prefix: str) -> int:
     return sum(redis_counts(redis.port, prefix).values())
 
@@ -120,11 +142,10 @@ def repeated_descriptor_row(context: Context, config: Path) -> Row:
     children: list[Child] = []
     with process_group() as group:
         try:
-            redis = start_redis(group, context, where)
-            children.append(redis)
-            args = ["--config", str(config), *redis_args(redis, "sync", prefix), "--heartbeat-interval", "0.2"]
-            sidecars = [start_sidecar(group, context, f"sidecar-{index}", args, where) for index in range(2)]
-            children += sidecars
+            args = ["--config", str(config), "--heartbeat-interval", "0.2"]
+            redis, sidecars = redis_and_sidecars(
+                group, context, where, children, args, mode="sync", prefix=prefix, count=2
+            )
             client = redis_client(redis.port)
             if not wait_for(lambda: client.zcard(f"{prefix}:replicas") >= 2, 10, 0.02):
                 raise RuntimeError("the two replicas never both beat")
@@ -168,11 +189,8 @@ def flood_row(context: Context, config: Path, mode: str) -> Row:
     children: list[Child] = []
     with process_group() as group:
         try:
-            redis = start_redis(group, context, where)
-            children.append(redis)
-            args = ["--config", str(config), *redis_args(redis, mode, prefix), "--max-counters", str(cap)]
-            sidecar = start_sidecar(group, context, "sidecar", [*args, "--shutdown-grace", "1"], where)
-            children.append(sidecar)
+            args = ["--config", str(config), "--max-counters", str(cap), "--shutdown-grace", "1"]
+            redis, (sidecar,) = redis_and_sidecars(group, context, where, children, args, mode=mode, prefix=prefix)
             redis.kill()
             seconds: list[float] = []
             admitted = 0
@@ -227,11 +245,8 @@ def shutdown_row(context: Context, config: Path, mode: str) -> Row:
     children: list[Child] = []
     with process_group() as group:
         try:
-            redis = start_redis(group, context, where)
-            children.append(redis)
-            args = ["--config", str(config), *redis_args(redis, mode, prefix), "--shutdown-grace", str(GRACE)]
-            sidecar: SidecarProcess = start_sidecar(group, context, "sidecar", args, where)
-            children.append(sidecar)
+            args = ["--config", str(config), "--shutdown-grace", str(GRACE)]
+            redis, (sidecar,) = redis_and_sidecars(group, context, where, children, args, mode=mode, prefix=prefix)
             redis.kill()
             time.sleep(0.3)
             payload = encode_request("hardening", [[("client", "outage")]])
