@@ -148,10 +148,38 @@ def admin_get(port: int, path: str, timeout: float = 2.0) -> str:
         return str(reply.read().decode())
 
 
-class EnvoyProcess(Child):
-    """A real Envoy running a rendered copy of a shipped config."""
+class ConfiguredEnvoy(Child):
+    """A real Envoy on ``config``, written to ``directory/NAME.yaml``: listening on
+    ``listen``, ready once its admin (``admin``) says LIVE. Every Envoy the stack starts is one."""
 
     ready_sign = "admin /ready answering LIVE"
+
+    def __init__(
+        self, name: str, config: dict[str, Any], directory: Path, *, listen: int, admin: int, concurrency: int = 1
+    ) -> None:
+        self.listen, self.admin = listen, admin
+        self.url = f"http://127.0.0.1:{listen}"
+        self.config_path = directory / f"{name}.yaml"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [
+            envoy_binary(),
+            "--config-path", str(self.config_path),
+            "--concurrency", str(concurrency),
+            "--disable-hot-restart",  # several Envoys on one machine: no shared memory between them
+            "--log-level", "warning",
+        ]  # fmt: skip
+        super().__init__(name, argv, directory / f"{name}.log")
+
+    def ready(self) -> bool:
+        try:
+            return admin_get(self.admin, "/ready", timeout=0.5).strip() == "LIVE"
+        except OSError:  # urllib's URLError included
+            return False
+
+
+class EnvoyProcess(ConfiguredEnvoy):
+    """A real Envoy running a rendered copy of a shipped config."""
 
     def __init__(
         self,
@@ -167,8 +195,6 @@ class EnvoyProcess(Child):
         concurrency: int = 1,
     ) -> None:
         self.ports = ports
-        self.url = f"http://127.0.0.1:{ports.listen}"
-        self.config_path = directory / f"{name}.yaml"
         config = render(
             template,
             ports,
@@ -177,22 +203,7 @@ class EnvoyProcess(Child):
             ratelimit=ratelimit,
             upstream_tls=upstream_tls,
         )
-        directory.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        argv = [
-            envoy_binary(),
-            "--config-path", str(self.config_path),
-            "--concurrency", str(concurrency),
-            "--disable-hot-restart",  # several Envoys on one machine: no shared memory between them
-            "--log-level", "warning",
-        ]  # fmt: skip
-        super().__init__(name, argv, directory / f"{name}.log")
-
-    def ready(self) -> bool:
-        try:
-            return admin_get(self.ports.admin, "/ready", timeout=0.5).strip() == "LIVE"
-        except (OSError, urllib.error.URLError):
-            return False
+        super().__init__(name, config, directory, listen=ports.listen, admin=ports.admin, concurrency=concurrency)
 
     def counters(self, prefix: str = "cluster.app.ratelimit.") -> dict[str, int]:
         """Admin counters whose names start with ``prefix`` (the filter's ok/over_limit/error...)."""

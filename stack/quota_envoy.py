@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from stack.envoy import ENVOY_CONFIGS, admin_get, envoy_binary
-from stack.processes import Child, free_port
+from stack.envoy import ENVOY_CONFIGS, ConfiguredEnvoy
+from stack.processes import free_port
 from stack.sidecar import SidecarProcess
 
 DOMAIN = "quota"
@@ -198,32 +198,13 @@ def envoy_config(listen: int, admin: int, app: int, sidecar: int) -> dict[str, A
     }
 
 
-class QuotaEnvoy(Child):
+class QuotaEnvoy(ConfiguredEnvoy):
     """Real Envoy 1.40 with the quota filter in front of ``app``, calling the sidecar on ``sidecar_port``."""
 
-    ready_sign = "admin /ready answering LIVE"
-
     def __init__(self, directory: Path, app: int, sidecar_port: int) -> None:
-        self.listen, self.admin = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.listen}"
-        self.config_path = directory / "quota-envoy.yaml"
-        directory.mkdir(parents=True, exist_ok=True)
-        config = envoy_config(self.listen, self.admin, app, sidecar_port)
-        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        argv = [
-            envoy_binary(),
-            "--config-path", str(self.config_path),
-            "--concurrency", "1",
-            "--disable-hot-restart",
-            "--log-level", "warning",
-        ]  # fmt: skip
-        super().__init__("quota-envoy", argv, directory / "quota-envoy.log")
-
-    def ready(self) -> bool:
-        try:
-            return admin_get(self.admin, "/ready", timeout=0.5).strip() == "LIVE"
-        except OSError:
-            return False
+        listen, admin = free_port(), free_port()
+        config = envoy_config(listen, admin, app, sidecar_port)
+        super().__init__("quota-envoy", config, directory, listen=listen, admin=admin)
 
 
 SHIPPED_QUOTA = ENVOY_CONFIGS / "quota.yaml"
@@ -247,33 +228,14 @@ def render_shipped(template: Path, listen: int, admin: int, app: int, rlqs: int)
     return config
 
 
-class ShippedQuotaEnvoy(Child):
+class ShippedQuotaEnvoy(ConfiguredEnvoy):
     """Real Envoy running ``envoy/quota.yaml`` (rendered on free ports) in front of ``app``,
     with its RLQS stream to the sidecar on ``sidecar_port`` (the demo's quota-mode Envoy)."""
 
-    ready_sign = "admin /ready answering LIVE"
-
     def __init__(self, name: str, directory: Path, app: int, sidecar_port: int, listen: int = 0) -> None:
-        self.listen, self.admin = listen or free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.listen}"
-        self.config_path = directory / f"{name}.yaml"
-        directory.mkdir(parents=True, exist_ok=True)
-        config = render_shipped(SHIPPED_QUOTA, self.listen, self.admin, app, sidecar_port)
-        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        argv = [
-            envoy_binary(),
-            "--config-path", str(self.config_path),
-            "--concurrency", "1",
-            "--disable-hot-restart",
-            "--log-level", "warning",
-        ]  # fmt: skip
-        super().__init__(name, argv, directory / f"{name}.log")
-
-    def ready(self) -> bool:
-        try:
-            return admin_get(self.admin, "/ready", timeout=0.5).strip() == "LIVE"
-        except OSError:
-            return False
+        listen, admin = listen or free_port(), free_port()
+        config = render_shipped(SHIPPED_QUOTA, listen, admin, app, sidecar_port)
+        super().__init__(name, config, directory, listen=listen, admin=admin)
 
 
 def quota_sidecar(directory: Path, config_dir: Path, *flags: str, port: int = 0) -> SidecarProcess:
