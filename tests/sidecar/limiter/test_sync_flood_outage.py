@@ -14,22 +14,12 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import AsyncIterator
-
-import pytest
 
 from sidecar.limiter.protocol import Check, Role
 from sidecar.limiter.sync import SyncLimiter
-from tests.sidecar.limiter.test_sync_hardening import UNIT, Limiters, steady_now, sum_counters
+from tests.sidecar.limiter.conftest import Fleet
+from tests.sidecar.limiter.test_sync_hardening import UNIT, steady_now, sum_counters
 from tests.support.redis_servers import RedisServer, fresh_prefix
-
-
-@pytest.fixture
-async def limiters() -> AsyncIterator[Limiters]:
-    built = Limiters()
-    yield built
-    await built.close()
-
 
 CAP = 1000
 PER_CALL = 64
@@ -62,10 +52,10 @@ async def down(server: RedisServer, limiter: SyncLimiter) -> None:
 
 
 async def test_a_unique_key_flood_during_an_outage_keeps_the_cap_and_loses_no_admitted_hit(
-    own_redis: RedisServer, limiters: Limiters
+    own_redis: RedisServer, fleet: Fleet
 ) -> None:
     prefix = fresh_prefix("f")
-    limiter = limiters.build(own_redis.url, redis_prefix=prefix, max_counters=CAP, budget=0.005)
+    limiter = fleet.build(own_redis.url, redis_prefix=prefix, max_counters=CAP, redis_timeout=0.005)
     await limiter.start()
     now = await steady_now()
     await down(own_redis, limiter)
@@ -87,18 +77,18 @@ async def test_a_unique_key_flood_during_an_outage_keeps_the_cap_and_loses_no_ad
     assert sum_counters(own_redis, prefix) == admitted, "every hit admitted during the outage reaches Redis"
 
     # Once Redis holds them, the counters can be forgotten again: new values are admitted.
-    second = limiters.build(own_redis.url, redis_prefix=prefix, max_counters=CAP, budget=0.5)
+    second = fleet.build(own_redis.url, redis_prefix=prefix, max_counters=CAP, redis_timeout=0.5)
     await second.start()
     more, _ = await flood(second, now, "b", calls=40)
     assert more == 40 * PER_CALL
 
 
 async def test_open_mode_admits_what_it_cannot_remember_and_counts_the_drop(
-    own_redis: RedisServer, limiters: Limiters
+    own_redis: RedisServer, fleet: Fleet
 ) -> None:
     prefix = fresh_prefix("o")
-    limiter = limiters.build(
-        own_redis.url, redis_prefix=prefix, max_counters=CAP, budget=0.005, redis_failure_mode="open"
+    limiter = fleet.build(
+        own_redis.url, redis_prefix=prefix, max_counters=CAP, redis_timeout=0.005, redis_failure_mode="open"
     )
     await limiter.start()
     now = await steady_now()

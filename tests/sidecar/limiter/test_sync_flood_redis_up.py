@@ -12,23 +12,13 @@ took hits off counters whose requests had been refused (Redis lacked 40 admitted
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-
-import pytest
 
 from sidecar.limiter.protocol import Check, Role
 from sidecar.limiter.redis.keys import counter_window
 from sidecar.limiter.sync import SyncLimiter
-from tests.sidecar.limiter.test_sync_hardening import UNIT, Limiters, steady_now, sum_counters
+from tests.sidecar.limiter.conftest import Fleet
+from tests.sidecar.limiter.test_sync_hardening import UNIT, steady_now, sum_counters
 from tests.support.redis_servers import RedisServer, fresh_prefix
-
-
-@pytest.fixture
-async def limiters() -> AsyncIterator[Limiters]:
-    built = Limiters()
-    yield built
-    await built.close()
-
 
 CAP = 1000
 PER_CALL = 64
@@ -70,11 +60,13 @@ def held(server: RedisServer, prefix: str, tag: str, now: float) -> dict[int, in
 
 
 async def test_a_flood_past_the_cap_before_any_flush_is_admitted_and_loses_no_hit(
-    redis_server: RedisServer, limiters: Limiters
+    redis_server: RedisServer, fleet: Fleet
 ) -> None:
     prefix = fresh_prefix("u")
     # No periodic flush during the flood (the harness: --sync-interval 2), the default 5 ms budget.
-    limiter = limiters.build(redis_server.url, redis_prefix=prefix, max_counters=CAP, budget=0.005, sync_interval=60.0)
+    limiter = fleet.build(
+        redis_server.url, redis_prefix=prefix, max_counters=CAP, redis_timeout=0.005, sync_interval=60.0
+    )
     await limiter.start()
     now = await steady_now()
 

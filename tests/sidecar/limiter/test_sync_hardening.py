@@ -19,17 +19,15 @@ import re
 import signal
 import textwrap
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from sidecar.limiter.protocol import Check, Role
 from sidecar.limiter.redis.keys import counter_window, replicas_key
-from sidecar.limiter.sync import SyncLimiter
 from sidecar.limiter.windows import window_start
-from sidecar.server import build_redis_limiter
-from tests.support.redis_servers import RedisServer, fresh_prefix, redis_settings
+from tests.sidecar.limiter.conftest import Fleet
+from tests.support.redis_servers import RedisServer, fresh_prefix
 from tests.support.sidecars import OK, SidecarFactory, request, write_config
 
 UNIT = 3600
@@ -37,30 +35,6 @@ LIMIT = 100
 OVERSHOOT = 0.05
 BOUND = LIMIT + int(OVERSHOOT * LIMIT)
 """``limit + (R - 1) * Q`` for two replicas: 105."""
-
-
-class Limiters:
-    """SyncLimiters built the way ``serve`` builds them; all closed at the end."""
-
-    def __init__(self) -> None:
-        self.built: list[SyncLimiter] = []
-
-    def build(self, url: str, **overrides: object) -> SyncLimiter:
-        values: dict[str, object] = {"heartbeat_interval": 0.5, "sync_interval": 0.05, **overrides}
-        limiter = build_redis_limiter(redis_settings(url, "sync", float(str(values.pop("budget", 2.0))), **values))
-        assert isinstance(limiter, SyncLimiter)
-        self.built.append(limiter)
-        return limiter
-
-    async def close(self) -> None:
-        await asyncio.gather(*(limiter.close() for limiter in self.built))
-
-
-@pytest.fixture
-async def limiters() -> AsyncIterator[Limiters]:
-    built = Limiters()
-    yield built
-    await built.close()
 
 
 async def steady_now(margin: float = 60.0) -> float:
@@ -82,10 +56,10 @@ def counter(server: RedisServer, prefix: str, check: Check, now: float) -> int:
 
 @pytest.mark.parametrize(("repeats", "hits"), [(64, 1), (19, 5)])
 async def test_repeating_a_descriptor_does_not_bypass_the_blind_cap(
-    redis_server: RedisServer, limiters: Limiters, repeats: int, hits: int
+    redis_server: RedisServer, fleet: Fleet, repeats: int, hits: int
 ) -> None:
     prefix = fresh_prefix("r")
-    pair = [limiters.build(redis_server.url, redis_prefix=prefix, sync_max_overshoot=OVERSHOOT) for _ in range(2)]
+    pair = [fleet.build(redis_server.url, redis_prefix=prefix, sync_max_overshoot=OVERSHOOT) for _ in range(2)]
     for limiter in pair:
         await limiter.start()
     for limiter in pair:
@@ -108,11 +82,11 @@ async def test_repeating_a_descriptor_does_not_bypass_the_blind_cap(
 
 
 async def test_a_repeated_descriptor_within_the_blind_cap_is_still_decided_locally(
-    redis_server: RedisServer, limiters: Limiters
+    redis_server: RedisServer, fleet: Fleet
 ) -> None:
     """The fix must not send every request with repeats to Redis: 2 x 2 hits fit a cap of 5."""
     prefix = fresh_prefix("r")
-    pair = [limiters.build(redis_server.url, redis_prefix=prefix) for _ in range(2)]
+    pair = [fleet.build(redis_server.url, redis_prefix=prefix) for _ in range(2)]
     for limiter in pair:
         await limiter.start()
     for limiter in pair:
