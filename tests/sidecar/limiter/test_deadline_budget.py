@@ -13,7 +13,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -29,10 +29,9 @@ from sidecar.limiter.budget import (
 from sidecar.limiter.failure import FailurePolicy
 from sidecar.limiter.fallback import KnownCounts, knowledge_floor, local_counts
 from sidecar.limiter.protocol import Check, Decision
-from sidecar.limiter.strict import StrictLimiter
-from sidecar.server import build_strict_limiter
 from sidecar.settings import Settings
-from tests.support.redis_servers import RedisServer, fresh_prefix, redis_settings
+from tests.sidecar.limiter.conftest import Factory
+from tests.support.redis_servers import RedisServer, fresh_prefix
 
 # -- the arithmetic ------------------------------------------------------------------------
 
@@ -179,25 +178,13 @@ async def test_a_backend_that_never_waits_costs_no_deadline_lookup() -> None:
 # -- against a real redis-server -----------------------------------------------------------
 
 
-@pytest.fixture
-async def strict_limiters() -> AsyncIterator[list[StrictLimiter]]:
-    made: list[StrictLimiter] = []
-    yield made
-    await asyncio.gather(*(limiter.close() for limiter in made))
-
-
-def strict(url: str, made: list[StrictLimiter], **overrides: object) -> StrictLimiter:
-    settings = redis_settings(url, "strict", DEFAULT_REDIS_TIMEOUT, heartbeat_interval=5, **overrides)
-    limiter = build_strict_limiter(settings)
-    made.append(limiter)
-    return limiter
+DEFAULTS = {"redis_timeout": DEFAULT_REDIS_TIMEOUT, "heartbeat_interval": 5}
+"""Strict limiters here run at the default budget (the shared fixture's is generous)."""
 
 
 @pytest.mark.redis
-async def test_a_paused_redis_is_answered_within_the_callers_budget(
-    own_redis: RedisServer, strict_limiters: list[StrictLimiter]
-) -> None:
-    limiter = strict(own_redis.url, strict_limiters, redis_prefix=fresh_prefix())
+async def test_a_paused_redis_is_answered_within_the_callers_budget(own_redis: RedisServer, limiters: Factory) -> None:
+    limiter = limiters(own_redis.url, **DEFAULTS, redis_prefix=fresh_prefix())
     await limiter.start()
     assert own_redis.process is not None
     os.kill(own_redis.process.pid, signal.SIGSTOP)
@@ -214,10 +201,8 @@ async def test_a_paused_redis_is_answered_within_the_callers_budget(
 
 
 @pytest.mark.redis
-async def test_a_spent_deadline_is_decided_at_once_without_redis(
-    redis_server: RedisServer, strict_limiters: list[StrictLimiter]
-) -> None:
-    limiter = strict(redis_server.url, strict_limiters, redis_prefix=fresh_prefix())
+async def test_a_spent_deadline_is_decided_at_once_without_redis(redis_server: RedisServer, limiters: Factory) -> None:
+    limiter = limiters(redis_server.url, **DEFAULTS, redis_prefix=fresh_prefix())
     await limiter.start()
     trips = limiter.store.round_trips_request_path
     decision = await limiter.check([Check(("k",), 60, 5, 1)], time.time(), budget=-0.001)
@@ -230,10 +215,10 @@ async def test_a_spent_deadline_is_decided_at_once_without_redis(
 
 @pytest.mark.redis
 async def test_strict_fallback_adds_no_whole_share_on_top_of_what_redis_admitted(
-    own_redis: RedisServer, strict_limiters: list[StrictLimiter]
+    own_redis: RedisServer, limiters: Factory
 ) -> None:
     prefix = fresh_prefix()
-    first, second = (strict(own_redis.url, strict_limiters, redis_prefix=prefix) for _ in range(2))
+    first, second = (limiters(own_redis.url, **DEFAULTS, redis_prefix=prefix) for _ in range(2))
     for limiter in (first, second):
         await limiter.start()
     for limiter in (first, second):
