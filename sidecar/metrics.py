@@ -311,6 +311,37 @@ class LimiterSnapshot:
     loop_lag: Buckets | None = None
 
 
+OPTIONAL_SCALARS: tuple[tuple[str, type[GaugeMetricFamily] | type[CounterMetricFamily], str, str], ...] = (
+    (
+        "pending_hits",
+        GaugeMetricFamily,
+        "ratelimit_sidecar_pending_hits",
+        "Admitted hits Redis has not acknowledged yet",
+    ),
+    (
+        "corrupt_keys",
+        CounterMetricFamily,
+        "ratelimit_sidecar_redis_corrupt_keys",
+        "Requests and flushes that met a Redis key holding something that is not a counter "
+        "(the failure mode decided the requests)",
+    ),
+    (
+        "refused_hits",
+        CounterMetricFamily,
+        "ratelimit_sidecar_redis_refused_hits",
+        "Admitted hits a flush could not add to Redis: their key holds something that is not a counter",
+    ),
+    (
+        "full_window_refusals",
+        CounterMetricFamily,
+        "ratelimit_sidecar_full_window_refusals",
+        "Requests refused without a Redis round trip: a window they need was reported full by Redis",
+    ),
+)
+"""``(LimiterSnapshot field, family, name, help)`` of the one-number series a backend may
+report: each is exposed when its field is not None."""
+
+
 def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
     """The backend's metrics; Redis ones only when the backend has Redis."""
     yield GaugeMetricFamily("ratelimit_sidecar_counters", "Live counters held by this process", value=snapshot.counters)
@@ -327,25 +358,10 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
     trips.add_metric(("request",), snapshot.round_trips_request_path or 0)
     trips.add_metric(("background",), snapshot.round_trips_background or 0)
     yield trips
-    if snapshot.pending_hits is not None:
-        yield GaugeMetricFamily(
-            "ratelimit_sidecar_pending_hits",
-            "Admitted hits Redis has not acknowledged yet",
-            value=snapshot.pending_hits,
-        )
-    if snapshot.corrupt_keys is not None:
-        yield CounterMetricFamily(
-            "ratelimit_sidecar_redis_corrupt_keys",
-            "Requests and flushes that met a Redis key holding something that is not a counter "
-            "(the failure mode decided the requests)",
-            value=snapshot.corrupt_keys,
-        )
-    if snapshot.refused_hits is not None:
-        yield CounterMetricFamily(
-            "ratelimit_sidecar_redis_refused_hits",
-            "Admitted hits a flush could not add to Redis: their key holds something that is not a counter",
-            value=snapshot.refused_hits,
-        )
+    for attribute, family, name, documentation in OPTIONAL_SCALARS:
+        value = getattr(snapshot, attribute)
+        if value is not None:
+            yield family(name, documentation, value=value)
     if snapshot.failure_reasons is not None:
         reasons = CounterMetricFamily(
             "ratelimit_sidecar_failure_decisions",
@@ -355,12 +371,6 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
         for reason, count in snapshot.failure_reasons.items():
             reasons.add_metric((reason,), count)
         yield reasons
-    if snapshot.full_window_refusals is not None:
-        yield CounterMetricFamily(
-            "ratelimit_sidecar_full_window_refusals",
-            "Requests refused without a Redis round trip: a window they need was reported full by Redis",
-            value=snapshot.full_window_refusals,
-        )
     if snapshot.loop_lag is not None:
         yield GaugeMetricFamily(
             "ratelimit_sidecar_event_loop_lag_latest_seconds",
