@@ -42,19 +42,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from loadtest.common import cpu_seconds, machine_facts, positive_int, reproduce_command, run_cli
 from sidecar.config import load_config
 from sidecar.quota.export import export_quota, quota_document
-from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, admin_get, envoy_binary, ingress_manager, render
-from stack.processes import Child, ProcessGroup
+from stack.envoy import ENVOY_CONFIGS, ConfiguredEnvoy, EnvoyPorts, admin_get, envoy_binary, ingress_manager, render
+from stack.processes import ProcessGroup
 from stack.sidecar import SidecarProcess
 from stack.upstream import UpstreamProcess
 
@@ -116,31 +113,17 @@ def variant_config(variant: str, ports: EnvoyPorts, rules: Path) -> dict[str, An
     return quota_document(config, TEMPLATE, export.filters, "rlqs")
 
 
-class PinnedEnvoy(Child):
+class PinnedEnvoy(ConfiguredEnvoy):
     """Envoy with one worker, pinned to one cpu by ``taskset`` (all its threads)."""
-
-    ready_sign = "admin /ready answering LIVE"
 
     def __init__(self, variant: str, config: dict[str, Any], ports: EnvoyPorts, directory: Path, cpu: int) -> None:
         self.ports = ports
-        path = directory / f"envoy-{variant}.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        argv = [
-            "taskset", "-c", str(cpu), envoy_binary(),
-            "--config-path", str(path), "--concurrency", "1", "--disable-hot-restart", "--log-level", "warning",
-        ]  # fmt: skip
-        super().__init__(f"envoy-{variant}", argv, directory / f"envoy-{variant}.log")
-
-    def ready(self) -> bool:
-        try:
-            return admin_get(self.ports.admin, "/ready", timeout=0.5).strip() == "LIVE"
-        except (OSError, urllib.error.URLError):
-            return False
+        super().__init__(f"envoy-{variant}", config, directory, listen=ports.listen, admin=ports.admin, cpu=cpu)
 
     def stats(self, pattern: str) -> dict[str, int]:
         """Counters and gauges whose names match ``pattern`` (an Envoy stats filter regex)."""
         values = {}
-        for line in admin_get(self.ports.admin, f"/stats?filter={pattern}").splitlines():
+        for line in admin_get(self.admin, f"/stats?filter={pattern}").splitlines():
             name, _, value = line.partition(": ")
             if value.strip().isdigit():
                 values[name] = int(value)

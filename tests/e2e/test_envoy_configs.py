@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, envoy_binary, ingress_manager, ratelimit_filter, render
+from stack.envoy import (
+    ENVOY_CONFIGS,
+    EnvoyPorts,
+    ingress_manager,
+    ratelimit_filter,
+    render,
+    validate_config,
+)
 
 pytestmark = [pytest.mark.envoy]
 
@@ -17,23 +23,13 @@ PER_REQUEST = [path for path in SHIPPED if path.name != "quota.yaml"]
 """The configs with the ratelimit filter, which ``render`` rewrites (quota.yaml: test_quota_envoy_configs.py)."""
 
 
-def validate(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_both_configs_are_shipped() -> None:
     assert {path.name for path in SHIPPED} >= {"sidecar.yaml", "front.yaml"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.name)
 def test_shipped_config_validates(path: Path) -> None:
-    result = validate(path)
+    result = validate_config(path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout
 
@@ -48,7 +44,7 @@ def test_rendered_copies_validate_and_change_only_addresses(path: Path, tmp_path
         rendered = render(path, ports, **options)  # type: ignore[arg-type]
         target = tmp_path / f"{variant}.yaml"
         target.write_text(yaml.safe_dump(rendered))
-        result = validate(target)
+        result = validate_config(target)
         assert result.returncode == 0, f"{variant}: {result.stdout}{result.stderr}"
     original = yaml.safe_load(path.read_text())
     copy = render(path, ports)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from sidecar.__main__ import main
-from stack.envoy import ENVOY_CONFIGS, envoy_binary, ingress_manager
+from stack.envoy import ENVOY_CONFIGS, ingress_manager, validate_config
 
 REPO = ENVOY_CONFIGS.parent
 QUOTA = ENVOY_CONFIGS / "quota.yaml"
@@ -25,16 +24,6 @@ def export(*argv: str) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(list(argv))
     return code, out.getvalue(), err.getvalue()
-
-
-def validate(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def test_quota_yaml_is_current(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,7 +59,7 @@ def test_quota_yaml_keeps_front_yaml_listener_routes_and_upstream() -> None:
 
 @pytest.mark.envoy
 def test_quota_yaml_validates() -> None:
-    result = validate(QUOTA)
+    result = validate_config(QUOTA)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout
 
@@ -93,7 +82,7 @@ def test_other_exports_validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     pasted = tmp_path / "pasted.yaml"
     pasted.write_text(yaml.safe_dump(front))
     for path in (deny, pasted):
-        result = validate(path)
+        result = validate_config(path)
         assert result.returncode == 0, f"{path.name}: {result.stdout}{result.stderr}"
 
 
@@ -109,7 +98,7 @@ def test_envoy_accepts_a_token_bucket_fallback_so_the_check_must_refuse_it(tmp_p
     }
     path = tmp_path / "crash.yaml"
     path.write_text(yaml.safe_dump(document))
-    assert validate(path).returncode == 0
+    assert validate_config(path).returncode == 0
     code, _, err = export("export-envoy-quota", "--envoy", str(path), "--check")
     assert code == 1
     assert "filter 'envoy.filters.http.rate_limit_quota'" in err

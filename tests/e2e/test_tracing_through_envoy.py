@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 pytest.importorskip("opentelemetry.sdk", reason="the [tracing] extra is not installed (pip install -e '.[dev]')")
 
 from sidecar.tracing import SPAN_NAME
-from stack.envoy import envoy_binary
-from tests.support.envoys import send, wait_for
+from stack.envoy import ConfiguredEnvoy
+from stack.processes import ProcessGroup
+from tests.support.envoys import send
 from tests.support.otlp import OtlpReceiver
 from tests.support.sidecars import SidecarFactory, clean_env, free_port, write_config
 
@@ -191,23 +189,13 @@ def traced_pair(
         )
         sidecar = start_sidecar(config=write_config(tmp_path / "config", CONFIG, "traced.yaml"), env=env)
         listen, admin = free_port(), free_port()
-        path = tmp_path / "envoy.yaml"
-        path.write_text(
-            yaml.safe_dump(envoy_config(listen, admin, app_port, sidecar.port, receiver.port, tracer=tracer))
-        )
-        log = (tmp_path / "envoy.log").open("wb")
-        envoy = subprocess.Popen(
-            [envoy_binary(), "-c", str(path), "--disable-hot-restart", "--concurrency", "1", "--log-level", "warning"],
-            stdout=log,
-            stderr=log,
-        )
+        config = envoy_config(listen, admin, app_port, sidecar.port, receiver.port, tracer=tracer)
+        group = ProcessGroup()
         try:
-            wait_for(lambda: _ready(admin), 20, "Envoy to be ready")
+            group.start_ready(lambda: ConfiguredEnvoy("envoy", config, tmp_path, listen=listen, admin=admin))
             yield receiver, f"http://127.0.0.1:{listen}"
         finally:
-            envoy.terminate()
-            envoy.wait(10)
-            log.close()
+            group.close()
 
 
 def test_the_sidecar_span_is_the_child_of_envoys_ratelimit_call(
@@ -247,11 +235,3 @@ def test_without_a_tracer_envoy_sends_no_traceparent(
         (span,) = receiver.wait_for(lambda span: span.name == SPAN_NAME)
         assert span.parent_span_id == "", "a trace of the sidecar's own"
         assert not [span for span in receiver.spans if span.service == "envoy"]
-
-
-def _ready(admin: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as reply:
-            return bool(reply.read().strip() == b"LIVE")
-    except OSError:
-        return False
