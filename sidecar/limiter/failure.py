@@ -32,7 +32,7 @@ from typing import Literal, get_args
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.fallback import KnownCounts, redis_holds
+from sidecar.limiter.fallback import KnownCounts, leaves_others_their_shares, redis_holds
 from sidecar.limiter.ledger import OwedHits
 from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, MemoryLimiter, share_of_limit
 from sidecar.limiter.protocol import Check, Decision, Role, decide
@@ -185,7 +185,7 @@ class FailurePolicy:
                 continue
             if in_doubt:
                 known -= check.hits  # its own script is on the wire: counted once
-            if known + check.hits > check.limit - (live - 1) * share_of_limit(check.limit, live):
+            if not leaves_others_their_shares(check, known + check.hits, live):
                 return True
         return False
 

@@ -36,6 +36,14 @@ def knowledge_floor(check: Check, known: int, live: int) -> int:
     return share_of_limit(check.limit, live) - check.limit + known
 
 
+def leaves_others_their_shares(check: Check, known: int, live: int) -> bool:
+    """Whether ``known`` hits of ``check``'s window (this request's included) leave every other
+    replica its share, ``(R - 1) * ceil(limit / R)``: the room a request decided without
+    Redis needs while Redis is up and the others still admit through it (issue 17).
+    With one replica nobody else admits: only the limit counts."""
+    return known <= check.limit - (live - 1) * share_of_limit(check.limit, live)
+
+
 def local_counts(checks: Sequence[Check], own: Sequence[int], known: Sequence[int], live: int) -> tuple[int, ...]:
     """Would-be counts for the ``local`` failure mode: this replica's own (``own``, the
     request's hits included), raised by what it knows (``known``, likewise)."""

@@ -18,8 +18,8 @@ import structlog
 from sidecar.limiter.algorithms import Algorithm
 from sidecar.limiter.budget import FailureReasons, Reason
 from sidecar.limiter.failure import FailureMode, failure_limits
-from sidecar.limiter.fallback import local_counts
-from sidecar.limiter.protocol import Check, Decision
+from sidecar.limiter.fallback import leaves_others_their_shares, local_counts
+from sidecar.limiter.protocol import Check, Decision, Role
 from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import RedisStore
 from sidecar.limiter.redis.store import verdict as script_verdict
@@ -81,7 +81,9 @@ class SyncFallback:
         ``late``: the request escalated (it is near a limit) and ran out of time to hear
         Redis's answer. While Redis is not known to be down, the other replicas are still
         admitting through it, so a share on top of theirs would overshoot (issue 17: 23 of
-        20 in a burst at Envoy's 25 ms deadline); ``local`` then refuses the enforced checks,
+        20 in a burst at Envoy's 25 ms deadline); ``local`` then refuses the enforced checks
+        whose known count does not leave the others their shares (the rule strict mode's
+        failure policy applies too, :func:`~sidecar.limiter.fallback.leaves_others_their_shares`),
         as the script may yet do, and a late answer that admitted gives its hits back.
         Once Redis is marked down, every replica holds to its share and ``local`` shares.
         """
@@ -97,8 +99,16 @@ class SyncFallback:
             ]
             known = tuple(count + max(0, hits) for count, hits in zip(known, doubt, strict=True))
             counts = local_counts(checks, counts, known, live)
-        mode: FailureMode = "closed" if local and late and self.store.available else self.failure_mode
-        limits = failure_limits(mode, checks, counts, live)
+            if (
+                late
+                and self.store.available
+                and any(
+                    check.role is Role.ENFORCED and not leaves_others_their_shares(check, seen, live)
+                    for check, seen in zip(checks, known, strict=True)
+                )
+            ):
+                return self._apply(checks, counters, counts, failure_limits("closed", checks, counts, live))
+        limits = failure_limits(self.failure_mode, checks, counts, live)
         if local and not all(counter.remembered for counter in counters):
             # A counter with no room to be remembered cannot be held to a share (nothing
             # counts its hits) and could not keep them for Redis: refused, as ``closed``.
