@@ -24,6 +24,11 @@ Not in Redis Cluster: a request whose counters live in different slots takes hit
 counter and gives back those of a refused request afterwards, so a count Redis reports
 there may include hits on their way back.
 
+Why not :class:`~sidecar.limiter.fallback.KnownCounts`, which also remembers Redis's
+answers: it serves the failure mode and errs high on purpose (it adds hits admitted
+without Redis and scripts on the wire, and keeps counts a give-back may lower), while a
+refusal here must rest on a count Redis is sure to hold.
+
 If someone deletes a counter in Redis by hand (or a failover loses writes), requests on
 it are refused until its window ends, as they were before; an exactly-counting design
 cannot tell that apart from a full window without asking.
