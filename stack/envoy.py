@@ -38,6 +38,64 @@ def envoy_binary() -> str:
     return found
 
 
+ROUTER = {
+    "name": "envoy.filters.http.router",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+}
+"""The last HTTP filter of every chain."""
+
+
+def cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
+    """A static cluster of one endpoint on 127.0.0.1 (``http2`` for gRPC upstreams)."""
+    found: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+                    ]
+                }
+            ],
+        },
+    }
+    if http2:
+        found["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return found
+
+
+def bootstrap(listen: int, admin: int, manager: dict[str, Any], clusters: list[dict[str, Any]]) -> dict[str, Any]:
+    """An Envoy bootstrap: the admin on ``admin``, one ``ingress`` listener on ``listen``
+    running the HTTP connection manager ``manager`` (its typed config), and ``clusters``."""
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "ingress",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
 def validate_config(path: Path) -> subprocess.CompletedProcess[str]:
     """``envoy --mode validate`` on the config at ``path``: Envoy itself checks every typed
     field and prints ``OK`` (exit 0) or what is wrong."""

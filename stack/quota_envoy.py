@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from stack.envoy import ENVOY_CONFIGS, ConfiguredEnvoy
+from stack.envoy import ENVOY_CONFIGS, ROUTER, ConfiguredEnvoy, bootstrap, cluster
 from stack.processes import free_port
 from stack.sidecar import SidecarProcess
 
@@ -134,32 +134,6 @@ def quota_filter() -> dict[str, Any]:
     }
 
 
-def cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
-    found: dict[str, Any] = {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
-                    ]
-                }
-            ],
-        },
-    }
-    if http2:
-        found["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        }
-    return found
-
-
 def envoy_config(listen: int, admin: int, app: int, sidecar: int) -> dict[str, Any]:
     manager = {
         "@type": TYPES + "network.http_connection_manager.v3.HttpConnectionManager",
@@ -169,33 +143,10 @@ def envoy_config(listen: int, admin: int, app: int, sidecar: int) -> dict[str, A
                 {"name": "app", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "app"}}]}
             ]
         },
-        "http_filters": [
-            quota_filter(),
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-            },
-        ],
+        "http_filters": [quota_filter(), ROUTER],
     }
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "ingress",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": [cluster("app", app, http2=False), cluster("ratelimit", sidecar, http2=True)],
-        },
-    }
+    clusters = [cluster("app", app, http2=False), cluster("ratelimit", sidecar, http2=True)]
+    return bootstrap(listen, admin, manager, clusters)
 
 
 class QuotaEnvoy(ConfiguredEnvoy):

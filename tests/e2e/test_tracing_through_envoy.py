@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("opentelemetry.sdk", reason="the [tracing] extra is not installed (pip install -e '.[dev]')")
 
 from sidecar.tracing import SPAN_NAME
-from stack.envoy import ConfiguredEnvoy
+from stack.envoy import ROUTER, ConfiguredEnvoy, bootstrap, cluster
 from stack.processes import ProcessGroup
 from tests.support.envoys import send
 from tests.support.otlp import OtlpReceiver
@@ -61,30 +61,6 @@ def app_port() -> Iterator[int]:
 
 
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-
-
-def endpoint(port: int) -> dict[str, object]:
-    return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
-
-
-def cluster(name: str, port: int, http2: bool) -> dict[str, object]:
-    found: dict[str, object] = {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [endpoint(port)]}],
-        },
-    }
-    if http2:
-        found["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        }
-    return found
 
 
 def envoy_config(
@@ -135,45 +111,26 @@ def envoy_config(
                     },
                 },
             },
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-            },
+            ROUTER,
         ],
     }
     if not tracer:
         del manager["tracing"]
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
-        # Export each span at once instead of every 5 s.
-        "layered_runtime": {
-            "layers": [
-                {
-                    "name": "static",
-                    "static_layer": {
-                        "tracing.opentelemetry.min_flush_spans": 1,
-                        "tracing.opentelemetry.flush_interval_ms": 100,
-                    },
-                }
-            ]
-        },
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "ingress",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": [cluster("app", app, False), cluster("ratelimit", sidecar, True), cluster("otlp", otlp, True)],
-        },
+    clusters = [cluster("app", app, False), cluster("ratelimit", sidecar, True), cluster("otlp", otlp, True)]
+    config = bootstrap(listen, admin, manager, clusters)
+    # Export each span at once instead of every 5 s.
+    config["layered_runtime"] = {
+        "layers": [
+            {
+                "name": "static",
+                "static_layer": {
+                    "tracing.opentelemetry.min_flush_spans": 1,
+                    "tracing.opentelemetry.flush_interval_ms": 100,
+                },
+            }
+        ]
     }
+    return config
 
 
 @contextlib.contextmanager
