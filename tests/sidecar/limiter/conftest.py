@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.sync import SyncLimiter
+from sidecar.limiter.windows import window_start
 from sidecar.server import build_redis_limiter, build_strict_limiter
 from sidecar.settings import Settings
 from tests.support.redis_servers import fresh_prefix, redis_settings
 
+HOUR = 3600
+"""The window of the in-process Redis tests: long, so a test never straddles a boundary."""
 GENEROUS = 2.0
 """Request budget of the exactness tests: a slow answer on a loaded machine must not switch a
 decision to the failure mode (the tests assert it never does)."""
@@ -76,3 +80,17 @@ async def fleet() -> AsyncIterator[Fleet]:
     built = Fleet()
     yield built
     await built.close_all()
+
+
+async def steady_now(unit: int = HOUR, margin: float = 60.0) -> float:
+    """Now, or just after the next window if this one ends within ``margin`` seconds.
+
+    Tests pass one ``now`` to every check so all hits land in one window; its Redis key
+    expires 5 s after the window ends, so the window must outlive the test.
+    """
+    now = time.time()
+    left = window_start(now, unit) + unit - now
+    if left < margin:
+        await asyncio.sleep(left + 0.05)
+        now = time.time()
+    return now

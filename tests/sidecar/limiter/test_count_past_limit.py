@@ -9,7 +9,6 @@ Every other check keeps all-or-nothing: a refused request adds nothing to it.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.sync import SyncLimiter
 from sidecar.limiter.windows import window_start
 from sidecar.server import build_redis_limiter, build_strict_limiter
+from tests.sidecar.limiter.conftest import steady_now
 from tests.support.redis_servers import RedisCluster, RedisServer, fresh_prefix, redis_settings
 
 UNIT = 3600
@@ -130,15 +130,6 @@ async def redis_limiters() -> AsyncIterator[Callable[..., Limiter]]:
 
     yield build
     await asyncio.gather(*(limiter.close() for limiter in built))
-
-
-async def steady_now() -> float:
-    now = time.time()
-    left = window_start(now, UNIT) + UNIT - now
-    if left < 30:
-        await asyncio.sleep(left + 0.05)
-        now = time.time()
-    return now
 
 
 def stored(client: Any, prefix: str, check: Check, now: float) -> int:

@@ -30,8 +30,7 @@ from sidecar.limiter import sync as sync_module
 from sidecar.limiter.protocol import Check, Decision, Role
 from sidecar.limiter.redis.keys import counter_window
 from sidecar.limiter.sync import SyncLimiter
-from sidecar.limiter.windows import window_start
-from tests.sidecar.limiter.conftest import Fleet
+from tests.sidecar.limiter.conftest import Fleet, steady_now
 from tests.support.redis_servers import REDIS_CLI, RedisCluster, RedisServer
 from tests.support.sidecars import OK, OVER_LIMIT, SidecarFactory, log_events, request, write_config
 
@@ -54,20 +53,6 @@ async def started(*limiters: SyncLimiter) -> None:
     for limiter in limiters:
         await limiter.replicas.beat()
     assert {limiter.replicas.live for limiter in limiters} == {len(limiters)}
-
-
-async def steady_now(unit: int = UNIT, margin: float = 60.0) -> float:
-    """Now, or just after the next window if this one ends within ``margin`` seconds.
-
-    Tests pass one ``now`` to every check so all hits land in one window; its Redis key
-    expires 5 s after the window ends, so the window must outlive the test.
-    """
-    now = time.time()
-    left = window_start(now, unit) + unit - now
-    if left < margin:
-        await asyncio.sleep(left + 0.05)
-        now = time.time()
-    return now
 
 
 def item(limit: int, hits: int = 1, name: str = "hot", role: Role = Role.ENFORCED, unit: int = UNIT) -> Check:

@@ -17,8 +17,8 @@ import time
 
 from sidecar.limiter.protocol import Check, Role
 from sidecar.limiter.sync import SyncLimiter
-from tests.sidecar.limiter.conftest import Fleet
-from tests.sidecar.limiter.test_sync_hardening import UNIT, steady_now, sum_counters
+from tests.sidecar.limiter.conftest import Fleet, steady_now
+from tests.sidecar.limiter.test_sync_hardening import UNIT, sum_counters
 from tests.support.redis_servers import RedisServer, fresh_prefix
 
 CAP = 1000

@@ -16,8 +16,8 @@ import asyncio
 from sidecar.limiter.protocol import Check, Role
 from sidecar.limiter.redis.keys import counter_window
 from sidecar.limiter.sync import SyncLimiter
-from tests.sidecar.limiter.conftest import Fleet
-from tests.sidecar.limiter.test_sync_hardening import UNIT, steady_now, sum_counters
+from tests.sidecar.limiter.conftest import Fleet, steady_now
+from tests.sidecar.limiter.test_sync_hardening import UNIT, sum_counters
 from tests.support.redis_servers import RedisServer, fresh_prefix
 
 CAP = 1000

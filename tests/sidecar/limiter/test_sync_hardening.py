@@ -25,8 +25,7 @@ import pytest
 
 from sidecar.limiter.protocol import Check, Role
 from sidecar.limiter.redis.keys import counter_window, replicas_key
-from sidecar.limiter.windows import window_start
-from tests.sidecar.limiter.conftest import Fleet
+from tests.sidecar.limiter.conftest import Fleet, steady_now
 from tests.support.redis_servers import RedisServer, fresh_prefix
 from tests.support.sidecars import OK, SidecarFactory, request, write_config
 
@@ -35,16 +34,6 @@ LIMIT = 100
 OVERSHOOT = 0.05
 BOUND = LIMIT + int(OVERSHOOT * LIMIT)
 """``limit + (R - 1) * Q`` for two replicas: 105."""
-
-
-async def steady_now(margin: float = 60.0) -> float:
-    """Now, unless the hour window ends within ``margin`` seconds."""
-    now = time.time()
-    left = window_start(now, UNIT) + UNIT - now
-    if left < margin:
-        await asyncio.sleep(left + 0.05)
-        now = time.time()
-    return now
 
 
 def counter(server: RedisServer, prefix: str, check: Check, now: float) -> int:

@@ -16,7 +16,6 @@ Real redis-server, in-process replicas built as ``serve`` builds them.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -28,9 +27,9 @@ from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.redis.keys import counter_window
 from sidecar.limiter.redis.store import Counts, verdict
 from sidecar.limiter.sync import SyncLimiter
-from sidecar.limiter.windows import window_start
 from sidecar.metrics import limiter_families
 from sidecar.server import build_redis_limiter
+from tests.sidecar.limiter.conftest import steady_now
 from tests.support.redis_servers import RedisServer, fresh_prefix, redis_settings
 
 UNIT = 3600
@@ -72,15 +71,6 @@ async def replicas() -> AsyncIterator[Replicas]:
     built = Replicas()
     yield built
     await asyncio.gather(*(limiter.close() for limiter in built.built))
-
-
-async def steady_now() -> float:
-    now = time.time()
-    left = window_start(now, UNIT) + UNIT - now
-    if left < 60:
-        await asyncio.sleep(left + 0.05)
-        now = time.time()
-    return now
 
 
 def corrupt(server: RedisServer, limiter: Any, check: Check, now: float, corruption: str) -> str:
