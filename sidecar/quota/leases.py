@@ -541,7 +541,7 @@ class QuotaLeases:
             live.nanos = nanos_after(live.assignment, new, live.nanos)
             live.assignment = new
             live.sent_at = now
-            stream.pending.append(Action(live.bucket_id, new, live.nanos))
+            stream.push(Action(live.bucket_id, new, live.nanos))
             self.stats.pushes += 1
             stream.notify()
 

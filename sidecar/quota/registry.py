@@ -90,6 +90,10 @@ class Stream:
     notify: Callable[[], None] = lambda: None
     """Called when actions were queued outside the stream's own loop (a reload)."""
 
+    def push(self, action: Action) -> None:
+        """Queue one action for the stream's writer: the one way actions are queued."""
+        self.pending.append(action)
+
 
 class RateLimitedLog:
     """Log each event at most once per ``interval`` (and each distinct reason once)."""
@@ -199,7 +203,7 @@ class QuotaRegistry:
                 self.stats.bump(self.stats.overflow, cap)
                 self.logs.every("quota_bucket_overflow", now, cap=cap, peer=stream.peer, live=self.live)
                 assignment = default("overflow") if cap != "id_size" else assignment
-            stream.pending.append(Action(bucket, assignment))
+            stream.push(Action(bucket, assignment))
             return assignment
         live = LiveBucket(bucket, assignment, sent_at=now, used_at=now)
         if self.leases is not None:
@@ -207,7 +211,7 @@ class QuotaRegistry:
         stream.buckets[key] = live
         stream.abandoned.pop(key, None)
         self.live += 1
-        stream.pending.append(Action(bucket, assignment))
+        stream.push(Action(bucket, assignment))
         return live
 
     def _cap_reached(self, stream: Stream, bucket: Mapping[str, str]) -> str | None:
@@ -243,14 +247,14 @@ class QuotaRegistry:
                 idle.append(key)
             elif now - live.sent_at >= settings.refresh_after:
                 live.sent_at = now
-                stream.pending.append(Action(live.bucket_id, live.assignment, live.nanos))
+                stream.push(Action(live.bucket_id, live.assignment, live.nanos))
         for key in idle:
             live = stream.buckets.pop(key)
             if self.leases is not None:
                 self.leases.release(stream, key, give_back=True)
             self.live -= 1
             stream.abandoned[key] = now
-            stream.pending.append(Action(live.bucket_id, None))
+            stream.push(Action(live.bucket_id, None))
             self.stats.bump(self.stats.abandoned, "idle")
         if stream.abandoned:
             self._forget_abandoned(stream, now)
@@ -274,7 +278,7 @@ class QuotaRegistry:
                 live.nanos = nanos_after(live.assignment, new, live.nanos)
                 live.assignment = new
                 live.sent_at = now
-                stream.pending.append(Action(live.bucket_id, new, live.nanos))
+                stream.push(Action(live.bucket_id, new, live.nanos))
             stream.notify()
 
     def describe(self, limit: int = 1000) -> dict[str, object]:
