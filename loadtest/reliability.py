@@ -64,7 +64,8 @@ def run_area(name: str, context: Context) -> tuple[list[Row], float]:
 
 
 def verdict(row: Row) -> str:
-    return {True: "held", False: "FAILED", None: "not run"}[row.ok]
+    held = {True: "held", False: "FAILED", None: "not run"}[row.ok]
+    return f"{held}; goal missed" if row.goals_missed else held
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -76,7 +77,7 @@ def table(rows: Sequence[Row]) -> str:
     for row in rows:
         lost = "" if row.hits_lost is None else f"{row.hits_lost:,}"
         inputs = f"{row.inputs:,}" if row.inputs else ""
-        notes = row.notes.replace("|", "/").replace("\n", " ")
+        notes = "; ".join([*row.goals_missed, row.notes]).replace("|", "/").replace("\n", " ")
         lines.append(f"| {row.area} | {row.scenario} | {row.load} | {inputs} | {lost} | {verdict(row)} | {notes} |")
     return "\n".join(lines)
 
@@ -85,8 +86,10 @@ def summary(rows: Sequence[Row]) -> str:
     tried = sum(row.inputs for row in rows)
     lost = sum(row.hits_lost or 0 for row in rows if "SIGKILL" not in row.scenario)
     failed = [row for row in rows if row.ok is False]
+    missed = sum(1 for row in rows if row.goals_missed)
     return (
-        f"{len(rows)} scenarios: {len(rows) - len(failed)} held or not run, {len(failed)} failed; "
+        f"{len(rows)} scenarios: {len(rows) - len(failed)} held or not run, {len(failed)} failed, "
+        f"{missed} missed a latency goal; "
         f"{tried:,} bad inputs tried; {lost} admitted hits lost outside the SIGKILL bound"
     )
 

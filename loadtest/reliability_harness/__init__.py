@@ -43,5 +43,8 @@ class Row:
     ok: bool | None = True
     """True: held; False: failed (see notes); None: not run here (see notes)."""
     notes: str = ""
+    goals_missed: list[str] = field(default_factory=list)
+    """Latency goals (benchmark figures) this run missed. Reported, never a failure of the row:
+    a noisy 2-core machine misses them for reasons of its own, while ``ok`` is what must hold."""
     figures: dict[str, float] = field(default_factory=dict)
     """Numbers behind the row, for the JSON results and the tests."""
