@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
+import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +70,14 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 20_000),
 ]
 
+
+UNIX_SOCKET_MODE = 0o660
+"""Mode of a ``unix:PATH`` gRPC socket, set after the bind whatever the umask.
+
+Connecting to a unix socket needs write permission on it, so this says who may call the
+sidecar: its own user and its group (the image's dedicated ``ratelimit`` group, 10001;
+Envoy joins it with ``runAsGroup`` or ``supplementalGroups``), nobody else on the host.
+"""
 
 DRAIN_QUIET = 0.1
 """On SIGTERM, serving stops once no call has arrived for this long (the callers have stopped)."""
@@ -210,6 +220,36 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def unix_socket_path(address: str) -> Path:
+    """The file of a ``unix:PATH`` (or ``unix:///abs/path``) address."""
+    return Path(address.removeprefix("unix:").removeprefix("//"))
+
+
+@contextlib.contextmanager
+def unix_socket_created_private(address: str) -> Iterator[None]:
+    """While gRPC binds ``address``, a umask that creates a unix socket no wider than
+    :data:`UNIX_SOCKET_MODE`; then the mode is set exactly.
+
+    gRPC creates the socket ``0777 & ~umask`` and listens at once (it accepts only once the
+    server starts, but a connection made meanwhile waits in the backlog), so setting the
+    mode afterwards alone would leave an instant in which anyone could connect. The umask
+    is the process's: this runs once, at startup, before anything is served.
+    """
+    if not is_unix(address):
+        yield
+        return
+    previous = os.umask(0o777 & ~UNIX_SOCKET_MODE)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+    path = unix_socket_path(address)
+    try:
+        path.chmod(UNIX_SOCKET_MODE)
+    except OSError as error:
+        raise StartupError(f"cannot set the mode of {path}: {error.strerror}") from None
+
+
 def ensure_bindable(address: str) -> None:
     """Fail with a plain message if ``address`` cannot be bound, before gRPC tries.
 
@@ -218,7 +258,7 @@ def ensure_bindable(address: str) -> None:
     A unix socket's directory must exist; gRPC replaces a socket file left behind.
     """
     if is_unix(address):
-        path = Path(address.removeprefix("unix:").removeprefix("//"))
+        path = unix_socket_path(address)
         if not path.parent.is_dir():
             raise StartupError(f"cannot listen on {address}: directory {path.parent} does not exist")
         return
@@ -334,10 +374,11 @@ class Sidecar:
                 hint="anything that reaches this address can spend every limit; use --tls-cert/--tls-key",
             )
         try:
-            if credentials is None:
-                self.port = self.server.add_insecure_port(address)
-            else:
-                self.port = self.server.add_secure_port(address, credentials)
+            with unix_socket_created_private(address):
+                if credentials is None:
+                    self.port = self.server.add_insecure_port(address)
+                else:
+                    self.port = self.server.add_secure_port(address, credentials)
         except RuntimeError as error:
             raise StartupError(f"cannot listen on {address}: {error} (port in use?)") from None
         if self.port == 0:
