@@ -120,6 +120,17 @@ def rule_count(config: RateLimitConfig) -> int:
     return sum(len(domain.rules) for domain in config.domains.values())
 
 
+OPERATOR_TRIGGERS = frozenset({"SIGHUP"})
+"""Reloads an operator asked for: their outcome is logged at info even when nothing changed,
+so whoever sent the signal can see it arrived (a file watcher's no-op stays at debug)."""
+
+
+def unchanged(trigger: str, *, parsed: bool, digest: str) -> None:
+    """Log a reload that found the active config (``parsed``: the files changed, the rules did not)."""
+    level = log.info if trigger in OPERATOR_TRIGGERS else log.debug
+    level("config_unchanged", trigger=trigger, parsed=parsed, config_digest=digest[:12])
+
+
 class ConfigReloader:
     """Reloads ``path``; ``apply`` installs a new config, ``refused`` hears of a broken one."""
 
@@ -136,9 +147,9 @@ class ConfigReloader:
     ) -> None:
         self.path = path
         self.mode = mode
+        """The Redis mode enforcing the config (see :func:`~sidecar.config.load.mode_issues`)."""
         self.options = options
         """Merging domains, calendar months: as the startup load had them."""
-        """The Redis mode enforcing the config (see :func:`~sidecar.config.load.mode_issues`)."""
         self.max_bytes = max_bytes
         """``--max-config-bytes``: a larger file is refused before it is read."""
         self.current = current
@@ -150,7 +161,7 @@ class ConfigReloader:
         """Load and swap; True when a new config is active. One reload at a time."""
         async with self._lock:
             if await asyncio.to_thread(files_digest, self.path, self.max_bytes) == self.current().digest:
-                log.debug("config_unchanged", trigger=trigger, parsed=False, config_digest=self.current().digest[:12])
+                unchanged(trigger, parsed=False, digest=self.current().digest)
                 return False
             try:
                 config = await asyncio.to_thread(load_quietly, self.path, self.mode, self.max_bytes, self.options)
@@ -164,7 +175,7 @@ class ConfigReloader:
                 settle_after_load()
             previous = self.current()
             if config.digest == previous.digest:
-                log.debug("config_unchanged", trigger=trigger, parsed=True, config_digest=config.digest[:12])
+                unchanged(trigger, parsed=True, digest=config.digest)
                 return False
             self.apply(config)
             log.info(

@@ -77,6 +77,14 @@ def test_sighup_reloads_and_counters_of_unchanged_rules_survive(
     assert codes(sidecar, "changed", "b", 3) == [OK, OK, OVER_LIMIT], "the new limit applies"
 
 
+def test_a_sighup_that_finds_nothing_new_says_so_at_info(start_sidecar: SidecarFactory, config_dir: Path) -> None:
+    sidecar, _ = started(start_sidecar, config_dir, "--watch-config", "false")
+    sidecar.send_signal(signal.SIGHUP)
+    event = wait_for_event(sidecar, "config_unchanged")
+    assert (event["trigger"], event["level"]) == ("SIGHUP", "info"), event
+    assert event["parsed"] is False, "the files' digest matched: nothing was parsed"
+
+
 def test_a_broken_config_is_refused_and_the_last_good_one_stays(
     start_sidecar: SidecarFactory, config_dir: Path
 ) -> None:
