@@ -348,6 +348,20 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "ratelimit_sidecar_evictions", "Counters dropped at the cap before their window ended", value=snapshot.evictions
     )
+    if snapshot.loop_lag is not None:
+        yield GaugeMetricFamily(
+            "ratelimit_sidecar_event_loop_lag_latest_seconds",
+            "How late the event loop ran its last timer tick (time not charged to Redis)",
+            value=snapshot.loop_lag_latest or 0.0,
+        )
+        yield GaugeMetricFamily(
+            "ratelimit_sidecar_event_loop_lag_max_seconds",
+            "Largest event-loop lateness since the previous scrape",
+            value=snapshot.loop_lag_max or 0.0,
+        )
+        yield snapshot.loop_lag.family(
+            "ratelimit_sidecar_event_loop_lag_seconds", "Event-loop lateness of a periodic timer tick"
+        )
     if snapshot.redis_up is None:
         return
     yield GaugeMetricFamily("ratelimit_sidecar_redis_up", "1 while Redis answers", value=int(snapshot.redis_up))
@@ -371,20 +385,6 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
         for reason, count in snapshot.failure_reasons.items():
             reasons.add_metric((reason,), count)
         yield reasons
-    if snapshot.loop_lag is not None:
-        yield GaugeMetricFamily(
-            "ratelimit_sidecar_event_loop_lag_latest_seconds",
-            "How late the event loop ran its last timer tick (time not charged to Redis)",
-            value=snapshot.loop_lag_latest or 0.0,
-        )
-        yield GaugeMetricFamily(
-            "ratelimit_sidecar_event_loop_lag_max_seconds",
-            "Largest event-loop lateness since the previous scrape",
-            value=snapshot.loop_lag_max or 0.0,
-        )
-        yield snapshot.loop_lag.family(
-            "ratelimit_sidecar_event_loop_lag_seconds", "Event-loop lateness of a periodic timer tick"
-        )
     if snapshot.flush_seconds is not None:
         yield snapshot.flush_seconds.family("ratelimit_sidecar_flush_seconds", "Sync flush round trip time")
     if snapshot.flush_keys is not None:

@@ -17,6 +17,7 @@ import structlog
 from sidecar.limiter.algorithms import Algorithm, bucket_after, now_us, previous_weight, sliding_part
 from sidecar.limiter.bounds import BUCKET_SWEEP_MIN, Bans, EvictionLog
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
+from sidecar.limiter.redis.loop_lag import LoopLag
 from sidecar.limiter.windows import window_start
 from sidecar.metrics import LimiterSnapshot
 
@@ -76,6 +77,10 @@ class MemoryLimiter:
         self._bucket_sweep = min(BUCKET_SWEEP_MIN, max_counters)
         """New buckets after which full ones are swept out (grows with the live ones)."""
         self._bans = Bans(max_counters)
+        self.loop_lag = LoopLag()
+        """How late the event loop runs, from :meth:`start` on: a stall fails Envoy open in every
+        mode, so the memory backend reports it as the Redis ones do (their lag lives in
+        ``availability``, where it also keeps our own stalls from being charged to Redis)."""
 
     @property
     def live_counters(self) -> int:
@@ -235,13 +240,22 @@ class MemoryLimiter:
         return window.get(key, 0) if window else 0
 
     def snapshot(self) -> LimiterSnapshot:
-        return LimiterSnapshot(counters=self.live_counters, evictions=self.evictions)
+        lag = self.loop_lag
+        return LimiterSnapshot(
+            counters=self.live_counters,
+            evictions=self.evictions,
+            loop_lag_latest=lag.latest,
+            loop_lag_max=lag.take_max(),
+            loop_lag=lag.buckets,
+        )
 
     async def start(self) -> None:
-        """Nothing runs in the background: expiry happens on the request path."""
+        """Only the loop-lag timer runs in the background: expiry happens on the request path."""
+        self.loop_lag.start()
 
     async def close(self, deadline: float | None = None) -> None:
-        """Nothing to flush: memory dies with the process."""
+        """Nothing to flush: memory dies with the process; the loop-lag timer stops."""
+        self.loop_lag.stop()
 
     def _would_be_counts(self, checks: Sequence[Check], windows: Sequence[WindowId]) -> tuple[int, ...]:
         """Each counter plus this request's hits; repeated counters see earlier checks' hits."""
