@@ -212,8 +212,24 @@ def _export(run: Callable[[argparse.Namespace], Any], arguments: argparse.Namesp
     return 1 if result.failed else 0
 
 
+EXIT_BROKEN_PIPE = 128 + 13
+"""What a shell reports for a program SIGPIPE ended: the reader (``| head -1``) left early."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ratelimit-sidecar`` console script."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then ours to handle
+    except BrokenPipeError:
+        # The reader went away (``query ... | head -1``): not an error of ours worth a traceback.
+        # stdout is pointed at /dev/null so the interpreter's final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _run(argv: Sequence[str] | None) -> int:
     arguments = _parser().parse_args(argv)
     if arguments.command == "serve":
         return _serve(arguments)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
 import textwrap
 import uuid
 from pathlib import Path
@@ -19,6 +20,7 @@ from tests.support.sidecars import (
     Sidecar,
     SidecarFactory,
     clean_env,
+    cli_argv,
     free_port,
     in_one_window,
     request,
@@ -283,6 +285,17 @@ def test_query_prints_the_decision(shared_sidecar: Sidecar) -> None:
     assert lines[0] == "overall: OVER_LIMIT"
     assert re.fullmatch(r"  \[0\] OVER_LIMIT limit=5/minute name=five_per_minute remaining=0 reset=\d+s", lines[1])
     assert lines[2:] == ["  [1] OK unlimited", "  [2] OK no rule matched"]
+
+
+def test_query_into_a_reader_that_left_ends_quietly(shared_sidecar: Sidecar) -> None:
+    """``query ... | head -1``: the reader closes the pipe before the answer is written."""
+    argv = cli_argv("query", "--address", shared_sidecar.address, "--domain", "it", f"per_minute={uuid.uuid4().hex}")
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()
+    stderr = child.stderr.read().decode()
+    assert child.wait(timeout=60) == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
 
 
 def test_query_reports_invalid_argument(shared_sidecar: Sidecar) -> None:
