@@ -49,7 +49,7 @@ from typing import Any
 
 from loadtest.common import cpu_seconds, machine_facts, positive_int, reproduce_command, run_cli
 from sidecar.config import load_config
-from sidecar.quota.export import export_quota, quota_document
+from sidecar.export.envoy_quota.export import export_quota, quota_document
 from stack.envoy import ENVOY_CONFIGS, ConfiguredEnvoy, EnvoyPorts, admin_get, envoy_binary, ingress_manager, render
 from stack.processes import ProcessGroup
 from stack.sidecar import SidecarProcess

@@ -18,8 +18,8 @@ import structlog
 from sidecar import __version__
 from sidecar.client import ClientTLS, build_request, describe, health_status, query
 from sidecar.config import ConfigError, LoadOptions, load_config
-from sidecar.haproxy.export import add_export_arguments, run_export
-from sidecar.haproxy.model import ExportError
+from sidecar.export.haproxy.export import add_export_arguments, run_export
+from sidecar.export.haproxy.model import ExportError
 from sidecar.logs import configure_logging
 from sidecar.server import StartupError, serve
 from sidecar.settings import Settings, SettingsError, add_serve_arguments, option_value, resolve_with_notes
@@ -190,7 +190,7 @@ def _export_haproxy(arguments: argparse.Namespace) -> int:
 
 def _export_envoy_quota(arguments: argparse.Namespace) -> int:
     # Imported here: envoy-data-plane (and pydantic) load for this command only, not for ``serve``.
-    from sidecar.quota.export import run_quota_export  # noqa: PLC0415
+    from sidecar.export.envoy_quota.export import run_quota_export  # noqa: PLC0415
 
     return _export(run_quota_export, arguments)
 

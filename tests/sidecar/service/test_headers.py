@@ -17,7 +17,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from sidecar.admin import rule_json
 from sidecar.client import describe
-from sidecar.haproxy import Const, ExportOptions, Producer, Route, Sources, export
+from sidecar.export.haproxy import Const, ExportOptions, Producer, Route, Sources, export
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.windows import Unit

@@ -8,7 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from sidecar.config.model import UNIT_BY_SECONDS, DescriptorNode, DomainConfig, Level, RateLimitRule
-from sidecar.haproxy.model import (
+from sidecar.export.haproxy.fit import ban_problem, keeps_previous_window, node_limits, rule_problem, where_of
+from sidecar.export.haproxy.model import (
     DEFAULT_TABLE_SIZE,
     FLAGS_ROUTE,
     MAX_SLOTS,
@@ -22,8 +23,7 @@ from sidecar.haproxy.model import (
     Sources,
     Test,
 )
-from sidecar.haproxy.rules import ban_problem, keeps_previous_window, node_limits, rule_problem, where_of
-from sidecar.haproxy.words import SAFE_CONSTANT, hint_of, patterns, unquotable, wildcard_test
+from sidecar.export.haproxy.words import SAFE_CONSTANT, hint_of, patterns, unquotable, wildcard_test
 
 
 @dataclass(frozen=True, slots=True)

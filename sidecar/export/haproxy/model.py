@@ -1,5 +1,5 @@
 """The exporter's vocabulary: what the proxy sends (sources, tests, producers, routes), problems,
-and the HAProxy 2.6 limits every other module of :mod:`sidecar.haproxy` works within."""
+and the HAProxy 2.6 limits every other module of :mod:`sidecar.export.haproxy` works within."""
 
 from __future__ import annotations
 

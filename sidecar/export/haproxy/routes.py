@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from sidecar.haproxy.model import (
+from sidecar.export.haproxy.model import (
     ADDRESS_LENGTH,
     Condition,
     Const,
@@ -28,7 +28,7 @@ from sidecar.haproxy.model import (
     Sources,
     Test,
 )
-from sidecar.haproxy.words import full_regex, hint_of, patterns, quote, unquotable
+from sidecar.export.haproxy.words import full_regex, hint_of, patterns, quote, unquotable
 
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 HTTP_CONNECTION_MANAGER = "envoy.filters.network.http_connection_manager"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sidecar.config.model import DescriptorNode, DomainConfig, Level
-from sidecar.haproxy.model import (
+from sidecar.export.haproxy.fit import subtree_rules, where_of
+from sidecar.export.haproxy.model import (
     ADDRESS_LENGTH,
     FLAGS_ROUTE,
     Condition,
@@ -18,8 +19,7 @@ from sidecar.haproxy.model import (
     Sources,
     Test,
 )
-from sidecar.haproxy.rules import subtree_rules, where_of
-from sidecar.haproxy.words import hint_of
+from sidecar.export.haproxy.words import hint_of
 
 
 def sources_from_flags(

@@ -18,11 +18,11 @@ import yaml
 
 from sidecar.__main__ import main
 from sidecar.config import load_config
-from sidecar.haproxy import ExportError
-from sidecar.quota.export import check_quota_filters, export_quota
+from sidecar.export.envoy_quota.export import check_quota_filters, export_quota
+from sidecar.export.haproxy import ExportError
 from tests.support.envoy_snippets import minimal_envoy_config
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 HEADER_INPUT = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput"
 SOURCE_IP = "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput"
 ORIGIN = Path("envoy.yaml")

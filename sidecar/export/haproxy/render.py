@@ -1,4 +1,4 @@
-"""Writing a :class:`~sidecar.haproxy.plan.Planner`'s decisions as HAProxy config lines: named ACLs,
+"""Writing a :class:`~sidecar.export.haproxy.plan.Planner`'s decisions as HAProxy config lines: named ACLs,
 then the frontend rules in the order HAProxy runs them, then one backend per stick table."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from sidecar.config.model import RateLimitRule
-from sidecar.haproxy.model import HASH_BYTES, KEY_LENGTH, Condition, Const, Fetch, Source, Test
-from sidecar.haproxy.plan import Merged, Planner, Table
-from sidecar.haproxy.rules import is_sliding, rate_of
-from sidecar.haproxy.words import printable
+from sidecar.export.haproxy.fit import is_sliding, rate_of
+from sidecar.export.haproxy.model import HASH_BYTES, KEY_LENGTH, Condition, Const, Fetch, Source, Test
+from sidecar.export.haproxy.plan import Merged, Planner, Table
+from sidecar.export.haproxy.words import printable
 from sidecar.limiter.algorithms import Algorithm
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from sidecar.haproxy.model import Test
+from sidecar.export.haproxy.model import Test
 
 _SAFE_WORD = re.compile(r"[A-Za-z0-9_.:/@%+=^~-]+")
 SAFE_CONSTANT = re.compile(r"[A-Za-z0-9_.:/@=+~-]+")

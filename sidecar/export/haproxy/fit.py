@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from sidecar.config.model import DescriptorNode, RateLimitRule
-from sidecar.haproxy.model import MAX_TIMER_SECONDS, Flavour
+from sidecar.export.haproxy.model import MAX_TIMER_SECONDS, Flavour
 from sidecar.limiter.algorithms import Algorithm
 
 

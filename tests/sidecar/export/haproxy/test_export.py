@@ -1,7 +1,7 @@
 """The HAProxy exporter without HAProxy: what it generates, in which order, and what it reports.
 
 Whether HAProxy accepts and enforces the output is checked against the real binary in
-``tests/sidecar/haproxy/test_haproxy_process.py``; these tests pin the translation itself.
+``tests/sidecar/export/haproxy/test_haproxy_process.py``; these tests pin the translation itself.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from sidecar.__main__ import main
 from sidecar.config import load_config
-from sidecar.haproxy import (
+from sidecar.export.haproxy import (
     KEY_LENGTH,
     MAX_SLOTS,
     Const,
@@ -38,7 +38,7 @@ from sidecar.haproxy import (
 )
 from tests.support.envoy_snippets import EXTENSION_FLAGS, EXTENSIONS_ROUTES, minimal_envoy_config
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 DEMO = REPO / "examples" / "config"
 ENVOY = REPO / "envoy" / "sidecar.yaml"
 
@@ -880,7 +880,7 @@ def test_a_route_without_a_tracker_for_the_ban_still_enforces_running_bans(tmp_p
 
 def test_costs_counted_past_the_limit_are_not_exported() -> None:
     from sidecar.config.load import parse_text
-    from sidecar.haproxy.rules import rule_problem
+    from sidecar.export.haproxy.fit import rule_problem
 
     text = (
         "domain: t\ndescriptors:\n"

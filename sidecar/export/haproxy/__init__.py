@@ -66,18 +66,9 @@ Modules, each importing only those above it:
 The names callers use are re-exported here.
 """
 
-from sidecar.haproxy.export import Export, add_export_arguments, export, run_export
-from sidecar.haproxy.from_envoy import (
-    EnvoyReader,
-    header_tests,
-    header_value_match,
-    rate_limited_manager,
-    read_envoy,
-    route_test,
-    sources_from_envoy,
-)
-from sidecar.haproxy.from_flags import sources_from_flags
-from sidecar.haproxy.model import (
+from sidecar.export.haproxy.export import Export, add_export_arguments, export, run_export
+from sidecar.export.haproxy.flags import sources_from_flags
+from sidecar.export.haproxy.model import (
     KEY_LENGTH,
     MAX_SLOTS,
     TRACKERS,
@@ -91,8 +82,17 @@ from sidecar.haproxy.model import (
     Sources,
     Test,
 )
-from sidecar.haproxy.plan import ExportOptions
-from sidecar.haproxy.words import patterns, quote
+from sidecar.export.haproxy.plan import ExportOptions
+from sidecar.export.haproxy.routes import (
+    EnvoyReader,
+    header_tests,
+    header_value_match,
+    rate_limited_manager,
+    read_envoy,
+    route_test,
+    sources_from_envoy,
+)
+from sidecar.export.haproxy.words import patterns, quote
 
 __all__ = [
     "KEY_LENGTH",

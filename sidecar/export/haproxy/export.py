@@ -11,13 +11,13 @@ from pathlib import Path
 
 from sidecar.config.load import load_config
 from sidecar.config.model import DomainConfig
-from sidecar.haproxy.from_envoy import sources_from_envoy
-from sidecar.haproxy.from_flags import sources_from_flags
-from sidecar.haproxy.model import DEFAULT_TABLE_SIZE, FLAVOURS, ExportError, Problem, Sources
-from sidecar.haproxy.plan import ExportOptions, Planner
-from sidecar.haproxy.render import Renderer
-from sidecar.haproxy.rules import where_of
-from sidecar.haproxy.words import CONTROL
+from sidecar.export.haproxy.fit import where_of
+from sidecar.export.haproxy.flags import sources_from_flags
+from sidecar.export.haproxy.model import DEFAULT_TABLE_SIZE, FLAVOURS, ExportError, Problem, Sources
+from sidecar.export.haproxy.plan import ExportOptions, Planner
+from sidecar.export.haproxy.render import Renderer
+from sidecar.export.haproxy.routes import sources_from_envoy
+from sidecar.export.haproxy.words import CONTROL
 
 
 @dataclass(frozen=True, slots=True)

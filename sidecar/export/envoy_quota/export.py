@@ -6,7 +6,7 @@ assigns (docs/quota.md). So the filter must sort requests exactly as the route
 ``rate_limits`` of the per-request path describe them: a request lands in the bucket
 whose id is the descriptor Envoy's ``ratelimit`` filter would have sent, written by the
 bucket id convention (``domain`` plus ``entry.<i>.<key>``). This module reads those
-routes from the Envoy config (with the readers of :mod:`sidecar.haproxy`) and writes
+routes from the Envoy config (with the readers of :mod:`sidecar.export.haproxy`) and writes
 ``bucket_matchers``:
 
 - one filter can put a request in one bucket only, so a route sending several
@@ -40,19 +40,19 @@ import yaml
 
 from sidecar.config.load import load_config
 from sidecar.config.model import DomainConfig, Level
-from sidecar.haproxy.export import pick_domain
-from sidecar.haproxy.from_envoy import (
+from sidecar.export.envoy_quota import objects
+from sidecar.export.envoy_quota.objects import BucketValue, Fallback, Predicate
+from sidecar.export.haproxy.export import pick_domain
+from sidecar.export.haproxy.fit import node_limits
+from sidecar.export.haproxy.model import Const, ExportError, Fetch, Problem
+from sidecar.export.haproxy.plan import candidates
+from sidecar.export.haproxy.routes import (
     HTTP_CONNECTION_MANAGER,
     RATELIMIT_FILTER,
     rate_limited_manager,
     read_envoy,
     string_match,
 )
-from sidecar.haproxy.model import Const, ExportError, Fetch, Problem
-from sidecar.haproxy.plan import candidates
-from sidecar.haproxy.rules import node_limits
-from sidecar.quota import envoy_objects as objects
-from sidecar.quota.envoy_objects import BucketValue, Fallback, Predicate
 
 COMMAND = "export-envoy-quota"
 DEFAULT_CLUSTER = "rlqs"
