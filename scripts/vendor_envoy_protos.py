@@ -1,0 +1,149 @@
+"""Copy the generated Envoy API modules the sidecar uses into sidecar/protos/.
+
+Why not depend on xds-protos: its wheel (3,700 files) also ships an old copy of the
+OpenTelemetry protos at the paths of `opentelemetry-proto` (ResourceSpans without
+scope_spans). Whichever of the two pip installs last wins, so `pip install
+ratelimit-sidecar[tracing]` could leave an OTLP exporter that cannot encode a span.
+The sidecar needs 21 of those files: the RateLimitService v3 and RLQS v3 protos and
+what they import. This script takes exactly that closure from one pinned xds-protos
+wheel and rewrites its imports (`from envoy.x import y_pb2` becomes
+`from sidecar.protos.envoy.x import y_pb2`), so the sidecar's wheel owns no top-level
+name another package installs. The serialized descriptors are copied byte for byte:
+the proto file names stay Envoy's (envoy/service/ratelimit/v3/rls.proto), which is
+what gRPC reflection and Envoy expect.
+
+    .venv/bin/python scripts/vendor_envoy_protos.py            # rewrite sidecar/protos/
+    .venv/bin/python scripts/vendor_envoy_protos.py --check    # exit 1 if it differs
+
+The wheel is read from the installed xds-protos when it is the pinned version (the dev
+extras pin it), else downloaded with pip. tests/deploy/test_vendored_protos.py runs --check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+XDS_PROTOS_VERSION = "1.85.0"
+XDS_PROTOS = f"xds-protos=={XDS_PROTOS_VERSION}"
+ROOTS = (
+    "envoy/service/ratelimit/v3/rls_pb2.py",
+    "envoy/service/ratelimit/v3/rls_pb2_grpc.py",
+    "envoy/service/rate_limit_quota/v3/rlqs_pb2.py",
+    "envoy/service/rate_limit_quota/v3/rlqs_pb2_grpc.py",
+    "envoy/extensions/common/ratelimit/v3/ratelimit_pb2.py",
+)
+VENDORED_TOP_LEVELS = ("envoy", "udpa", "validate", "xds")
+TARGET_PACKAGE = "sidecar.protos"
+TARGET = Path(__file__).resolve().parent.parent / "sidecar" / "protos"
+IMPORT = re.compile(rf"^from ((?:{'|'.join(VENDORED_TOP_LEVELS)})(?:\.[\w.]+)?) import (\w+)", re.MULTILINE)
+PACKAGE_DOC = f'''"""Generated Envoy API modules, copied from {XDS_PROTOS} by scripts/vendor_envoy_protos.py.
+
+Do not edit: rerun the script. Why the sidecar carries them instead of depending on
+xds-protos is in that script's docstring and in docs/deployment.md (Install).
+Use them as `from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2`.
+"""
+'''
+
+
+def download_wheel(into: Path) -> Path:
+    """The pinned xds-protos wheel, fetched with pip (no install, no dependencies)."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(into),
+            XDS_PROTOS,
+        ],
+        check=True,
+    )
+    return next(into.glob("xds_protos-*.whl"))
+
+
+def installed_reader() -> Callable[[str], str] | None:
+    """Reads files of the installed xds-protos, if it is the pinned version."""
+    try:
+        distribution = importlib.metadata.distribution("xds-protos")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if distribution.version != XDS_PROTOS_VERSION:
+        return None
+    return lambda path: Path(str(distribution.locate_file(path))).read_text()
+
+
+def closure(read: Callable[[str], str]) -> dict[str, str]:
+    """Path -> source of every module the roots import, transitively (within the vendored top levels)."""
+    sources: dict[str, str] = {}
+    pending = list(ROOTS)
+    while pending:
+        path = pending.pop()
+        if path in sources:
+            continue
+        sources[path] = read(path)
+        for package, module in IMPORT.findall(sources[path]):
+            pending.append(f"{package.replace('.', '/')}/{module}.py")
+    return sources
+
+
+def rewritten(source: str) -> str:
+    """The module with its Envoy-family imports pointed into sidecar.protos."""
+    return IMPORT.sub(lambda m: f"from {TARGET_PACKAGE}.{m.group(1)} import {m.group(2)}", source)
+
+
+def wanted_tree(sources: dict[str, str]) -> dict[Path, str]:
+    """Relative path -> content of everything sidecar/protos/ should hold, __init__.py files included."""
+    tree: dict[Path, str] = {Path("__init__.py"): PACKAGE_DOC}
+    for path, source in sources.items():
+        relative = Path(path)
+        tree[relative] = rewritten(source)
+        for parent in relative.parents:
+            if parent != Path("."):
+                tree.setdefault(parent / "__init__.py", "")
+    return tree
+
+
+def present_tree() -> dict[Path, str]:
+    """What sidecar/protos/ holds now (Python files only)."""
+    return {path.relative_to(TARGET): path.read_text() for path in TARGET.rglob("*.py")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if sidecar/protos/ differs")
+    args = parser.parse_args()
+    read = installed_reader()
+    if read is not None:
+        wanted = wanted_tree(closure(read))
+    else:
+        with tempfile.TemporaryDirectory() as scratch, zipfile.ZipFile(download_wheel(Path(scratch))) as wheel:
+            wanted = wanted_tree(closure(lambda path: wheel.read(path).decode()))
+    if args.check:
+        present = present_tree()
+        differing = sorted(str(p) for p in set(wanted) | set(present) if wanted.get(p) != present.get(p))
+        for path in differing:
+            print(f"differs from {XDS_PROTOS}: sidecar/protos/{path}", file=sys.stderr)
+        return 1 if differing else 0
+    for stale in set(present_tree()) - set(wanted):
+        (TARGET / stale).unlink()
+    for relative, content in wanted.items():
+        (TARGET / relative).parent.mkdir(parents=True, exist_ok=True)
+        (TARGET / relative).write_text(content)
+    print(f"sidecar/protos/: {sum(1 for p in wanted if p.name != '__init__.py')} modules from {XDS_PROTOS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
