@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.limiter.windows import Unit
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 
 def parse_descriptor(text: str) -> Any:

@@ -14,10 +14,12 @@ the LINE design are values of ``max_wait``:
 **Failing fast, not in vain.** A refusal carries ``duration_until_reset``: when the
 window with the next budget starts. If that is past the deadline (an hour window spent,
 ``max_wait`` 5 s), the call fails at once with :attr:`RateLimitExceeded.retry_after`
-instead of sleeping 5 s first. The last ask is also timed so that its answer is
-expected before the deadline, and a caller never waits longer than ``max_wait``, with
-one exception: the first ask is always made and answered (within ``rpc_timeout``, else
-:class:`SidecarError`), so ``FAIL_FAST`` costs one round trip, about a millisecond.
+instead of sleeping 5 s first. **A caller gets its answer within ``max_wait`` plus
+:data:`ANSWER_SLACK`**, however many start together: waiting for its turn counts
+against ``max_wait``, every ask carries a gRPC deadline of what is left of it (plus the
+slack, at most ``rpc_timeout``), later asks are timed so that their answer is expected
+before the deadline, and the first is waited for until its gRPC deadline (so
+``FAIL_FAST`` costs one round trip, about a millisecond, and gets the slack for it).
 
 **No stampede at a window boundary.** A refused waiter does not retry at the boundary
 (where every waiter of every replica would arrive together, and a provider would get
@@ -30,22 +32,19 @@ cut on this host's Unix clock, as the sidecar cuts windows (aligned to the epoch
 reported reset, whole seconds rounded up, bounds it, so clock skew between the two can
 only make a retry late or early by the skew (an early one is refused and retries).
 
-**Fresh asks are paced too.** Jittered retries alone do not spread a window's budget
-when callers that were just served come straight back: they are admitted while budget
-is left, so it goes early in the window. So every ask for one request through one
-client waits its turn (``pace=True``, the default): no sooner than
-``hits * T / (remaining + hits)`` after the previous one, where ``remaining`` and ``T``
-(the time left in the window, from ``duration_until_reset`` and the limit's unit) come
-from the sidecar's latest answer: the even rate at which what is left of the window's
-budget lasts until its end. A refusal, or an answer with nothing left, holds the next
-ask until the window ends (the retries' jitter then spreads over the new window). Pacing
-never makes a caller fail or wait in vain: a caller whose turn (one interval per caller
-queued ahead of it) comes after its deadline asks at once, out of turn
-(:attr:`ConsumerStats.out_of_turn`), as does one whose deadline comes before a spent
-window ends (its refusal then fails it fast), and ``FAIL_FAST`` never waits. Each
-client paces itself from the shared ``remaining``, which every replica spends, so ``K``
-busy clients ask ``K`` times the even rate and the budget goes at the pace ``remaining ~
-T^K`` instead of all at once: ``docs/consumer.md`` measures it.
+**Fresh asks are paced too** (``pace=True``, the default; the rules are
+:mod:`sidecar.consumer_pace`). Jittered retries alone do not spread a window's budget
+when callers that were just served come straight back, so every ask for one request
+through one client waits its turn: no sooner than ``hits * T / (remaining + hits)``
+after the previous one (``remaining`` and ``T``, the time left in the window, from the
+sidecar's latest answer). Callers queued and asks on their way claim what is left: one
+that finds it all claimed, the next window starting after its deadline, fails at once
+without asking, and one whose turn comes after its deadline asks at once, out of turn
+(:attr:`ConsumerStats.out_of_turn`). Before the first answer (or once the last is
+stale) one ask learns the pace and the others wait for its answer. ``FAIL_FAST`` never
+waits. Each client paces itself from the shared ``remaining``, which every replica
+spends, so ``K`` busy clients ask ``K`` times the even rate: ``docs/consumer.md``
+measures it.
 
 **Cancellation never consumes a hit.** A hit is spent only when the sidecar admits an
 ask. While a caller sleeps between asks nothing is in flight, so cancelling it (task
@@ -57,8 +56,10 @@ past its deadline or its cancellation), the ask finishes in the background, and 
 was admitted its slot is *orphaned*: kept for the next :meth:`acquire` of the same
 request on this client while its window lasts (handed over, :attr:`ConsumerStats.reused`),
 and counted as :attr:`ConsumerStats.wasted` if nobody takes it in time. Every admitted
-ask is counted in :attr:`ConsumerStats.granted`, so the sidecar's counters always equal
-``granted * hits``: the proof tests hold them to it.
+ask is counted in :attr:`ConsumerStats.granted`, so the sidecar's counters equal
+``granted * hits``: the proof tests hold them to it. The one exception is an ask cut by
+its gRPC deadline (:attr:`ConsumerStats.unanswered`: the sidecar took longer than
+``max_wait`` plus the slack), whose outcome nobody learns.
 
 A :class:`Consumer` is asyncio (``grpc.aio``); :class:`SyncConsumer` wraps one for
 threaded code. Both offer ``acquire``, a context manager (``slot``) and a decorator
@@ -81,11 +82,24 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import grpc
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from sidecar.client import ClientTLS, aio_channel, parse_descriptor
-from sidecar.limiter.windows import UNIT_SECONDS, Unit
+from sidecar.consumer_pace import (
+    RECHECK,
+    Ask,
+    AwaitAnswer,
+    Fail,
+    Hold,
+    Pace,
+    PaceTable,
+    Refused,
+    pace_interval,
+    read_answer,
+    refusal,
+    window_end,
+)
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.validate import request_problem
 
 P = ParamSpec("P")
@@ -101,6 +115,9 @@ RPC_TIMEOUT = 2.0
 """Longest one ask may take; the sidecar answers in milliseconds (its Redis waits are bounded)."""
 MIN_RPC_ALLOWANCE = 0.005
 """Time kept before a deadline for the last ask's answer, at least (else a measured average)."""
+ANSWER_SLACK = 0.1
+"""Seconds past ``max_wait`` a caller may get its answer at most: the gRPC deadline of every ask is
+what is left of ``max_wait`` plus this (the sidecar answers in milliseconds; this is for its worst)."""
 OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
 OK = rls_pb2.RateLimitResponse.OK
 CHANNEL_OPTIONS = (
@@ -175,6 +192,8 @@ class ConsumerStats:
     """Asks sent before their turn because the caller's deadline came first."""
     wasted: int = 0
     """Orphaned slots nobody took before their window ended."""
+    unanswered: int = 0
+    """Asks cut by their gRPC deadline: whether the sidecar admitted them is unknown."""
     rpc_seconds: float = 0.005
     """Moving average of an ask's round trip."""
 
@@ -237,79 +256,6 @@ def request_payload(domain: str, descriptors: Descriptor | Sequence[Descriptor],
         raise ValueError(problem)
     payload: bytes = request.SerializeToString()
     return payload
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """What a refusal says about when to ask again: seconds until the reported reset, and the window."""
-
-    reset: float
-    window: float
-
-
-def refusal(response: Any) -> Refused:
-    """The latest reset among the limits that refused (all must have room again), and their window."""
-    statuses = [status for status in response.statuses if status.code == OVER_LIMIT] or list(response.statuses)
-    reset = max((status.duration_until_reset.seconds for status in statuses), default=1)
-    windows = [UNIT_SECONDS[Unit(status.current_limit.unit)] for status in statuses if status.current_limit.unit]
-    return Refused(float(reset), float(max(windows, default=max(reset, 1))))
-
-
-def window_end(now: float, refused: Refused) -> float:
-    """When the refusing window ends, on this host's Unix clock.
-
-    The sidecar rounds the reset up to whole seconds, so the end lies in
-    ``(now + reset - 1, now + reset]``; windows are aligned to the epoch in whole units,
-    so when a multiple of the unit lies in that second it is the end (exact when clocks
-    agree), else (a window of several units) ``now + reset``.
-    """
-    latest = now + refused.reset
-    unit = refused.window
-    snapped = math.floor(latest / unit) * unit
-    return snapped if snapped > latest - 1 else latest
-
-
-@dataclass
-class _Pace:
-    """The pace of one request's asks: when the next may go, and what the sidecar's last answer implies."""
-
-    not_before: float = -math.inf
-    interval: float = 0.0
-    """Spacing of asks after the last answer (see :func:`pace_interval`)."""
-    spent_until: float = -math.inf
-    """When the last answer said the budget is spent or refused: the window's end, else -inf."""
-    waiting: int = 0
-    """Callers waiting for their turn."""
-    answered: bool = False
-    """Whether an answer has set :attr:`interval` yet (before that, asks go one round trip apart)."""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-RECHECK = 0.05
-"""Seconds a caller waiting its turn sleeps at most before looking again (answers move the turn)."""
-MAX_PACES = 1024
-"""Requests whose pace a client keeps; idle ones are dropped beyond it."""
-
-
-def pace_interval(response: Any, hits: int, wall: float) -> tuple[float, bool]:
-    """Seconds until the next ask should go, from an answer, and whether that is because the budget is spent.
-
-    ``hits * T / (remaining + hits)`` for the tightest limit (``T``: the time left in its window):
-    what is left of the budget, spent at an even rate until the window ends. A limit that refused
-    or has nothing left holds the next ask until its window ends.
-    """
-    interval, spent = 0.0, False
-    for status in response.statuses:
-        if not status.HasField("current_limit") or not status.current_limit.unit:
-            continue
-        window = float(UNIT_SECONDS[Unit(status.current_limit.unit)])
-        reset = float(max(1, status.duration_until_reset.seconds))
-        left = max(0.0, window_end(wall, Refused(reset, window)) - wall)
-        if status.code == OVER_LIMIT or status.limit_remaining == 0:
-            interval, spent = max(interval, left), True
-        else:
-            interval = max(interval, left * hits / (status.limit_remaining + hits))
-    return interval, spent
 
 
 def admitted_remaining(response: Any) -> int | None:

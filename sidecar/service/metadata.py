@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.struct_pb2 import Struct
 
 from sidecar.limiter.protocol import Decision
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.reported import Applied
 from sidecar.service.wire import length_delimited
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.message import DecodeError
 
 from sidecar.config.match import (
@@ -32,6 +31,7 @@ from sidecar.limiter.budget import caller_budget
 from sidecar.limiter.protocol import Check, Decision, Limiter
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import ServiceStats
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from sidecar.service.headers import HeaderNames, ResponseHeaders
 from sidecar.service.metadata import dynamic_metadata_field, response_metadata
 from sidecar.service.reported import Applied, reported_index

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from envoy.service.ratelimit.v3 import rls_pb2
-
 from sidecar.config.model import RateLimitRule
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
