@@ -17,9 +17,9 @@ from typing import Any
 
 import grpc
 import structlog
-from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from google.protobuf.message import DecodeError
 
+from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from sidecar.quota.assignments import Action, Kind
 from sidecar.quota.registry import QuotaRegistry, Stream
 

@@ -33,9 +33,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
-from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import json_format
 
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService, Refusal
 
 log = structlog.get_logger(__name__)
