@@ -43,6 +43,7 @@ AREAS = {
     "hardening-limiter": "loadtest.reliability_harness.hardening_limiter",
     "json-input": "loadtest.reliability_harness.json_input",
     "deadline-budget": "loadtest.reliability_harness.deadline_budget",
+    "loop-stalls": "loadtest.reliability_harness.loop_stalls",
 }
 """Report order: what each ``--areas`` name runs (a module with ``run(Context) -> list[Row]``)."""
 

@@ -1,0 +1,353 @@
+"""Loop stalls: what each hostile input costs the one event loop that answers every call (issue 25).
+
+One event loop answers every ``ShouldRateLimit`` of the pod; past Envoy's 20-25 ms
+timeout, Envoy fails open. Each row runs one input against a fresh sidecar process while
+a probe calls ``ShouldRateLimit`` 200 times a second over gRPC on loopback
+(:mod:`stall_measure`), and prints the probe's p50/p99/max and the loop-lag detector's
+worst stall during the input next to a quiet run of the same probe right before, plus
+RSS before, at peak and after. Rows:
+
+1. **big report**: 100,000 bucket ids of 13 bytes on one ``StreamRateLimitQuotas``
+   stream, back to back (1.3 MB: two messages under the 1 MiB cap);
+2. **reconnect**: an Envoy-like stream reporting 20,000 valid buckets at once (the
+   per-stream cap);
+3. **outage**: ``--backend redis`` (quota shares on), 20,000 shared buckets live on a
+   stream, then redis-server SIGSTOPped for 4 s, SIGCONTed, and 2 s of recovery;
+4. **JSON body**: ``POST /json`` with 21,000 empty descriptors (63 KB), in a loop for 10 s;
+5. **/config reader**: ``GET /config`` in a loop for 10 s with 20,000 quota buckets of
+   ~1 KiB ids live;
+6. **reload**: 20,000 live buckets, then one rule changed in the file and SIGHUP.
+
+The goals (printed as each row's verdict, not asserted): the probe's p99 within 2x of
+the quiet run, no stall over 20 ms, RSS back within 10 %, every probe call answered and
+the sidecar serving after. ``--quick`` (the test) uses smaller numbers.
+
+    python -m loadtest.reliability --areas loop-stalls
+    python -m loadtest.reliability_harness.loop_stalls [--full]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import signal
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.reliability_harness.json_input import post
+from loadtest.reliability_harness.quota_streams import QuotaStream, bucket_reports, tiny_ids_reports
+from loadtest.reliability_harness.stall_measure import Figures, Hostile, Timing, measure, verdict
+from loadtest.reliability_harness.support import (
+    Context,
+    ProcessGroup,
+    RedisProcess,
+    Row,
+    SidecarProcess,
+    encode_request,
+    failed_row,
+    free_port,
+    main,
+    process_group,
+    redis_available,
+    scrape,
+    skipped_row,
+    start_sidecar,
+    wait_for,
+)
+
+AREA = "loop stalls"
+DOMAIN = "q"
+CONFIG = """\
+domain: q
+descriptors:
+  - key: user
+    rate_limit: {{unit: minute, requests_per_unit: {user_limit}}}
+  - key: probe
+    rate_limit: {{unit: second, requests_per_unit: 1000000}}
+"""
+PROBE_REQUEST = encode_request(DOMAIN, [[("probe", "steady")]])
+QUOTA_TTL = 300
+"""``--quota-ttl``: the assignments' refresh (every TTL/3) never falls inside a row."""
+JSON_DESCRIPTORS = 21_000
+ANSWER_LIMIT = 60.0
+"""Seconds a one-shot input may take to be answered before the row gives up waiting."""
+ANSWER_QUIET = 0.5
+"""Seconds without a reply after which a stream's answer counts as complete."""
+LIVE_WAIT = 120.0
+"""Seconds the setup may take to get its buckets live."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    timing: Timing
+    loop: float
+    """Seconds a looping input (``POST /json``, ``GET /config``) runs."""
+    tail: float
+    """Seconds still measured after a one-shot input is answered."""
+    tiny_ids: int
+    buckets: int
+    """Live buckets of the reconnect, outage and reload rows."""
+    config_buckets: int
+    """Live buckets of ~1 KiB ids behind ``/config``."""
+    outage: float
+    recovery: float
+
+
+FULL = Sizes(Timing(quiet=5.0, settle=10.0), 10.0, 1.0, 100_000, 20_000, 20_000, 4.0, 2.0)
+QUICK = Sizes(Timing(quiet=2.0, settle=3.0), 2.0, 0.5, 20_000, 2_000, 300, 1.5, 1.0)
+
+
+def write_config(directory: Path, user_limit: int = 100) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "q.yaml").write_text(CONFIG.format(user_limit=user_limit))
+    return directory
+
+
+def sidecar_args(config: Path, *extra: str) -> list[str]:
+    return ["--config", str(config), "--quota-ttl", str(QUOTA_TTL), "--watch-config", "false", *extra]
+
+
+def live_buckets(sidecar: SidecarProcess) -> int:
+    return int(scrape(sidecar.metrics_url, timeout=60).get("ratelimit_sidecar_quota_buckets", 0))
+
+
+def make_live(sidecar: SidecarProcess, reports: list[bytes], count: int) -> tuple[QuotaStream, int]:
+    """A stream holding ``count`` buckets: reports sent, waited for until live and answered."""
+    stream = QuotaStream(sidecar.address)
+    started = time.perf_counter()
+    for report in reports:
+        stream.send(report)
+    wait_for(lambda: live_buckets(sidecar) >= count or bool(stream.ended()), LIVE_WAIT, step=0.5)
+    stream.wait_quiet(started, ANSWER_QUIET, LIVE_WAIT)
+    return stream, live_buckets(sidecar)
+
+
+def answered(stream: QuotaStream, since: float, tail: float) -> Figures:
+    """Wait (bounded) for the stream's answer to what was sent at ``since``, then ``tail`` more."""
+    done = stream.wait_quiet(since, ANSWER_QUIET, ANSWER_LIMIT)
+    time.sleep(tail)
+    return {"answer_seconds": round(done - since, 2)}
+
+
+# ---------------------------------------------------------------------------------
+# Rows: each builds its input before the quiet run; the Hostile runs it
+# ---------------------------------------------------------------------------------
+
+Setup = Callable[[ProcessGroup, Context, Sizes, list[QuotaStream]], tuple[SidecarProcess, Hostile, Callable[[], str]]]
+"""Starts what a row needs; returns its sidecar, its input and what to say about the input afterwards."""
+
+
+def big_report(
+    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
+) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+    config = write_config(context.directory / "stalls-big")
+    sidecar = start_sidecar(group, context, "stalls-big", sidecar_args(config))
+    reports = tiny_ids_reports(DOMAIN, sizes.tiny_ids)
+
+    def hostile() -> Figures:
+        stream = QuotaStream(sidecar.address)
+        streams.append(stream)
+        since = time.perf_counter()
+        for report in reports:
+            stream.send(report)
+        return answered(stream, since, sizes.tail)
+
+    def about() -> str:
+        stream = streams[-1]
+        return (
+            f"{sizes.tiny_ids:,} ids in {len(reports)} messages ({sum(map(len, reports)):,} bytes); "
+            f"{stream.actions():,} actions back, stream {stream.ended() or 'open'}"
+        )
+
+    return sidecar, hostile, about
+
+
+def reconnect(
+    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
+) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+    config = write_config(context.directory / "stalls-reconnect")
+    sidecar = start_sidecar(group, context, "stalls-reconnect", sidecar_args(config))
+    reports = bucket_reports(DOMAIN, "user", sizes.buckets)
+
+    def hostile() -> Figures:
+        stream = QuotaStream(sidecar.address)
+        streams.append(stream)
+        since = time.perf_counter()
+        for report in reports:
+            stream.send(report)
+        return answered(stream, since, sizes.tail)
+
+    def about() -> str:
+        stream = streams[-1]
+        return (
+            f"{sizes.buckets:,} buckets reported at once; {stream.actions():,} actions back, "
+            f"{live_buckets(sidecar):,} live, stream {stream.ended() or 'open'}"
+        )
+
+    return sidecar, hostile, about
+
+
+def outage(
+    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
+) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+    config = write_config(context.directory / "stalls-outage")
+    (context.directory / "stalls-redis").mkdir(parents=True, exist_ok=True)
+    redis = group.start_ready(lambda: RedisProcess(context.directory / "stalls-redis"))
+    args = sidecar_args(config, "--backend", "redis", "--redis-url", redis.url, "--redis-prefix", "stalls")
+    sidecar = start_sidecar(group, context, "stalls-outage", args)
+    stream, live = make_live(sidecar, bucket_reports(DOMAIN, "user", sizes.buckets), sizes.buckets)
+    streams.append(stream)
+    before = stream.reply_count()
+
+    def hostile() -> Figures:
+        redis.signal(signal.SIGSTOP)
+        try:
+            time.sleep(sizes.outage)
+        finally:
+            redis.signal(signal.SIGCONT)
+        time.sleep(sizes.recovery)
+        return {"live_buckets": live}
+
+    def about() -> str:
+        return (
+            f"{live:,} shared buckets live; redis-server stopped {sizes.outage:g} s, then {sizes.recovery:g} s "
+            f"of recovery; {stream.reply_count() - before} replies meanwhile, stream {stream.ended() or 'open'}"
+        )
+
+    return sidecar, hostile, about
+
+
+def json_body(
+    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
+) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+    config = write_config(context.directory / "stalls-json")
+    port = free_port()
+    sidecar = start_sidecar(group, context, "stalls-json", sidecar_args(config, "--json-address", f"127.0.0.1:{port}"))
+    body = json.dumps({"domain": DOMAIN, "descriptors": [{}] * JSON_DESCRIPTORS}, separators=(",", ":")).encode()
+    statuses: Counter[str] = Counter()
+
+    def hostile() -> Figures:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        deadline = time.monotonic() + sizes.loop
+        try:
+            while time.monotonic() < deadline:
+                status, _ = post(connection, body)
+                statuses[str(status)] += 1
+        finally:
+            connection.close()
+        return {"posts": sum(statuses.values())}
+
+    def about() -> str:
+        answers = ", ".join(f"{count:,} x {status}" for status, count in statuses.most_common())
+        return f"{len(body):,}-byte body of {JSON_DESCRIPTORS:,} empty descriptors, looped {sizes.loop:g} s: {answers}"
+
+    return sidecar, hostile, about
+
+
+def config_reader(
+    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
+) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+    config = write_config(context.directory / "stalls-config")
+    sidecar = start_sidecar(group, context, "stalls-config", sidecar_args(config))
+    reports = bucket_reports(DOMAIN, "user", sizes.config_buckets, value_bytes=1000)
+    stream, live = make_live(sidecar, reports, sizes.config_buckets)
+    streams.append(stream)
+    reads: list[tuple[float, int]] = []
+    failures: Counter[str] = Counter()
+
+    def hostile() -> Figures:
+        deadline = time.monotonic() + sizes.loop
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            try:
+                with urllib.request.urlopen(sidecar.metrics_url + "/config", timeout=60) as reply:
+                    reads.append((time.monotonic() - started, len(reply.read())))
+            except OSError as error:
+                failures[type(error).__name__] += 1
+        return {"config_reads": len(reads), "live_buckets": live}
+
+    def about() -> str:
+        size = max((length for _, length in reads), default=0)
+        mean = sum(seconds for seconds, _ in reads) / len(reads) if reads else 0.0
+        failed = f", {sum(failures.values())} failed ({', '.join(failures)})" if failures else ""
+        return (
+            f"{live:,} buckets of ~1 KiB ids live; GET /config looped {sizes.loop:g} s: {len(reads)} reads of "
+            f"{size / 1e6:.1f} MB, {mean * 1000:.0f} ms each{failed}"
+        )
+
+    return sidecar, hostile, about
+
+
+def reload(
+    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
+) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+    config = write_config(context.directory / "stalls-reload")
+    sidecar = start_sidecar(group, context, "stalls-reload", sidecar_args(config))
+    stream, live = make_live(sidecar, bucket_reports(DOMAIN, "user", sizes.buckets), sizes.buckets)
+    streams.append(stream)
+    seen: dict[str, float] = {}
+
+    def reloads() -> int:
+        return sidecar.log_text().count("config_reloaded")
+
+    def hostile() -> Figures:
+        before, replies = reloads(), stream.reply_count()
+        write_config(config, user_limit=101)
+        since = time.perf_counter()
+        sidecar.signal(signal.SIGHUP)
+        wait_for(lambda: reloads() > before, ANSWER_LIMIT, step=0.02)
+        seen["reloaded_seconds"] = round(time.perf_counter() - since, 2)
+        figures = answered(stream, since, sizes.tail)
+        seen["pushed"] = stream.reply_count() - replies
+        return {**figures, "reloaded_seconds": seen["reloaded_seconds"], "live_buckets": live}
+
+    def about() -> str:
+        return (
+            f"{live:,} buckets live, one limit changed, SIGHUP: reloaded after {seen.get('reloaded_seconds', 0):g} s, "
+            f"{seen.get('pushed', 0):.0f} reassignment messages pushed, stream {stream.ended() or 'open'}"
+        )
+
+    return sidecar, hostile, about
+
+
+ROWS: dict[str, Setup] = {
+    "big report: 100,000 tiny bucket ids on one RLQS stream": big_report,
+    "reconnect: 20,000 buckets reported at once on a new stream": reconnect,
+    "outage: redis-server stopped with 20,000 shared buckets live": outage,
+    "JSON body: POST /json of 21,000 empty descriptors, looped": json_body,
+    "/config reader: GET /config looped with 20,000 buckets of ~1 KiB ids": config_reader,
+    "reload: one rule changed (SIGHUP) with 20,000 buckets live": reload,
+}
+"""Scenario name -> setup, in report order (the quick run uses smaller numbers than the names say)."""
+NEEDS_REDIS = {outage}
+
+
+def run_row(context: Context, sizes: Sizes, scenario: str, setup: Setup) -> Row:
+    if setup in NEEDS_REDIS and not redis_available():
+        return skipped_row(AREA, scenario, "redis-server is not installed")
+    streams: list[QuotaStream] = []
+    with process_group() as group:
+        try:
+            sidecar, hostile, about = setup(group, context, sizes, streams)
+            figures = measure(sidecar, PROBE_REQUEST, hostile, sizes.timing)
+            return verdict(AREA, scenario, figures, about())
+        except Exception as error:  # the report shows every row, even a broken one
+            return failed_row(AREA, scenario, error, group.children)
+        finally:
+            for stream in streams:
+                with contextlib.suppress(Exception):
+                    stream.close()
+
+
+def run(context: Context) -> list[Row]:
+    sizes = QUICK if context.quick else FULL
+    return [run_row(context, sizes, scenario, setup) for scenario, setup in ROWS.items()]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(run))
