@@ -78,6 +78,10 @@ ANSWER_LIMIT = 60.0
 """Seconds a one-shot input may take to be answered before the row gives up waiting."""
 ANSWER_QUIET = 0.5
 """Seconds without a reply after which a stream's answer counts as complete."""
+CONFIG_REPORT_BYTES = 256 * 1024
+"""Reports of ~1 KiB ids for ``/config`` are cut this small: the sidecar's reply to one
+report then fits one message whatever it does (up to 1,000 actions of 1 KiB ids per
+reply message is over the 1 MiB cap)."""
 LIVE_WAIT = 120.0
 """Seconds the setup may take to get its buckets live."""
 
@@ -117,13 +121,14 @@ def live_buckets(sidecar: SidecarProcess) -> int:
 
 
 def make_live(sidecar: SidecarProcess, reports: list[bytes], count: int) -> tuple[QuotaStream, int]:
-    """A stream holding ``count`` buckets: reports sent, waited for until live and answered."""
+    """A stream holding ``count`` buckets: each report sent once the previous one is answered
+    (so no reply has to carry more than one report's actions), then waited for until live."""
     stream = QuotaStream(sidecar.address)
-    started = time.perf_counter()
     for report in reports:
+        since = time.perf_counter()
         stream.send(report)
+        stream.wait_quiet(since, ANSWER_QUIET / 2, LIVE_WAIT / len(reports))
     wait_for(lambda: live_buckets(sidecar) >= count or bool(stream.ended()), LIVE_WAIT, step=0.5)
-    stream.wait_quiet(started, ANSWER_QUIET, LIVE_WAIT)
     return stream, live_buckets(sidecar)
 
 
@@ -254,7 +259,7 @@ def config_reader(
 ) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
     config = write_config(context.directory / "stalls-config")
     sidecar = start_sidecar(group, context, "stalls-config", sidecar_args(config))
-    reports = bucket_reports(DOMAIN, "user", sizes.config_buckets, value_bytes=1000)
+    reports = bucket_reports(DOMAIN, "user", sizes.config_buckets, value_bytes=1000, budget=CONFIG_REPORT_BYTES)
     stream, live = make_live(sidecar, reports, sizes.config_buckets)
     streams.append(stream)
     reads: list[tuple[float, int]] = []

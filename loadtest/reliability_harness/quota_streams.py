@@ -70,9 +70,12 @@ def bucket_id(domain: str, key: str, value: str) -> dict[str, str]:
     return {"domain": domain, f"entry.0.{key}": value}
 
 
-def bucket_reports(domain: str, key: str, count: int, value_bytes: int = 0, prefix: str = "u") -> list[bytes]:
+def bucket_reports(
+    domain: str, key: str, count: int, *, value_bytes: int = 0, prefix: str = "u", budget: int = REPORT_BUDGET
+) -> list[bytes]:
     """Reports of ``count`` valid bucket ids ``(key, <prefix><n>[padding])``, one request
-    allowed each; ``value_bytes`` pads each value to about that length (ids of ~1 KiB)."""
+    allowed each, of at most ``budget`` bytes; ``value_bytes`` pads each value to about
+    that length (ids of ~1 KiB)."""
     usages = (
         Usage(
             bucket_id=rlqs_pb2.BucketId(bucket=bucket_id(domain, key, f"{prefix}{number:06d}".ljust(value_bytes, "x"))),
@@ -80,17 +83,17 @@ def bucket_reports(domain: str, key: str, count: int, value_bytes: int = 0, pref
         )
         for number in range(count)
     )
-    return cut_into_reports(domain, usages)
+    return cut_into_reports(domain, usages, budget)
 
 
-def cut_into_reports(domain: str, usages: Iterable[Any]) -> list[bytes]:
-    """Serialized reports holding ``usages`` in order, each at most :data:`REPORT_BUDGET` bytes."""
+def cut_into_reports(domain: str, usages: Iterable[Any], budget: int = REPORT_BUDGET) -> list[bytes]:
+    """Serialized reports holding ``usages`` in order, each at most ``budget`` bytes."""
     messages: list[bytes] = []
     batch: list[Any] = []
     size = 0
     for usage in usages:
         usage_bytes = usage.ByteSize() + 4  # the field's tag and length
-        if batch and size + usage_bytes > REPORT_BUDGET:
+        if batch and size + usage_bytes > budget:
             messages.append(bytes(Reports(domain=domain, bucket_quota_usages=batch).SerializeToString()))
             batch, size = [], 0
         batch.append(usage)
