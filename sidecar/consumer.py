@@ -93,7 +93,7 @@ from sidecar.consumer_pace import (
     Pace,
     PaceTable,
     Refused,
-    pace_interval,
+    plan_turn,
     read_answer,
     refusal,
     window_end,
@@ -301,7 +301,7 @@ class Consumer:
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
         self._orphans = _Orphans()
-        self._paces: dict[bytes, _Pace] = {}
+        self._paces = PaceTable()
         self._background: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> Consumer:
@@ -326,11 +326,14 @@ class Consumer:
             )
         return self._call
 
-    async def _ask(self, payload: bytes) -> Any:
+    async def _ask(self, payload: bytes, timeout: float) -> Any:
+        """One RPC with a gRPC deadline of ``timeout`` seconds."""
         started = self.monotonic()
         try:
-            response = await self._method()(payload, timeout=self.rpc_timeout)
+            response = await self._method()(payload, timeout=timeout)
         except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.stats.unanswered += 1
             raise SidecarError(error.code(), error.details() or "") from None
         self.stats.asks += 1
         self.stats.rpc_seconds += (self.monotonic() - started - self.stats.rpc_seconds) / 8
@@ -352,14 +355,16 @@ class Consumer:
 
         Raises :class:`RateLimitExceeded` (at once when the next budget comes after the
         deadline), :class:`SidecarError` when the sidecar does not decide, ``ValueError``
-        for a request outside the sidecar's bounds. Cancelling the call spends no hit
-        unless an ask was already on its way (see the module docstring).
+        for a request outside the sidecar's bounds. The answer comes within ``max_wait``
+        plus :data:`ANSWER_SLACK`. Cancelling the call spends no hit unless an ask was
+        already on its way (see the module docstring).
         """
         if max_wait < 0 or math.isnan(max_wait):
             raise ValueError("max_wait: 0 (fail fast), a number of seconds, or WAIT")
         payload = request_payload(domain, descriptors, hits)
         started = self.monotonic()
         deadline = started + max_wait
+        pace = self._paces.get(payload)
         attempts = 0
         try:
             while True:
@@ -367,12 +372,13 @@ class Consumer:
                     self.stats.reused += 1
                     self.stats.acquired += 1
                     return Permit(self.monotonic() - started, attempts, None, handed_over=True)
+                # Waiting for the turn, nothing is in flight: cancelling it spends nothing.
+                turn = await self._wait_turn(pace, deadline, hits) if self.pace and max_wait > 0 else Ask()
+                if not isinstance(turn, Ask):
+                    raise self._no_slot(domain, max_wait, turn, self.monotonic() - started, attempts)
                 attempts += 1
-                if self.pace and max_wait > 0:
-                    await self._wait_turn(payload, deadline)  # nothing in flight: cancelling here spends nothing
-                # The first ask is always answered (bounded by rpc_timeout); later ones by the deadline.
                 response = await self._ask_before(
-                    payload, hits, deadline if attempts > 1 else math.inf, started, attempts
+                    pace, payload, hits, deadline, probe=turn.probe, started=started, attempts=attempts
                 )
                 now = self.monotonic()
                 waited = now - started
@@ -381,108 +387,143 @@ class Consumer:
                     return Permit(waited, attempts, admitted_remaining(response))
                 delay = self._retry_delay(refusal(response), deadline - now)
                 if delay is None:
-                    self.stats.failed_fast += 1
                     retry_after = window_end(self.wall(), refusal(response)) - self.wall()
-                    raise RateLimitExceeded(
-                        f"{domain}: no budget within max_wait={max_wait:g}s (next in {retry_after:.2f}s)",
-                        retry_after=max(0.0, retry_after),
-                        waited=waited,
-                        attempts=attempts,
-                    )
+                    raise self._no_slot(domain, max_wait, Fail(max(0.0, retry_after)), waited, attempts)
                 await asyncio.sleep(delay)  # nothing in flight: cancelling here spends nothing
         except asyncio.CancelledError:
             self.stats.cancelled += 1
             raise
 
+    def _no_slot(
+        self, domain: str, max_wait: float, verdict: Fail | AwaitAnswer, waited: float, attempts: int
+    ) -> Exception:
+        """The :class:`RateLimitExceeded` of a call that gets no slot in time: ``Fail`` says when budget comes
+        back; ``AwaitAnswer`` is a deadline that struck while the answer setting the pace was on its way."""
+        if isinstance(verdict, AwaitAnswer):
+            self.stats.timed_out += 1
+            return RateLimitExceeded(
+                "max_wait reached while asking the sidecar", retry_after=None, waited=waited, attempts=attempts
+            )
+        self.stats.failed_fast += 1
+        return RateLimitExceeded(
+            f"{domain}: no budget within max_wait={max_wait:g}s (next in {verdict.retry_after:.2f}s)",
+            retry_after=verdict.retry_after,
+            waited=waited,
+            attempts=attempts,
+        )
+
     def _retry_delay(self, refused: Refused, time_left: float) -> float | None:
         """Seconds to sleep before the next ask, or None when it could not be answered in time."""
         now = self.wall()
         boundary = window_end(now, refused) - now
-        allowance = max(MIN_RPC_ALLOWANCE, 2 * self.stats.rpc_seconds)
-        room = time_left - allowance - boundary
+        room = time_left - self._allowance() - boundary
         if room < 0:
             return None
         if not self.spread:
             return boundary
         return boundary + self.rng.uniform(0.0, min(refused.window, room))
 
-    async def _wait_turn(self, payload: bytes, deadline: float) -> None:
-        """Wait until this request's pace lets the next ask go; never past ``deadline``, never in vain.
+    def _allowance(self) -> float:
+        """Time kept before a deadline for an ask's answer."""
+        return max(MIN_RPC_ALLOWANCE, 2 * self.stats.rpc_seconds)
 
-        A caller whose turn (the next slot, plus one interval per caller waiting ahead of it
-        when the budget is not spent) comes after its deadline asks at once, out of turn:
-        waiting would not keep the pace, only delay it. Likewise one whose deadline comes
-        before the end of a spent window, so that the sidecar's refusal makes it fail fast.
-        Should the estimate be wrong, a caller still waiting at its deadline (less the
-        expected round trip) asks then.
+    async def _wait_turn(self, pace: Pace, deadline: float, hits: int) -> Ask | Fail | AwaitAnswer:
+        """Wait until this request's pace lets the next ask go (:class:`Ask`), or say why no slot comes in time.
+
+        The rule is :func:`sidecar.consumer_pace.plan_turn`, asked again whenever the state
+        may have moved (an answer came, a hold ended, the queue gave up at the deadline).
+        The caller's claim (an ask on its way) is counted when it asks, in the same loop
+        turn as the plan, so the next caller to plan sees it.
         """
-        pace = self._pace(payload)
-        now = self.monotonic()
-        latest = deadline - max(MIN_RPC_ALLOWANCE, 2 * self.stats.rpc_seconds)
-        # Spent: the next window's spacing is unknown until its first answer; count none for those ahead.
-        spacing = 0.0 if pace.spent_until > now else pace.interval
-        turn = max(now, pace.not_before) + spacing * pace.waiting
-        if turn > latest or pace.spent_until > latest:
-            self.stats.out_of_turn += int(turn > now)
-            return
-        timeout = None if math.isinf(latest) else max(0.0, latest - now)
+        latest = deadline - self._allowance()
+        while True:
+            now = self.monotonic()
+            turn = plan_turn(pace, now, latest, hits)
+            if isinstance(turn, Ask):
+                self.stats.out_of_turn += int(turn.out_of_turn)
+                return turn
+            if isinstance(turn, Fail):
+                return turn
+            if isinstance(turn, AwaitAnswer):
+                try:
+                    await asyncio.wait_for(pace.answered.wait(), None if math.isinf(latest) else latest - now)
+                except TimeoutError:
+                    return turn
+            elif isinstance(turn, Hold):
+                await asyncio.sleep(max(0.0, turn.until - now))
+            elif await self._queue(pace, latest):
+                return Ask()
+
+    async def _queue(self, pace: Pace, latest: float) -> bool:
+        """Wait in the queue until this caller's turn: True to ask now, False to plan again.
+
+        False when ``latest`` comes first, or when an answer meanwhile says the budget is
+        spent until after it (the plan then fails the call at once).
+        """
         pace.waiting += 1
         try:
-            async with asyncio.timeout(timeout), pace.lock:
+            async with asyncio.timeout(None if math.isinf(latest) else latest - self.monotonic()), pace.lock:
                 held = False
-                while (wait := pace.not_before - self.monotonic()) > 0:
-                    if pace.spent_until > latest:
-                        self.stats.out_of_turn += 1
-                        return  # no budget before the deadline: the sidecar's refusal fails it now
+                while (wait := pace.not_before - (now := self.monotonic())) > 0:
+                    if pace.spent_past(latest, now):
+                        return False
                     held = True
                     await asyncio.sleep(min(wait, RECHECK))  # an answer meanwhile may move not_before
                 self.stats.paced += int(held)
-                # Until this ask's answer says better. Before any answer, or past a spent window
-                # (its interval was the wait for the window's end), that is one round trip.
-                now = self.monotonic()
-                known = pace.answered and pace.spent_until == -math.inf
-                pace.not_before = now + (pace.interval if known else self.stats.rpc_seconds)
+                # Until this ask's answer says better; with no fresh answer, one round trip.
+                pace.not_before = now + (pace.interval if pace.fresh(now) else self.stats.rpc_seconds)
+                return True
         except TimeoutError:
-            self.stats.out_of_turn += 1  # its deadline came before its turn: it asks now
-            pace.not_before = self.monotonic() + pace.interval
+            return False
         finally:
             pace.waiting -= 1
 
-    def _pace(self, payload: bytes) -> _Pace:
-        pace = self._paces.get(payload)
-        if pace is None:
-            if len(self._paces) >= MAX_PACES:
-                now = self.monotonic()
-                idle = [key for key, old in self._paces.items() if old.not_before < now and not old.lock.locked()]
-                for key in idle:
-                    del self._paces[key]
-            pace = self._paces[payload] = _Pace()
-        return pace
-
-    async def _ask_paced(self, payload: bytes, hits: int) -> Any:
-        """One ask; its answer sets the pace of the next (see :func:`pace_interval`)."""
-        response = await self._ask(payload)
-        pace = self._paces.get(payload)
-        if pace is not None:
-            now = self.monotonic()
-            pace.interval, spent = pace_interval(response, hits, self.wall())
-            pace.answered = True
-            pace.not_before = now + pace.interval
-            pace.spent_until = now + pace.interval if spent else -math.inf
-        return response
-
-    async def _ask_before(self, payload: bytes, hits: int, deadline: float, started: float, attempts: int) -> Any:
-        """One ask, answered or abandoned by ``deadline``; never cut half way (see the module docstring)."""
-        task = asyncio.ensure_future(self._ask_paced(payload, hits))
-        timeout = None if math.isinf(deadline) else max(0.0, deadline - self.monotonic())
+    async def _ask_paced(self, pace: Pace, payload: bytes, hits: int, timeout: float, *, probe: bool) -> Any:
+        """One ask, a claim on the pace until it ends; its answer sets the pace of the next."""
         try:
-            done, _ = await asyncio.wait({task}, timeout=timeout)
+            response = await self._ask(payload, timeout)
+            pace.learn(read_answer(response, hits, self.wall()), self.monotonic())
+            return response
+        finally:
+            pace.in_flight -= 1
+            if probe:
+                pace.probing = False
+            pace.ask_ended()
+
+    async def _ask_before(
+        self, pace: Pace, payload: bytes, hits: int, deadline: float, *, probe: bool, started: float, attempts: int
+    ) -> Any:
+        """One ask with a gRPC deadline of what is left of ``max_wait`` plus :data:`ANSWER_SLACK`.
+
+        The first ask is waited for until that deadline; a later one is left at the caller's
+        deadline (it was timed to be answered before it) and finishes in the background, never
+        cut half way but by its gRPC deadline (see the module docstring).
+        """
+        now = self.monotonic()
+        timeout = min(self.rpc_timeout, max(0.0, deadline + ANSWER_SLACK - now))
+        pace.in_flight += 1  # claimed now, in the loop turn of the plan, so the next plan counts it
+        pace.probing = pace.probing or probe
+        task = asyncio.ensure_future(self._ask_paced(pace, payload, hits, timeout, probe=probe))
+        leave_in = None if attempts == 1 or math.isinf(deadline) else max(0.0, deadline - now)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=leave_in)
         except asyncio.CancelledError:
             self._abandon(task, payload)
             raise
         if not done:
             self._abandon(task, payload)
             self.stats.timed_out += 1
+            raise RateLimitExceeded(
+                "max_wait reached while asking the sidecar", retry_after=None, waited=self.monotonic() - started,
+                attempts=attempts,
+            )  # fmt: skip
+        error = task.exception()
+        if (
+            isinstance(error, SidecarError)
+            and error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            and timeout < self.rpc_timeout
+        ):
+            self.stats.timed_out += 1  # cut by max_wait, not by a sidecar slower than rpc_timeout
             raise RateLimitExceeded(
                 "max_wait reached while asking the sidecar", retry_after=None, waited=self.monotonic() - started,
                 attempts=attempts,

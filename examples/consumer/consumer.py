@@ -85,6 +85,9 @@ async def replica(
         "granted": stats.granted - warm_up,
         "orphaned": stats.orphaned,
         "paced": stats.paced,
+        "out_of_turn": stats.out_of_turn,
+        "timed_out": stats.timed_out,
+        "unanswered": stats.unanswered,
     }
 
 
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         "granted": sum(r["granted"] for r in results),
         "orphaned": sum(r["orphaned"] for r in results),
         "paced": sum(r["paced"] for r in results),
+        "out_of_turn": sum(r["out_of_turn"] for r in results),
+        "timed_out": sum(r["timed_out"] for r in results),
+        "unanswered": sum(r["unanswered"] for r in results),
     }
     print(json.dumps(total), flush=True)
     return 0

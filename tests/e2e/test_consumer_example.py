@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.consumer import ANSWER_SLACK
+
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 RUN = Path(__file__).resolve().parents[2] / "examples" / "consumer" / "run.py"
@@ -34,6 +36,8 @@ def test_the_provider_never_sees_more_than_the_shared_budget() -> None:
     windows = result["redis_per_window"][1:-1]
     assert len(windows) >= 3 and all(limit <= hits <= limit + bound for hits in windows), windows
     consumer = result["consumer"]
-    assert consumer["longest_wait"] <= result["max_wait"] + 0.1
+    assert consumer["longest_wait"] <= result["max_wait"] + ANSWER_SLACK + 0.1  # 0.1: timers on a loaded machine
     assert consumer["failures"] > 0, "40 callers were meant to want more than 20 a second"
-    assert result["redis_hits"] == consumer["granted"] == sum(result["provider_per_second"]) + consumer["orphaned"]
+    assert consumer["granted"] == sum(result["provider_per_second"]) + consumer["orphaned"]
+    # Exact unless an ask was cut by its gRPC deadline: then Redis may hold it or not.
+    assert consumer["granted"] <= result["redis_hits"] <= consumer["granted"] + consumer["unanswered"]

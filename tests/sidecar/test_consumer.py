@@ -29,11 +29,11 @@ from sidecar.consumer import (
     Refused,
     SidecarError,
     SyncConsumer,
-    pace_interval,
     refusal,
     request_payload,
     window_end,
 )
+from sidecar.consumer_pace import pace_interval
 from tests.support.sidecars import Sidecar, free_port
 
 pytestmark = pytest.mark.slow
@@ -276,7 +276,7 @@ def scripted_asks(consumer: Consumer, script: list[tuple[float, Any]]) -> list[f
     """Put scripted asks (delay, response) in place of the RPC; returns when each ask started."""
     started: list[float] = []
 
-    async def ask(payload: bytes) -> Any:
+    async def ask(payload: bytes, timeout: float) -> Any:
         started.append(time.monotonic())
         delay, response = script.pop(0)
         await asyncio.sleep(delay)
@@ -291,9 +291,11 @@ def scripted_asks(consumer: Consumer, script: list[tuple[float, Any]]) -> list[f
 
 async def test_an_ask_admitted_after_its_caller_left_is_kept_for_the_next_caller() -> None:
     # Refused 10 ms before a second ends; the retry at the boundary is admitted, but answers
-    # after the caller's deadline. Then a caller cancelled while its ask is in flight.
-    consumer = Consumer("127.0.0.1:1", wall=lambda: 1000.99 if len(asks) < 2 else 1001.0, spread=False)
-    asks = scripted_asks(consumer, [(0.0, refused_response()), (0.5, admitted_response()), (0.2, admitted_response())])
+    # after the caller's deadline (within its gRPC deadline, 0.1 s later). Then a caller
+    # cancelled while its ask is in flight (unpaced: paced, it would wait for the answer
+    # of the ask still on its way instead of asking).
+    consumer = Consumer("127.0.0.1:1", wall=lambda: 1000.99 if len(asks) < 2 else 1001.0, spread=False, pace=False)
+    asks = scripted_asks(consumer, [(0.0, refused_response()), (0.35, admitted_response()), (0.2, admitted_response())])
     started = time.monotonic()
     with pytest.raises(RateLimitExceeded) as failed:
         await consumer.acquire("it", {"k": "v"}, max_wait=0.3)

@@ -7,11 +7,14 @@ keys, read every 250 ms, are the authority on what was admitted. The test holds:
 
 * every full window admitted exactly the limit, within sync mode's bound
   (``(R - 1) * Q`` with ``Q = floor(0.05 * 20 / 1) = 1``: at most 21; docs/redis.md);
-* no call took longer than its ``max_wait`` (plus :data:`SCHEDULING` for a loaded loop);
+* no call took longer than its ``max_wait`` plus the client's answer slack
+  (:data:`~sidecar.consumer.ANSWER_SLACK`), plus :data:`SCHEDULING` for a loaded loop;
 * a call that failed did so before its ``max_wait``, having seen the next budget come
   too late; with a minute's budget spent, a 3 s ``max_wait`` fails in milliseconds;
 * Redis's counters equal the hits the sidecars admitted (``stats.granted``): cancelled
-  waits spent nothing, and asks admitted after their caller left are counted there.
+  waits spent nothing, and asks admitted after their caller left are counted there; the
+  one unknown is an ask cut by its gRPC deadline (``stats.unanswered``), which Redis may
+  hold or not.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.consumer import WAIT, Consumer, RateLimitExceeded
+from sidecar.consumer import ANSWER_SLACK, WAIT, Consumer, RateLimitExceeded
 from tests.support.redis_servers import RedisServer, fresh_prefix
 from tests.support.sidecars import SidecarFactory, write_config
 
@@ -138,19 +141,21 @@ async def test_consumers_share_the_limit_wait_within_max_wait_and_spend_only_wha
 
     granted = sum(consumer.stats.granted for consumer in consumers)
     windows = keys.per_window()
-    assert sum(windows.values()) == granted, (windows, [consumer.stats for consumer in consumers])
+    unanswered = sum(consumer.stats.unanswered for consumer in consumers)
+    assert granted <= sum(windows.values()) <= granted + unanswered, (windows, [c.stats for c in consumers])
     full = sorted(windows)[1:-1]  # the first and last windows of the run are partial
     assert len(full) >= 3
     for start in full:
         assert LIMIT <= windows[start] <= LIMIT + BOUND, (start, windows)
 
-    assert max(elapsed for _, elapsed, _, _ in calls) <= MAX_WAIT + SCHEDULING
+    assert max(elapsed for _, elapsed, _, _ in calls) <= MAX_WAIT + ANSWER_SLACK + SCHEDULING
     failures = [(elapsed, retry_after) for _, elapsed, admitted, retry_after in calls if not admitted]
     assert failures, "the demand was meant to exceed what 1.5 s of waiting can serve"
     for elapsed, retry_after in failures:
-        assert elapsed < MAX_WAIT + SCHEDULING
-        if retry_after is not None:  # failed fast: the next budget came after the deadline
-            assert elapsed + retry_after > MAX_WAIT - 0.05
+        assert elapsed < MAX_WAIT + ANSWER_SLACK + SCHEDULING
+        if retry_after is not None:  # failed fast: the next budget came after the deadline, less the
+            # time kept for an answer (twice the average round trip: tens of ms on a loaded machine)
+            assert elapsed + retry_after > MAX_WAIT - 0.15
     stats = [consumer.stats for consumer in consumers]
     print(  # the figures docs/consumer.md quotes (pytest -s shows them)
         f"windows {[windows[start] for start in full]}; {len(calls)} calls, {len(failures)} failed, slowest "
