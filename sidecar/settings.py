@@ -19,9 +19,9 @@ from typing import Any, Literal, get_args
 
 from sidecar import admin
 from sidecar.config.yaml_source import MAX_FILE_BYTES
+from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT
 from sidecar.limiter.failure import FailureMode
-from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.redis.connect import SCHEME, RedisUrlError, SentinelUrlError, check_url, is_sentinel_url
 from sidecar.reference_env import Note, ReferenceEnvError, reference_aliases
 

@@ -17,6 +17,9 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+DEFAULT_MAX_COUNTERS = 2_000_000
+"""Cap on live counters (``--max-counters``): about 2M keeps a flood of unique values under
+~1 GB (measured ~300-450 bytes per counter depending on value length; see README)."""
 EVICTION_LOG_INTERVAL = 60.0
 """Seconds between two ``counters_evicted`` log lines."""
 BUCKET_SWEEP_MIN = 1024

@@ -5,13 +5,15 @@ Three modes (``--redis-failure-mode``):
 * ``local`` (default): enforce ``ceil(limit / live replicas)`` in this process, the
   "safe capacity" of Doorman: if every replica does so, together they admit about the
   limit without talking to each other; and never past what this replica knows was
-  admitted already (the counts Redis last answered with, :mod:`sidecar.limiter.fallback`).
+  admitted already (the counts Redis last answered with, :mod:`sidecar.limiter.known_counts`).
 * ``open``: admit everything; for services where a rate limit outage must never
   become an outage of the service.
 * ``closed``: reject every request with an enforced limit; for limits that protect
   something that must never be overrun.
 
-The rule is :func:`failure_limits`, shared by the ``sync`` and ``strict`` backends.
+The rule is :func:`failure_limits`, shared by the ``sync`` and ``strict`` backends;
+``sync`` applies it to its counters through :func:`sync_failure_limits`, ``strict``
+through :class:`FailurePolicy`.
 Hits admitted here are owed to Redis through :attr:`FailurePolicy.ledger`
 (:mod:`sidecar.limiter.ledger`), so the Redis counters still equal the admitted hits
 once Redis is back.
@@ -32,11 +34,13 @@ from typing import Literal, get_args
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.fallback import KnownCounts, leaves_others_their_shares, redis_holds
+from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS
+from sidecar.limiter.known_counts import KnownCounts, leaves_others_their_shares, local_counts, redis_holds
 from sidecar.limiter.ledger import OwedHits
-from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS, MemoryLimiter, share_of_limit
+from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check, Decision, Role, decide
 from sidecar.limiter.redis.keys import per_hit
+from sidecar.limiter.shares import share_of_limit
 from sidecar.metrics import LimiterSnapshot
 
 log = structlog.get_logger(__name__)
@@ -63,6 +67,62 @@ def failure_limits(mode: FailureMode, checks: Sequence[Check], counts: Sequence[
         -1 if check.role is Role.ENFORCED else max(check.limit, count)
         for check, count in zip(checks, counts, strict=True)
     )
+
+
+def sync_failure_limits(
+    mode: FailureMode,
+    checks: Sequence[Check],
+    *,
+    own: Sequence[int],
+    known: Sequence[int],
+    doubt: Sequence[int],
+    remembered: Sequence[bool],
+    live: int,
+    late: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The counts and limits a ``sync`` replica decides a request by when Redis did not
+    decide it: :func:`failure_limits` applied to what the replica knows of its counters.
+
+    Per check: ``own``, the hits this replica admitted itself in the window, and
+    ``known``, what it knows is admitted (``known + unflushed`` of the counter, plus a
+    sliding window's previous part), both with this request's hits; ``doubt``, hits of
+    its escalations still on the wire (their scripts may admit them any moment; the
+    request's own escalation left out); ``remembered``, whether the counter is held.
+
+    ``local`` counts the replica's own hits against its share (safe capacity): if every
+    replica does so, the total stays within the limit whatever each one's stale view of
+    the others, even in a burst where some escalations were answered and others timed
+    out; and it never admits past what it knows was admitted, hits in doubt included
+    (:func:`~sidecar.limiter.known_counts.local_counts`), so a timed-out burst adds no
+    share on top of what Redis already admitted. ``open`` and ``closed`` count what is known.
+
+    ``late``: the request escalated (it is near a limit) and ran out of time to hear
+    Redis's answer while Redis is not known to be down, so the other replicas are still
+    admitting through it and a share on top of theirs would overshoot (issue 17: 23 of 20
+    in a burst at Envoy's 25 ms deadline); ``local`` then refuses (as ``closed``) when an
+    enforced check's known count does not leave the others their shares (the rule strict
+    mode's failure policy applies too,
+    :func:`~sidecar.limiter.known_counts.leaves_others_their_shares`), as the script may
+    yet do. A counter with no room to be remembered cannot be held to a share (nothing
+    counts its hits) and could not keep them for Redis: ``local`` refuses it, as ``closed``.
+    """
+    if mode != "local":
+        counts = tuple(known)
+        return counts, failure_limits(mode, checks, counts, live)
+    seen = tuple(count + max(0, hits) for count, hits in zip(known, doubt, strict=True))
+    counts = local_counts(checks, own, seen, live)
+    if late and any(
+        check.role is Role.ENFORCED and not leaves_others_their_shares(check, count, live)
+        for check, count in zip(checks, seen, strict=True)
+    ):
+        return counts, failure_limits("closed", checks, counts, live)
+    limits = failure_limits("local", checks, counts, live)
+    if not all(remembered):
+        closed = failure_limits("closed", checks, counts, live)
+        limits = tuple(
+            limit if held else refused for limit, refused, held in zip(limits, closed, remembered, strict=True)
+        )
+    return counts, limits
 
 
 Admitted = dict[str, tuple[int, int]]
@@ -191,7 +251,7 @@ class FailurePolicy:
 
     def _decide_locally(self, checks: Sequence[Check], keys: Sequence[str], now: float, in_doubt: bool) -> Decision:
         """This replica's share of each limit, counted over all of its own hits of the window,
-        and within what it knows is left of the limit (:mod:`sidecar.limiter.fallback`).
+        and within what it knows is left of the limit (:mod:`sidecar.limiter.known_counts`).
 
         The hits this replica had Redis admit before the outage count too
         (:meth:`note_admitted`): if every replica keeps its own hits of a window within

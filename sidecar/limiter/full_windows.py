@@ -24,7 +24,7 @@ Not in Redis Cluster: a request whose counters live in different slots takes hit
 counter and gives back those of a refused request afterwards, so a count Redis reports
 there may include hits on their way back.
 
-Why not :class:`~sidecar.limiter.fallback.KnownCounts`, which also remembers Redis's
+Why not :class:`~sidecar.limiter.known_counts.KnownCounts`, which also remembers Redis's
 answers: it serves the failure mode and errs high on purpose (it adds hits admitted
 without Redis and scripts on the wire, and keeps counts a give-back may lower), while a
 refusal here must rest on a count Redis is sure to hold.
@@ -64,7 +64,7 @@ class FullWindows:
 
     def learn(self, holds: Iterable[tuple[str, int, int]], *, now: float) -> None:
         """Remember what a script's answer shows each fixed window holds:
-        ``(key, count, expire_at)`` from :func:`~sidecar.limiter.fallback.redis_holds`."""
+        ``(key, count, expire_at)`` from :func:`~sidecar.limiter.known_counts.redis_holds`."""
         if not self.max_keys:
             return
         answered = list(holds)

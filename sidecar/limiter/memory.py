@@ -15,30 +15,20 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm, bucket_after, now_us, previous_weight, sliding_part
-from sidecar.limiter.bounds import BUCKET_SWEEP_MIN, Bans, EvictionLog
+from sidecar.limiter.bounds import BUCKET_SWEEP_MIN, DEFAULT_MAX_COUNTERS, Bans, EvictionLog
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
 from sidecar.limiter.redis.loop_lag import LoopLag
+from sidecar.limiter.shares import share_of_limit
 from sidecar.limiter.windows import window_start
 from sidecar.metrics import LimiterSnapshot
+
+__all__ = ["MemoryLimiter", "share_of_limit"]
+"""``share_of_limit`` lives in :mod:`sidecar.limiter.shares`; quota/ still imports it from here."""
 
 log = structlog.get_logger(__name__)
 
 WindowId = tuple[int, int]
 """``(unit_seconds, window_start)``."""
-
-DEFAULT_MAX_COUNTERS = 2_000_000
-"""Cap on live counters: about 2M keeps a flood of unique values under ~1 GB
-(measured ~300-450 bytes per counter depending on value length; see README)."""
-
-
-def share_of_limit(limit: int, instances: int) -> int:
-    """This replica's part of a limit shared by ``instances`` replicas, rounded up.
-
-    Rounding up keeps the sum of the shares at or above the limit, so balanced
-    traffic below the limit is never refused; the price is at most
-    ``instances - 1`` hits of overshoot per window.
-    """
-    return math.ceil(limit / instances) if instances > 1 else limit
 
 
 class MemoryLimiter:
@@ -94,7 +84,7 @@ class MemoryLimiter:
     def check_now(self, checks: Sequence[Check], now: float, floors: Sequence[int] = ()) -> Decision:
         """Synchronous core of :meth:`check`, usable where no await is wanted.
 
-        ``floors`` (a Redis failure mode's, see :mod:`sidecar.limiter.fallback`): per
+        ``floors`` (a Redis failure mode's, see :mod:`sidecar.limiter.known_counts`): per
         check, a least would-be count, raising this replica's own count where what it
         knows was admitted elsewhere leaves less room than its share.
         """

@@ -54,8 +54,9 @@ import structlog
 from sidecar.limiter.algorithms import Algorithm, now_us
 from sidecar.limiter.budget import FailureReasons, Reason, redis_wait
 from sidecar.limiter.failure import FailurePolicy
-from sidecar.limiter.fallback import redis_holds
 from sidecar.limiter.full_windows import FullWindows
+from sidecar.limiter.hooks import RedisWaits
+from sidecar.limiter.known_counts import redis_holds
 from sidecar.limiter.ledger import Admitted
 from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
@@ -138,10 +139,11 @@ class StrictLimiter:
         self._reconcile_lock = asyncio.Lock()
         self._sequence = 0
         self._unacknowledged: OwedFlush | None = None
+        """A flush whose reply was lost: sent again, as is, before anything newer."""
         self._held: set[RedisCall] = set()
         """Abandoned calls whose answer (or failure) has not come yet."""
-        """A flush whose reply was lost: sent again, as is, before anything newer."""
-        """Last count Redis reported per window key, so ``local`` failure mode shares what is left."""
+        self.redis_waits: RedisWaits | None = None
+        """Wraps each script call and flush when tracing is on (:mod:`sidecar.limiter.hooks`)."""
         store.add_listener(policy.on_redis_state)
 
     async def start(self) -> None:
@@ -173,7 +175,8 @@ class StrictLimiter:
             reason = "deadline"  # nothing left to wait with: the answer is due now
         elif available:
             try:
-                counts = await self._ask(call, wait, limit)
+                asked = self._ask(call, wait, limit)
+                counts = await (asked if self.redis_waits is None else self.redis_waits.on_path(asked))
             except (TimeoutError, RedisUnavailable) as error:
                 reason = self._reason(error, deadline or (budget is not None and isinstance(error, DeadlineReached)))
                 if call.abandoned:
@@ -347,7 +350,8 @@ class StrictLimiter:
         """One idempotent flush; until Redis acknowledges it (even if cancelled), it stays to be resent."""
         self._unacknowledged = flush
         try:
-            totals = await self.store.flush(flush.adds, once=(self.replicas.replica_id, flush.sequence))
+            sent = self.store.flush(flush.adds, once=(self.replicas.replica_id, flush.sequence))
+            totals = await (sent if self.redis_waits is None else self.redis_waits.flush(len(flush.adds), sent))
         except RedisUnavailable:
             return False
         self._unacknowledged = None

@@ -46,24 +46,25 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm, previous_weight, sliding_part
-from sidecar.limiter.bounds import Bans, EvictionLog
+from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS, Bans
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT, FailureReasons, Reason, redis_wait
-from sidecar.limiter.failure import FailureMode
-from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
-from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
+from sidecar.limiter.failure import FailureMode, sync_failure_limits
+from sidecar.limiter.hooks import RedisWaits
+from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
 from sidecar.limiter.redis.batcher import DeadlineReached, DecisionBatcher
-from sidecar.limiter.redis.keys import ban_key, counter_digest, expire_at, window_key
+from sidecar.limiter.redis.keys import ban_key, counter_digest
 from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import CorruptKey, Counts, RedisStore
+from sidecar.limiter.redis.store import verdict as script_verdict
 from sidecar.limiter.sync_counters import FlushBatch, WindowCounter, lowered_check
-from sidecar.limiter.sync_fallback import SyncFallback
-from sidecar.limiter.windows import Clock, system_clock, window_start
+from sidecar.limiter.sync_table import CounterTable
+from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
 
 log = structlog.get_logger(__name__)
@@ -73,7 +74,7 @@ GROWTH_SMOOTHING = 0.5
 DEFAULT_MAX_OVERSHOOT = 0.05
 
 
-class SyncLimiter(SyncFallback):
+class SyncLimiter:
     """Limiter backend for ``--backend redis --mode sync``."""
 
     takes_budget = True
@@ -86,7 +87,7 @@ class SyncLimiter(SyncFallback):
         *,
         prefix: str = "rls",
         sync_interval: float = 0.05,
-        request_budget: float = DEFAULT_REDIS_TIMEOUT,
+        redis_timeout: float = DEFAULT_REDIS_TIMEOUT,
         failure_mode: FailureMode = "local",
         admit_all: bool = False,
         max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
@@ -97,39 +98,27 @@ class SyncLimiter(SyncFallback):
         self.replicas = replicas
         self.prefix = prefix
         self.sync_interval = sync_interval
-        self.request_budget = request_budget
+        self.redis_timeout = redis_timeout
+        """``--redis-timeout``: the longest a request waits for an escalation's answer."""
         self.failure_mode = failure_mode
         self.admit_all = admit_all
         self.max_overshoot = max_overshoot
         self.max_counters = max_counters
-        self.evictions = 0
-        self._eviction_log = EvictionLog(max_counters)
-        self._room_wait = 0
-        """New counters to refuse room without looking, after a scan that could not free
-        enough (every counter held hits Redis lacks): one scan per as many new counters
-        as it read, or per flush that lands, so a flood at the cap costs O(1) per counter."""
+        self.table = CounterTable(prefix, max_counters)
+        """The counters this replica holds, capped at ``max_counters``."""
         self.dropped_hits = 0
         """Hits a failure mode admitted on counters that could not be remembered (at
         ``max_counters``, every counter holding hits Redis lacks): never sent to Redis."""
-        self.expired_hits = 0
-        """Unflushed hits forgotten with their counter after its Redis key expired (sending
-        them would add to a key that expires at once)."""
         self._drop_logged = False
         self._room_flush: asyncio.Task[None] | None = None
         """The flush requests at the cap wait for while Redis answers (:meth:`_wait_for_room`)."""
         self._flushes_delivered = 0
         """Flushes that delivered hits: each makes the counters it carried forgettable."""
         self.clock = clock
-        self._windows: dict[int, dict[tuple[CounterKey, int], WindowCounter]] = {}
-        """Counters by window end, then by (counter key, unit): ended windows are dropped
-        together, and the Redis key digest is computed once per counter and window."""
-        self._live = 0
-        self._previous_growth: dict[str, float] = {}
         self._bans = Bans(max_counters)
         """Bans by Redis ban key: our own, and the others' read back by flushes."""
         self._ban_outbox: dict[str, int] = {}
         """Bans this replica decided, to be written to Redis with the next flush (key: until)."""
-        """Growth estimate per counter digest, carried into the next window."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
@@ -144,6 +133,8 @@ class SyncLimiter(SyncFallback):
         self.failure_decisions = 0
         self.reasons = FailureReasons()
         """Requests the failure mode decided, by why (``deadline``, ``redis_down``, ...)."""
+        self.redis_waits: RedisWaits | None = None
+        """Wraps each escalation and flush when tracing is on (:mod:`sidecar.limiter.hooks`)."""
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -165,14 +156,15 @@ class SyncLimiter(SyncFallback):
         if self._task is not None:
             await stop_task(self._task)
         await self.batcher.drain()  # late answers adjust pending hits before the last flush
-        await flush_until(self._last_flush, lambda: not self._has_unflushed(), deadline, self.store.background_timeout)
-        lost = sum(counter.unflushed for counter in self._all_counters())
+        table = self.table
+        await flush_until(self._last_flush, lambda: not table.has_unflushed(), deadline, self.store.background_timeout)
+        lost = table.unflushed_hits()
         if lost:
             log.error(
                 "admitted_hits_lost",
                 mode="sync",
                 hits=lost,
-                counters=sum(1 for counter in self._all_counters() if counter.unflushed),
+                counters=sum(1 for counter in table.all_counters() if counter.unflushed),
                 reason=self.store.last_error,
                 hint="Redis did not take the last flush within --shutdown-grace; these hits are not in its counters",
             )
@@ -199,7 +191,7 @@ class SyncLimiter(SyncFallback):
 
     def _on_redis_state(self, available: bool, reason: str) -> None:
         """Log each change of Redis state once; pending hits wait for the next flush."""
-        unflushed = sum(counter.unflushed for counter in self._all_counters())
+        unflushed = self.table.unflushed_hits()
         if available:
             log.info("redis_recovered", mode="sync", unflushed_hits=unflushed)
             self._wake.set()
@@ -211,12 +203,12 @@ class SyncLimiter(SyncFallback):
 
     async def check(self, checks: Sequence[Check], now: float, budget: float | None = None) -> Decision:
         """Decide locally when safe, else escalate to one atomic Redis call, waiting the
-        caller's ``budget`` at most ``request_budget`` (:func:`~sidecar.limiter.budget.redis_wait`).
+        caller's ``budget`` at most ``redis_timeout`` (:func:`~sidecar.limiter.budget.redis_wait`).
 
         While Redis is known to be down, the failure mode decides everything, so
         ``closed`` really refuses and ``local`` really enforces the safe share.
         """
-        counters = [self._counter(check, now) for check in checks]
+        counters = [self.table.counter(check, now) for check in checks]
         try:
             if not all(counter.remembered for counter in counters):
                 await self._wait_for_room(checks, counters, now)
@@ -254,12 +246,13 @@ class SyncLimiter(SyncFallback):
         self, checks: Sequence[Check], counters: Sequence[WindowCounter], now: float, budget: float | None
     ) -> Decision:
         """Escalate within the caller's budget; the failure mode decides what Redis cannot in time."""
-        wait, limit, deadline = redis_wait(self.request_budget, budget)
+        wait, limit, deadline = redis_wait(self.redis_timeout, budget)
         if wait <= 0:  # no time left to ask, though Redis may be answering: no guess near the limit
             return self._decide_without_redis(checks, counters, now, "deadline", late=True)
         reason: Reason
         try:
-            return await self._escalate(checks, counters, wait, limit)
+            escalation = self._escalate(checks, counters, wait, limit)
+            return await (escalation if self.redis_waits is None else self.redis_waits.on_path(escalation))
         except TimeoutError as error:
             caller = deadline or (budget is not None and isinstance(error, DeadlineReached))
             return self._decide_without_redis(
@@ -381,6 +374,105 @@ class SyncLimiter(SyncFallback):
             if spent:
                 counter.own += check.hits
 
+    def _learn(
+        self,
+        checks: Sequence[Check],
+        counters: Sequence[WindowCounter],
+        adjusted: Sequence[Check],
+        counts: Sequence[int],
+    ) -> tuple[bool, tuple[bool, ...], tuple[bool, ...]]:
+        """Update ``known`` from a script's answer; returns the script's ``decide`` verdict."""
+        verdict = script_verdict(adjusted, counts, [check.limit for check in adjusted], self.admit_all)
+        for check, counter, count, spent in zip(adjusted, counters, counts, verdict[2], strict=True):
+            if check.algorithm is Algorithm.SLIDING_WINDOW:
+                continue  # an estimate, not the window's count: the next flush reads the count
+            counter.known = max(counter.known, count if spent else count - check.hits)
+        return verdict
+
+    @staticmethod
+    def _doubt(checks: Sequence[Check], counters: Sequence[WindowCounter]) -> Callable[[], None]:
+        """An escalation goes on the wire: its hits are in doubt until the returned function is called."""
+        for check, counter in zip(checks, counters, strict=True):
+            counter.doubt += check.hits
+
+        def settled() -> None:
+            for check, counter in zip(checks, counters, strict=True):
+                counter.doubt -= check.hits
+
+        return settled
+
+    def _late_answer(
+        self,
+        checks: Sequence[Check],
+        counters: Sequence[WindowCounter],
+        adjusted: Sequence[Check],
+        counts: list[int],
+    ) -> None:
+        """The script ran after we answered from the failure mode: undo the double count.
+
+        Redis already holds the hits the script consumed, so they come off our pending
+        hits (possibly below zero: the next flush then subtracts them in Redis). Hits
+        the failure mode admitted are counted once either way; hits it refused are not
+        counted at all.
+        """
+        _, _, consume = self._learn(checks, counters, adjusted, counts)
+        for check, counter, spent in zip(checks, counters, consume, strict=True):
+            if spent:
+                counter.pending -= check.hits
+
+    # -------------------------------------------------------------- without Redis
+
+    def _decide_without_redis(
+        self,
+        checks: Sequence[Check],
+        counters: Sequence[WindowCounter],
+        now: float,
+        reason: Reason,
+        *,
+        in_doubt: bool = False,
+        late: bool = False,
+    ) -> Decision:
+        """Redis did not decide (``reason``): the failure mode decides
+        (:func:`~sidecar.limiter.failure.sync_failure_limits`); admitted hits stay pending.
+
+        ``in_doubt``: this request's own escalation is still on the wire (its hits are not
+        counted twice). ``late``: it escalated and ran out of time to hear the answer; that
+        matters only while Redis is not known to be down (the others still admit through
+        it), and a late answer that admitted gives its hits back (:meth:`_late_answer`).
+        """
+        self.failure_decisions += 1
+        self.reasons.note(reason)
+        local = self.failure_mode == "local"
+        own = self._would_be(checks, counters, own=local, now=now)
+        known = self._would_be(checks, counters, now=now) if local else own
+        doubt = [
+            counter.doubt - (check.hits if in_doubt else 0) for check, counter in zip(checks, counters, strict=True)
+        ]
+        counts, limits = sync_failure_limits(
+            self.failure_mode,
+            checks,
+            own=own,
+            known=known,
+            doubt=doubt,
+            remembered=[counter.remembered for counter in counters],
+            live=self.replicas.live,
+            late=late and self.store.available,
+        )
+        return self._apply(checks, counters, counts, limits)
+
+    def _drop(self, hits: int) -> None:
+        """Hits admitted on a counter that could not be remembered: counted, logged once per outage."""
+        self.dropped_hits += hits
+        if not self._drop_logged:
+            self._drop_logged = True
+            log.error(
+                "failure_hits_dropped",
+                mode="sync",
+                failure_mode=self.failure_mode,
+                max_counters=self.max_counters,
+                hint="every counter holds hits Redis lacks: new counters are not remembered until Redis is back",
+            )
+
     def _apply(
         self,
         checks: Sequence[Check],
@@ -441,92 +533,31 @@ class SyncLimiter(SyncFallback):
 
     # ------------------------------------------------------------ local counters
 
-    def _counter(self, check: Check, now: float) -> WindowCounter:
-        start = window_start(now, check.unit_seconds)
-        end = start + check.unit_seconds
-        window = self._windows.get(end)
-        if window is None:
-            window = self._windows[end] = {}
-            self._expire(now)
-        slot = (check.key, check.unit_seconds)
-        counter = window.get(slot)
-        if counter is None:
-            digest = counter_digest(check.key)
-            counter = WindowCounter(
-                window_key(self.prefix, digest, start), digest, expire_at(start, check.unit_seconds)
-            )
-            counter.growth = self._previous_growth.get(digest, 0.0)
-            if check.algorithm is Algorithm.SLIDING_WINDOW:
-                self._follow_previous(counter, slot, start, check.unit_seconds)
-            if check.ban_seconds:
-                counter.ban_key = ban_key(self.prefix, digest)
-            if self._live < self.max_counters or self._make_room(now):
-                self._windows.setdefault(end, window)[slot] = counter  # room making may drop an empty window
-                self._live += 1
-            else:
-                counter.remembered = False  # for this request only; see _decide_locally and _apply
-        counter.busy += 1  # this request is about to use it: no eviction or expiry under it
-        counter.touched = True
-        return counter
-
-    def _follow_previous(
-        self, counter: WindowCounter, slot: tuple[CounterKey, int], start: int, unit_seconds: int
-    ) -> None:
-        """Set up a sliding window's counter: its key outlives the next window (which reads
-        it), and the previous window's total starts from what this replica still holds
-        of it (exact once the next flush reads it back), or unknown."""
-        counter.expire_at += unit_seconds
-        counter.previous_key = window_key(self.prefix, counter.digest, start - unit_seconds)
-        before = self._windows.get(start, {}).get(slot)
-        if before is not None:
-            counter.previous = before.known + before.unflushed
-
-    def _expire(self, now: float) -> None:
-        """Forget ended windows whose hits have all reached Redis."""
-        for end in [end for end in self._windows if end <= now]:
-            window = self._windows[end]
-            for slot, counter in list(window.items()):
-                if counter.unflushed == 0 and not counter.busy:
-                    self._previous_growth[counter.digest] = counter.growth
-                    del window[slot]
-                    self._live -= 1
-            if not window:
-                del self._windows[end]
-        if len(self._previous_growth) > 4 * max(1, self.live_counters):
-            self._previous_growth.clear()
-
     @property
     def live_counters(self) -> int:
         """Counters currently tracked."""
-        return self._live
+        return self.table.live_counters
+
+    @property
+    def evictions(self) -> int:
+        """Counters forgotten at ``max_counters`` (:class:`~sidecar.limiter.sync_table.CounterTable`)."""
+        return self.table.evictions
+
+    @property
+    def expired_hits(self) -> int:
+        """Unflushed hits forgotten with their counter after its Redis key expired."""
+        return self.table.expired_hits
 
     def snapshot(self) -> LimiterSnapshot:
         return self.store.snapshot(
-            counters=self._live,
-            evictions=self.evictions,
+            counters=self.table.live_counters,
+            evictions=self.table.evictions,
             replicas=self.replicas.live,
-            pending_hits=sum(counter.unflushed for counter in self._all_counters()),
+            pending_hits=self.table.unflushed_hits(),
             flush_seconds=self.flush_seconds,
             flush_keys=self.flush_keys,
             failure_reasons=self.reasons.copy(),
         )
-
-    def _make_room(self, now: float) -> bool:
-        """At the cap: forget counters for a new one; False if none can be forgotten.
-
-        ``max_counters`` is a hard cap, also during an outage, when counters hold hits
-        Redis lacks and cannot be forgotten. A scan frees down to 90 % of the cap; one
-        that cannot (it read every counter and most hold unflushed hits) is not repeated
-        for as many new counters as it read, or until a flush lands: so a flood of
-        unique values at the cap costs O(1) per new counter, not a scan each.
-        """
-        if self._room_wait > 0:
-            self._room_wait -= 1
-            return False
-        read = self._evict(now)
-        if self._live > self.max_counters * 9 // 10:
-            self._room_wait = read
-        return self._live < self.max_counters
 
     async def _wait_for_room(self, checks: Sequence[Check], counters: list[WindowCounter], now: float) -> None:
         """At the cap with every counter holding hits Redis lacks, while Redis answers: flush now.
@@ -547,7 +578,7 @@ class SyncLimiter(SyncFallback):
                 self._room_flush = asyncio.create_task(self._flush_once(), name="sync-room-flush")
             await asyncio.shield(self._room_flush)
             for index, (check, counter) in enumerate(zip(checks, counters, strict=True)):
-                counters[index] = self._remembered(check, counter, now)
+                counters[index] = self.table.remembered(check, counter, now)
             if all(counter.remembered for counter in counters) or self._flushes_delivered == delivered:
                 return  # room, or no flush delivered a hit: no counter became forgettable
 
@@ -556,53 +587,6 @@ class SyncLimiter(SyncFallback):
             await self.sync_once()
         except Exception:
             log.exception("sync_failed")
-
-    def _remembered(self, check: Check, counter: WindowCounter, now: float) -> WindowCounter:
-        """After a flush for room: the counter to use instead of one that could not be remembered
-        (a concurrent request may have remembered the same counter meanwhile)."""
-        if counter.remembered:
-            return counter
-        counter.busy -= 1  # it holds no hit yet: this request had not decided
-        return self._counter(check, now)
-
-    def _evict(self, now: float) -> int:
-        """Forget counters Redis already holds, window ending first; returns how many were read.
-
-        Only counters not in use by a request are forgotten, and only those without
-        unflushed hits, or whose Redis key has expired (their hits would add to a key
-        that expires at once: :attr:`expired_hits`), so no admitted hit that still
-        counts is lost. A forgotten counter is re-read from Redis by the next decision
-        that needs it (it starts at ``known = 0`` and the reserve/escalation path
-        corrects it).
-        """
-        before = self.evictions
-        target = self.max_counters * 9 // 10
-        read = 0
-        for end in sorted(self._windows):
-            window = self._windows[end]
-            forgettable = []
-            for slot, counter in window.items():
-                read += 1
-                if not counter.busy and (counter.unflushed == 0 or counter.expire_at <= now):
-                    forgettable.append(slot)
-                    if self._live - len(forgettable) <= target:
-                        break
-            for slot in forgettable:
-                self.expired_hits += window.pop(slot).unflushed
-            self._live -= len(forgettable)
-            self.evictions += len(forgettable)
-            if not window:
-                del self._windows[end]
-            if self._live <= target:
-                break
-        self._eviction_log.note(self.evictions - before, self.evictions)
-        return read
-
-    def _all_counters(self) -> list[WindowCounter]:
-        return [counter for window in self._windows.values() for counter in window.values()]
-
-    def _has_unflushed(self) -> bool:
-        return any(counter.unflushed for counter in self._all_counters())
 
     # ------------------------------------------------------------------- syncing
 
@@ -621,7 +605,7 @@ class SyncLimiter(SyncFallback):
     async def sync_once(self) -> None:
         """One flush round trip: send pending hits, read back totals of active counters."""
         async with self._flush_lock:
-            self._expire(self.clock())
+            self.table.expire(self.clock())
             batch = self._unacknowledged or self._prepare_flush()
             if not batch.sent and not batch.reads and not batch.bans:
                 return
@@ -632,9 +616,8 @@ class SyncLimiter(SyncFallback):
             self.flush_keys.observe(len(adds) + len(reads))
             started = time.perf_counter()
             try:
-                totals = await self.store.flush(
-                    adds, reads, once=once, live_since=self.replicas.alive_since, bans=batch.bans
-                )
+                flush = self.store.flush(adds, reads, once=once, live_since=self.replicas.alive_since, bans=batch.bans)
+                totals = await (flush if self.redis_waits is None else self.redis_waits.flush(len(adds), flush))
             except RedisUnavailable:
                 # The adds may or may not have landed: send exactly this batch again (same
                 # sequence number) until Redis acknowledges it; flush_once.lua makes the
@@ -657,7 +640,7 @@ class SyncLimiter(SyncFallback):
     def _prepare_flush(self) -> FlushBatch:
         sent: dict[str, tuple[WindowCounter, int]] = {}
         reads: list[WindowCounter] = []
-        for counter in self._all_counters():
+        for counter in self.table.all_counters():
             if counter.pending:
                 hits = counter.pending
                 counter.inflight += hits
@@ -685,7 +668,7 @@ class SyncLimiter(SyncFallback):
     def _apply_flush(self, batch: FlushBatch, totals: dict[str, int]) -> None:
         """Learn the global totals; the growth we did not cause feeds the reserve."""
         if batch.sent:
-            self._room_wait = 0  # counters whose hits landed can be forgotten again
+            self.table.flush_landed()  # counters whose hits landed can be forgotten again
             self._flushes_delivered += 1
         own = {key: hits for key, (_, hits) in batch.sent.items()}
         for counter in batch.counters():

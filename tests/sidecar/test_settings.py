@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from sidecar.limiter.memory import DEFAULT_MAX_COUNTERS
+from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS
 from sidecar.settings import (
     SERVE_OPTIONS,
     Settings,

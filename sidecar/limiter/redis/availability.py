@@ -38,11 +38,11 @@ SILENCE_BUDGETS = 5
 """... or this many request budgets (``--redis-timeout``), whichever is longer."""
 
 
-def silence_before_down(request_timeout: float) -> float:
+def silence_before_down(redis_timeout: float) -> float:
     """Silence of Redis, not explained by our loop's lag, after which a timed-out call
     marks it unavailable: well beyond any request's budget (the budget is at most
-    ``request_timeout``), so a merely slow answer fails its own request only."""
-    return max(SILENCE_BEFORE_DOWN, SILENCE_BUDGETS * request_timeout)
+    ``redis_timeout``), so a merely slow answer fails its own request only."""
+    return max(SILENCE_BEFORE_DOWN, SILENCE_BUDGETS * redis_timeout)
 
 
 StateListener = Callable[[bool, str], None]
@@ -59,22 +59,23 @@ class Availability:
     def __init__(
         self,
         probe: Callable[[], Awaitable[None]],
-        request_timeout: float,
+        redis_timeout: float,
         secrets: tuple[str, ...] = (),
         *,
         lag: LoopLag | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self._probe_once = probe
+        """One PING (and script loads); raises one of :data:`FAILURES` if Redis is not there."""
         self._secrets = secrets
         """Credentials of the URL: scrubbed from every reason this reports or logs."""
-        """One PING (and script loads); raises one of :data:`FAILURES` if Redis is not there."""
-        self.request_timeout = request_timeout
+        self.redis_timeout = redis_timeout
+        """``--redis-timeout``: how long a request-path call waits."""
         self.available = False
         self.last_error = "not started"
         self.lag = lag or LoopLag()
         """This process's event-loop lag: subtracted from Redis's silence."""
-        self.down_after = silence_before_down(request_timeout)
+        self.down_after = silence_before_down(redis_timeout)
         self._clock = clock
         """Loop-clock seconds (``loop.time()``, as :attr:`lag` uses); tests give their own."""
         self._waiting_since: float | None = None
@@ -159,7 +160,7 @@ class Availability:
             silence = self.silence()
             if silence < self.down_after:
                 # Slow, or read late because we were busy: this call fails, Redis stays up.
-                budget = f"{self.request_timeout * 1000:g} ms" if request_path else "the background timeout"
+                budget = f"{self.redis_timeout * 1000:g} ms" if request_path else "the background timeout"
                 return RedisUnavailable(f"redis did not answer within {budget}")
             reason = f"no answer for {silence * 1000:.0f} ms while this process's event loop was responsive ({reason})"
         self.mark_down(reason)

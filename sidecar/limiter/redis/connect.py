@@ -231,9 +231,9 @@ def _non_empty(parts: list[str], what: str) -> list[str]:
     return parts
 
 
-def background_timeout(request_timeout: float) -> float:
+def background_timeout(redis_timeout: float) -> float:
     """Socket timeout of every connection and budget of background calls."""
-    return max(MIN_BACKGROUND_TIMEOUT, 2 * request_timeout)
+    return max(MIN_BACKGROUND_TIMEOUT, 2 * redis_timeout)
 
 
 def client_url(url: str, cluster: bool) -> tuple[str, bool]:
@@ -248,7 +248,7 @@ def client_url(url: str, cluster: bool) -> tuple[str, bool]:
     return url, cluster
 
 
-def connect(url: str, cluster: bool, request_timeout: float) -> Redis | RedisCluster:
+def connect(url: str, cluster: bool, redis_timeout: float) -> Redis | RedisCluster:
     """A lazily connecting client for ``url`` (``cluster``: ``--redis-cluster``)."""
     from redis.asyncio import Redis  # noqa: PLC0415 - see the module docstring
     from redis.asyncio.cluster import RedisCluster  # noqa: PLC0415
@@ -256,7 +256,7 @@ def connect(url: str, cluster: bool, request_timeout: float) -> Redis | RedisClu
     from redis.backoff import NoBackoff  # noqa: PLC0415
 
     url, cluster = client_url(url, cluster)
-    timeout = background_timeout(request_timeout)
+    timeout = background_timeout(redis_timeout)
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,

@@ -27,7 +27,7 @@ from sidecar.limiter.budget import (
     redis_wait,
 )
 from sidecar.limiter.failure import FailurePolicy
-from sidecar.limiter.fallback import KnownCounts, knowledge_floor, local_counts
+from sidecar.limiter.known_counts import KnownCounts, knowledge_floor, local_counts
 from sidecar.limiter.protocol import Check, Decision
 from sidecar.settings import Settings
 from tests.sidecar.limiter.conftest import Factory

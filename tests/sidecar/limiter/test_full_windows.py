@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.fallback import redis_holds
 from sidecar.limiter.full_windows import FullWindows
+from sidecar.limiter.known_counts import redis_holds
 from sidecar.limiter.protocol import Check, Decision, Role
 
 NOW = 1_000.0

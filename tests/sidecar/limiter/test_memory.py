@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.limiter.memory import MemoryLimiter, share_of_limit
+from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check, Decision, Role, decide
+from sidecar.limiter.shares import share_of_limit
 from sidecar.limiter.windows import window_start
 
 E, S, Q = Role.ENFORCED, Role.SHADOW, Role.QUOTA

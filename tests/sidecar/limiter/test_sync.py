@@ -84,7 +84,7 @@ async def eventually(condition: Any, timeout: float = SETTLE, message: str = "")
 
 
 def unflushed(limiter: SyncLimiter) -> int:
-    return sum(window.unflushed for window in limiter._all_counters())
+    return sum(window.unflushed for window in limiter.table.all_counters())
 
 
 async def read_back(limiters: Sequence[SyncLimiter], check: Check, now: float) -> None:
@@ -444,7 +444,7 @@ async def test_paused_redis_answers_late_and_late_answers_are_corrected(
     await read_back(pair, check, now)
     assert ledger.admitted == counter(own_redis, prefix, check, now) == 6
     for limiter in pair:
-        limiter.request_budget = BUDGET
+        limiter.redis_timeout = BUDGET
 
     paused_at = time.monotonic()
     own_redis.pause(int(PAUSE * 1000))

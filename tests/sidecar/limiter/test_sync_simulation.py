@@ -326,7 +326,7 @@ class SlowStore(SimulatedStore):
 @pytest.mark.parametrize("mode", ["open", "closed", "local"])
 def test_late_escalation_answers_leave_every_admitted_hit_counted_exactly_once(mode: str) -> None:
     store = SlowStore()
-    (limiter,) = cluster(1, store, failure_mode=mode, max_overshoot=0.0, request_budget=0.001)
+    (limiter,) = cluster(1, store, failure_mode=mode, max_overshoot=0.0, redis_timeout=0.001)
     limiter.replicas.live = 2  # type: ignore[attr-defined]  # a peer exists: every hit escalates (Q = 0)
 
     async def scenario() -> int:
@@ -393,7 +393,7 @@ def test_a_request_of_many_new_keys_past_the_cap_loses_none_of_its_hits() -> Non
 
     asyncio.run(scenario())
     assert only_counter(store) == 128
-    assert all(counter.busy == 0 for window in limiter._windows.values() for counter in window.values())
+    assert all(counter.busy == 0 for counter in limiter.table.all_counters())
 
 
 @pytest.mark.parametrize("skew", [-1.0, -0.1, 0.1, 1.0])

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.memory import share_of_limit
 from sidecar.limiter.protocol import Check
+from sidecar.limiter.shares import share_of_limit
 
 PRUNE_SHARE = 0.9
 """At the cap, :class:`KnownCounts` forgets ended windows, then the oldest entries, down to this share."""
