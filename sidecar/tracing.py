@@ -25,16 +25,17 @@ Spans, when on:
 - ``ratelimit.flush``, a root span per flush of pending hits to Redis (sync) or of owed
   hits (strict), only when there is something to send.
 
-These three are attached from outside the limiters (:data:`LIMITER_HOOKS`): an instance
-attribute wrapping the bound method, installed only when tracing is on, so the limiter
-code has no tracing in it and pays nothing when it is off.
+These three are attached from outside the limiters, through the attribute both Redis
+limiters declare for it (``redis_waits``, :mod:`sidecar.limiter.hooks`): set to a
+:class:`LimiterSpans` only when tracing is on, so the limiter code has no tracing in it
+and pays one ``is None`` check when it is off.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -49,16 +50,12 @@ TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 """The W3C trace-context metadata keys (gRPC metadata keys are lower case)."""
 TRUE = frozenset({"true", "1", "yes", "on"})
 
-LIMITER_HOOKS: dict[str, dict[str, str]] = {
-    # limiter class -> {method called on the request path: span name}
-    "SyncLimiter": {"_escalate": "ratelimit.escalate"},
-    "StrictLimiter": {"_ask": "ratelimit.redis_call"},
-}
-"""Request-path methods that wait for Redis; a span around each marks ``ratelimit.redis_on_path``.
-tests/sidecar/test_tracing.py fails if one is renamed."""
+ON_PATH_SPANS = {"sync": "ratelimit.escalate", "strict": "ratelimit.redis_call"}
+"""Per mode, the span around a request's wait for Redis; it marks ``ratelimit.redis_on_path``."""
+FLUSH_SPAN = "ratelimit.flush"
+"""The root span around a flush of pending (sync) or owed (strict) hits to Redis."""
 
-STORE_FLUSH = "flush"
-"""``RedisStore.flush``: the one round trip that carries pending (sync) or owed (strict) hits."""
+T = TypeVar("T")
 
 
 def tracing_requested(environ: Mapping[str, str] = os.environ) -> bool:
@@ -145,46 +142,44 @@ class Tracing:
             self._detach(token)
             span.end()
 
-    def hook(self, limiter: Any) -> list[str]:
-        """Spans around the limiter's Redis waits and flushes (:data:`LIMITER_HOOKS`); the names hooked."""
-        from opentelemetry import trace  # noqa: PLC0415
-
-        hooked: list[str] = []
-        for method, span_name in LIMITER_HOOKS.get(type(limiter).__name__, {}).items():
-            setattr(limiter, method, self._on_path(getattr(limiter, method), span_name, trace))
-            hooked.append(f"{type(limiter).__name__}.{method}")
-        store = getattr(limiter, "store", None)
-        if store is not None and hasattr(store, STORE_FLUSH):
-            setattr(store, STORE_FLUSH, self._root(getattr(store, STORE_FLUSH), "ratelimit.flush"))
-            hooked.append(f"{type(store).__name__}.{STORE_FLUSH}")
-        return hooked
-
-    def _on_path(self, method: Callable[..., Awaitable[Any]], name: str, trace: Any) -> Callable[..., Awaitable[Any]]:
-        tracer = self.tracer
-
-        async def traced(*args: Any, **kwargs: Any) -> Any:
-            trace.get_current_span().set_attribute("ratelimit.redis_on_path", True)
-            with tracer.start_as_current_span(name):
-                return await method(*args, **kwargs)
-
-        return traced
-
-    def _root(self, method: Callable[..., Awaitable[Any]], name: str) -> Callable[..., Awaitable[Any]]:
-        tracer = self.tracer
-        from opentelemetry.context import Context  # noqa: PLC0415
-
-        async def traced(*args: Any, **kwargs: Any) -> Any:
-            adds = args[0] if args else kwargs.get("adds", {})
-            with tracer.start_as_current_span(name, context=Context()) as span:
-                span.set_attribute("ratelimit.flush.keys", len(adds))
-                return await method(*args, **kwargs)
-
-        return traced
+    def hook(self, limiter: Any) -> bool:
+        """Spans around a Redis limiter's waits for Redis and flushes: sets its ``redis_waits``
+        (:mod:`sidecar.limiter.hooks`). False for a limiter that never waits for Redis."""
+        on_path = ON_PATH_SPANS.get(self.mode)
+        if on_path is None or not hasattr(limiter, "redis_waits"):
+            return False
+        limiter.redis_waits = LimiterSpans(self.tracer, on_path)
+        return True
 
     def close(self) -> None:
         """Export what is buffered, then stop (blocks up to the exporter's timeout)."""
         self.provider.force_flush()
         self.provider.shutdown()
+
+
+class LimiterSpans:
+    """The spans a Redis limiter's waits go in (a :class:`~sidecar.limiter.hooks.RedisWaits`)."""
+
+    def __init__(self, tracer: Any, on_path: str) -> None:
+        from opentelemetry import trace  # noqa: PLC0415 - only when tracing is on
+        from opentelemetry.context import Context  # noqa: PLC0415
+
+        self.tracer = tracer
+        self.on_path_name = on_path
+        self._current_span = trace.get_current_span
+        self._root = Context
+
+    async def on_path(self, wait: Awaitable[T]) -> T:
+        """A child of the request's span; the request's span is marked ``ratelimit.redis_on_path``."""
+        self._current_span().set_attribute("ratelimit.redis_on_path", True)
+        with self.tracer.start_as_current_span(self.on_path_name):
+            return await wait
+
+    async def flush(self, keys: int, flush: Awaitable[T]) -> T:
+        """A root span (a flush serves many requests), with the number of keys it adds to."""
+        with self.tracer.start_as_current_span(FLUSH_SPAN, context=self._root()) as span:
+            span.set_attribute("ratelimit.flush.keys", keys)
+            return await flush
 
 
 def proto_problem() -> str | None:

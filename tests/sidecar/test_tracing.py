@@ -7,6 +7,7 @@ SDK's real exporter: what a collector would get.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import subprocess
 import sys
@@ -18,10 +19,12 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="the [tracing] extra is not installed (pip install -e '.[dev]')")
 
+from sidecar.limiter.failure import FailurePolicy
+from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import RedisStore
 from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.sync import SyncLimiter
-from sidecar.tracing import LIMITER_HOOKS, SPAN_NAME, STORE_FLUSH, tracing_requested
+from sidecar.tracing import FLUSH_SPAN, SPAN_NAME, Tracing, tracing_requested
 from tests.support.otlp import OtlpReceiver, ReceivedSpan
 from tests.support.redis_servers import RedisServer, fresh_prefix
 from tests.support.sidecars import OK, OVER_LIMIT, SidecarFactory, clean_env, request
@@ -59,13 +62,38 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_the_hooked_limiter_methods_exist() -> None:
-    """The spans around Redis waits wrap these methods by name: a rename must fail here."""
-    classes = {"SyncLimiter": SyncLimiter, "StrictLimiter": StrictLimiter}
-    for class_name, methods in LIMITER_HOOKS.items():
-        for method in methods:
-            assert callable(getattr(classes[class_name], method)), f"{class_name}.{method}"
-    assert callable(getattr(RedisStore, STORE_FLUSH))
+@pytest.mark.parametrize(("mode", "on_path"), [("sync", "ratelimit.escalate"), ("strict", "ratelimit.redis_call")])
+def test_the_hook_is_the_attribute_the_limiters_declare(mode: str, on_path: str) -> None:
+    """Tracing sets the Redis limiters' ``redis_waits`` (no method replaced by name), and the
+    spans it wraps their waits in: a child of the request's span, and a root span per flush."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    store = RedisStore.for_url("redis://127.0.0.1:1")  # never connected
+    replicas = Replicas(store, 5.0)
+    limiter = SyncLimiter(store, replicas) if mode == "sync" else StrictLimiter(store, replicas, FailurePolicy())
+    assert limiter.redis_waits is None, "off: nothing wraps the waits"
+    assert Tracing("memory", provider).hook(limiter) is False
+    assert Tracing(mode, provider).hook(limiter) is True
+    waits = limiter.redis_waits
+    assert waits is not None
+
+    async def waits_for_redis() -> None:
+        with provider.get_tracer("test").start_as_current_span(SPAN_NAME):
+            assert await waits.on_path(asyncio.sleep(0, "answer")) == "answer"
+            assert await waits.flush(3, asyncio.sleep(0, "totals")) == "totals"
+
+    asyncio.run(waits_for_redis())
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    request_span, child, flush = spans[SPAN_NAME], spans[on_path], spans[FLUSH_SPAN]
+    assert request_span.attributes is not None and request_span.attributes["ratelimit.redis_on_path"] is True
+    assert child.parent is not None and child.parent.span_id == request_span.context.span_id
+    assert flush.parent is None, "a flush is a trace of its own"
+    assert flush.attributes is not None and flush.attributes["ratelimit.flush.keys"] == 3
 
 
 def traceparent() -> tuple[str, str, str]:
