@@ -1,44 +1,51 @@
 """The plain-HTTP admin endpoint: ``/metrics``, ``/config`` and ``/healthz`` (``/healthcheck`` too,
 envoyproxy/ratelimit's name, answering the same).
 
-Served on the event loop next to gRPC (``--metrics-address``). A minimal HTTP/1.1
-server is enough: one GET per connection from Prometheus, a kubelet or an operator's
-curl. What a client can hold is bounded: the request head (8 KiB, read within
-:data:`READ_TIMEOUT`), the time it takes to read the answer (``--admin-write-timeout``:
-a client that stops reading is dropped and its buffer freed) and the connections open at
+Served on the event loop next to gRPC (``--metrics-address``, on by default on loopback),
+over :mod:`sidecar.http_server` (h11 under asyncio streams). What a client can hold is
+bounded: the request head (8 KiB, read within :data:`READ_TIMEOUT`), the body (GET has
+none: :data:`MAX_BODY_BYTES`), the idle time of a kept-alive connection
+(:data:`IDLE_TIMEOUT`), the time it takes to read the answer (``--admin-write-timeout``: a
+client that stops reading is dropped and its buffer freed) and the connections open at
 once (``--admin-max-connections``: the rest get a short 503).
 
-``/metrics`` never renders on the event loop: the numbers are copied there (a list
-copy), and turned into text in a worker thread, one render at a time, shared by the
-scrapes that arrive while it runs, so a large ``/metrics`` cannot stall gRPC.
+``/metrics`` and ``/config`` never render on the event loop: what they show is copied there
+(numbers; the quota buckets' bounded descriptions; the config is immutable, swapped whole
+on reload, so a reference is enough), and turned into text in a worker thread, one render
+at a time per path, shared by the requests that arrive while it runs. ``/config`` is capped
+at :data:`MAX_CONFIG_BYTES`: past it, rules are left out (the document says how many).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
-import structlog
-
 from sidecar.config.model import DomainConfig, Level, RateLimitConfig, RateLimitRule
+from sidecar.http_server import MAX_HEAD_BYTES, Answer, Bounds, HttpServer, Request
 from sidecar.limiter.algorithms import Algorithm
 from sidecar.metrics import render
 
-log = structlog.get_logger(__name__)
-
-MAX_REQUEST_HEAD = 8192
+MAX_REQUEST_HEAD = MAX_HEAD_BYTES
 READ_TIMEOUT = 5.0
+IDLE_TIMEOUT = 5.0
+"""Seconds a kept-alive admin connection may idle between requests (Prometheus reuses one)."""
+MAX_BODY_BYTES = 1024
+"""Admin requests are GETs; a larger body is refused (413) without being read."""
 WRITE_TIMEOUT = 10.0
 """Default of ``--admin-write-timeout``: seconds a client gets to read a whole answer."""
 MAX_CONNECTIONS = 16
 """Default of ``--admin-max-connections``: admin connections open at once."""
-REFUSAL_LOG_SECONDS = 60.0
-BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 5\r\nconnection: close\r\n\r\nbusy\n"
+MAX_CONFIG_BYTES = 2 * 1024 * 1024
+"""Largest ``/config`` answer. A config of 14,000 rules renders to 10 MB; past this cap the
+rules that do not fit are left out (each domain says how many it has), so one GET costs
+at most this much rendering and each slow reader pins at most this much."""
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+ConfigDocument = Callable[[], dict[str, Any]]
+"""Builds the ``/config`` document; runs in a worker thread, so reads only what it was given."""
 
 
 def rule_json(rule: RateLimitRule, together_with: tuple[RateLimitRule, ...] = ()) -> dict[str, Any]:
@@ -105,68 +112,56 @@ def config_json(config: RateLimitConfig, loaded_at: float) -> dict[str, Any]:
     }
 
 
-class AdminEndpoint:
-    """Answers GET ``/metrics``, ``/config`` and ``/healthz``; anything else is 404/405."""
+def encoded(value: Any) -> bytes:
+    """Indented JSON: ``indent`` also makes ``json`` use its Python encoder, which lets the
+    GIL go every switch interval, so a render in a thread never holds the loop for long."""
+    return json.dumps(value, indent=2, ensure_ascii=False).encode() + b"\n"
 
-    def __init__(
-        self,
-        registry: Any,
-        config: Callable[[], dict[str, Any]],
-        serving: Callable[[], bool],
-        *,
-        write_timeout: float = WRITE_TIMEOUT,
-        max_connections: int = MAX_CONNECTIONS,
-    ) -> None:
-        self.registry = registry
-        """What ``/metrics`` renders: an object with ``collect()``, or a callable returning
-        one, called on the event loop (to copy numbers cheaply); ``collect()`` runs in a thread."""
-        self.config = config
-        self.serving = serving
-        self.write_timeout = write_timeout
-        self.max_connections = max_connections
-        self.server: asyncio.Server | None = None
-        self.port = 0
-        self.connections = 0
-        """Admin connections open right now."""
-        self.refused = 0
-        """Connections refused at :attr:`max_connections` (since start)."""
-        self.dropped = 0
-        """Clients dropped for not reading their answer within :attr:`write_timeout`."""
-        self._refusal_logged = -REFUSAL_LOG_SECONDS
+
+def capped_json(document: dict[str, Any], max_bytes: int) -> bytes:
+    """``document`` (a :func:`config_json` one, with ``quota``) as JSON of at most ``max_bytes``.
+
+    The rules are what grows: past the cap, each domain shows the rules that fit, in order,
+    with ``rules_total``, and ``truncated`` says how many were left out. Measured rule by rule,
+    so the cost is bounded by the cap, not by the config."""
+    domains: dict[str, dict[str, Any]] = document.get("domains", {})
+    skeleton = {**document, "domains": {name: {**domain, "rules": []} for name, domain in domains.items()}}
+    note = {"max_bytes": max_bytes, "rules_left_out": 0}
+    budget = max_bytes - len(encoded({**skeleton, "truncated": note})) - 64
+    if budget < 0:
+        skeleton["quota"] = {"left_out": f"over the /config cap of {max_bytes} bytes"}
+        budget = max_bytes - len(encoded({**skeleton, "truncated": note})) - 64
+    left_out = 0
+    for name, domain in domains.items():
+        rules: list[dict[str, Any]] = domain.get("rules", [])
+        shown = skeleton["domains"][name]
+        for rule in rules:
+            text = json.dumps(rule, indent=2, ensure_ascii=False)
+            size = len(text.encode()) + 8 * (text.count("\n") + 2)  # the deeper indent, the commas
+            if budget < size:
+                break
+            budget -= size
+            shown["rules"].append(rule)
+        if len(shown["rules"]) < len(rules):
+            shown["rules_total"] = len(rules)
+            left_out += len(rules) - len(shown["rules"])
+            budget = -1  # the rest is left out too: the shown rules stay a prefix of the config
+    if left_out:
+        skeleton["truncated"] = {"max_bytes": max_bytes, "rules_left_out": left_out}
+    return encoded(skeleton)
+
+
+class SharedRender:
+    """One render at a time in a worker thread; callers arriving while it runs await the same bytes."""
+
+    def __init__(self) -> None:
         self._rendering: asyncio.Future[bytes] | None = None
 
-    async def start(self, address: str) -> None:
-        host, _, port = address.rpartition(":")
-        self.server = await asyncio.start_server(self._handle, host.strip("[]"), int(port), limit=MAX_REQUEST_HEAD)
-        self.port = int(self.server.sockets[0].getsockname()[1])
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-
-    def respond(self, method: str, path: str) -> tuple[str, str, bytes]:
-        """``(status, content type, body)`` for one request."""
-        if method not in ("GET", "HEAD"):
-            return "405 Method Not Allowed", "text/plain", b"only GET\n"
-        path = path.split("?", 1)[0]
-        if path == "/metrics":
-            return "200 OK", METRICS_CONTENT_TYPE, render(self.registry() if callable(self.registry) else self.registry)
-        if path == "/config":
-            body = json.dumps(self.config(), indent=2, ensure_ascii=False).encode() + b"\n"
-            return "200 OK", "application/json", body
-        if path in ("/healthz", "/healthcheck"):
-            if self.serving():
-                return "200 OK", "text/plain", b"SERVING\n"
-            return "503 Service Unavailable", "text/plain", b"NOT_SERVING\n"
-        return "404 Not Found", "text/plain", b"try /metrics, /config, /healthz or /healthcheck\n"
-
-    async def metrics_body(self) -> bytes:
-        """``/metrics``: numbers copied here, text made in a worker thread. One render at a
-        time; scrapes arriving meanwhile share its answer."""
+    async def get(self, snapshot: Callable[[], Callable[[], bytes]]) -> bytes:
+        """``snapshot()`` runs here, on the loop (it copies what the thread may not read
+        while the loop changes it); the function it returns runs in a thread."""
         if self._rendering is None:
-            source = self.registry() if callable(self.registry) else self.registry
-            rendering = asyncio.ensure_future(asyncio.to_thread(render, source))
+            rendering = asyncio.ensure_future(asyncio.to_thread(snapshot()))
             self._rendering = rendering
             rendering.add_done_callback(self._rendered)
         return await asyncio.shield(self._rendering)
@@ -175,57 +170,94 @@ class AdminEndpoint:
         if self._rendering is rendering:
             self._rendering = None
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.connections >= self.max_connections:
-            self._refuse(writer)
-            return
-        self.connections += 1
-        try:
-            await self._serve(reader, writer)
-        finally:
-            self.connections -= 1
 
-    def _refuse(self, writer: asyncio.StreamWriter) -> None:
-        """A short 503 without waiting for the client (it fits any socket buffer), then close."""
-        self.refused += 1
-        now = time.monotonic()
-        if now - self._refusal_logged >= REFUSAL_LOG_SECONDS:
-            self._refusal_logged = now
-            log.warning("admin_connections_refused", open=self.connections, refused_total=self.refused)
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            writer.write(BUSY)
-        writer.close()
+def text_answer(status: int, text: str) -> Answer:
+    return Answer(status, text.encode(), "text/plain")
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(READ_TIMEOUT):
-                head = await reader.readuntil(b"\r\n\r\n")
-            method, path, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
-            if method in ("GET", "HEAD") and path.split("?", 1)[0] == "/metrics":
-                status, content_type, body = "200 OK", METRICS_CONTENT_TYPE, await self.metrics_body()
-            else:
-                status, content_type, body = self.respond(method, path)
-        except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, TimeoutError, ValueError):
-            status, content_type, body, method = "400 Bad Request", "text/plain", b"bad request\n", "GET"
-        except Exception:
-            log.exception("admin_request_failed")
-            status, content_type, body, method = "500 Internal Server Error", "text/plain", b"error\n", "GET"
-        head_out = (
-            f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n"
-        ).encode()
-        try:
-            writer.write(head_out)
-            if method != "HEAD":
-                writer.write(body)  # the shared render's bytes, not a copy per client
-            async with asyncio.timeout(self.write_timeout):
-                await writer.drain()
-        except TimeoutError:
-            # A client that does not read would pin the answer for ever: drop it, now.
-            self.dropped += 1
-            log.info("admin_slow_reader_dropped", write_timeout=self.write_timeout, body_bytes=len(body))
-            writer.transport.abort()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
+
+def http_error(status: int, reason: str) -> Answer:
+    """What an HTTP-level refusal (400, 408, 411, 413) gets on the admin endpoint."""
+    return Answer(status, f"{reason}\n".encode(), "text/plain", close=True)
+
+
+class AdminEndpoint:
+    """Answers GET ``/metrics``, ``/config`` and ``/healthz``; anything else is 404/405."""
+
+    def __init__(
+        self,
+        registry: Any,
+        config: Callable[[], ConfigDocument],
+        serving: Callable[[], bool],
+        *,
+        write_timeout: float = WRITE_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+        max_config_bytes: int = MAX_CONFIG_BYTES,
+    ) -> None:
+        self.registry = registry
+        """What ``/metrics`` renders: an object with ``collect()``, or a callable returning
+        one, called on the event loop (to copy numbers cheaply); ``collect()`` runs in a thread."""
+        self.config = config
+        """Called on the event loop for each ``/config`` render: snapshots what may change
+        (the quota buckets) and returns the :data:`ConfigDocument` builder, run in a thread."""
+        self.serving = serving
+        self.max_config_bytes = max_config_bytes
+        self.metrics = SharedRender()
+        self.config_render = SharedRender()
+        bounds = Bounds(
+            max_connections=max_connections,
+            read_timeout=READ_TIMEOUT,
+            idle_timeout=IDLE_TIMEOUT,
+            write_timeout=write_timeout,
+            max_body=MAX_BODY_BYTES,
+        )
+        self.http = HttpServer("admin", self.answer, bounds, http_error, text_answer(503, "busy\n"))
+
+    @property
+    def port(self) -> int:
+        return self.http.port
+
+    @property
+    def refused(self) -> int:
+        """Connections refused at ``max_connections`` (since start)."""
+        return self.http.refused
+
+    @property
+    def dropped(self) -> int:
+        """Clients dropped for not reading their answer within the write timeout (since start)."""
+        return self.http.dropped
+
+    async def start(self, address: str) -> None:
+        await self.http.start(address)
+
+    async def close(self) -> None:
+        await self.http.close()
+
+    async def answer(self, request: Request) -> Answer:
+        """One request: a GET (or HEAD) of a known path."""
+        if request.method not in ("GET", "HEAD"):
+            return Answer(405, b"only GET\n", "text/plain", allow="GET, HEAD")
+        if request.path == "/metrics":
+            return Answer(200, await self.metrics_body(), METRICS_CONTENT_TYPE)
+        if request.path == "/config":
+            return Answer(200, await self.config_body(), "application/json")
+        if request.path in ("/healthz", "/healthcheck"):
+            return text_answer(200, "SERVING\n") if self.serving() else text_answer(503, "NOT_SERVING\n")
+        return text_answer(404, "try /metrics, /config, /healthz or /healthcheck\n")
+
+    async def metrics_body(self) -> bytes:
+        """``/metrics``: numbers copied here, text made in a worker thread, shared."""
+
+        def snapshot() -> Callable[[], bytes]:
+            source = self.registry() if callable(self.registry) else self.registry
+            return lambda: render(source)
+
+        return await self.metrics.get(snapshot)
+
+    async def config_body(self) -> bytes:
+        """``/config``: the quota state copied here, the document built and capped in a thread, shared."""
+
+        def snapshot() -> Callable[[], bytes]:
+            document = self.config()
+            return lambda: capped_json(document(), self.max_config_bytes)
+
+        return await self.config_render.get(snapshot)

@@ -343,13 +343,21 @@ class Sidecar:
             options=load_options(settings),
         )
 
-    def _config_json(self) -> dict[str, Any]:
-        """``/config``: the rules, and each live quota bucket's current assignment."""
-        shown = config_json(self.service.config, self.stats.config_loaded_at)
-        shown["quota"] = self.quota.registry.describe()
+    def _config_json(self) -> Callable[[], dict[str, Any]]:
+        """``/config``, called on the event loop: the quota buckets' assignments (mutable, so
+        described here, bounded) and the config (immutable, swapped whole on reload), and what
+        turns them into the document, in a worker thread: the rules and each live bucket."""
+        config, loaded_at = self.service.config, self.stats.config_loaded_at
+        quota_state = self.quota.registry.describe()
         if self.leases is not None:
-            shown["quota"]["shares"] = self.leases.describe()
-        return shown
+            quota_state["shares"] = self.leases.describe()
+
+        def document() -> dict[str, Any]:
+            shown = config_json(config, loaded_at)
+            shown["quota"] = quota_state
+            return shown
+
+        return document
 
     def _install(self, config: RateLimitConfig) -> None:
         """Swap the config the request path reads (one assignment: no request sees half of it),

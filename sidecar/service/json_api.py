@@ -14,13 +14,20 @@ answers a bare ``400 Bad Request``, this endpoint answers ``{"code": "INVALID_AR
 must not be empty``); a body that is not a ``RateLimitRequest`` in JSON is 400 with the
 parser's reason, an internal fault is 500 ``INTERNAL``.
 
-A careful HTTP/1.1 server on the sidecar's event loop (asyncio streams, no dependency):
-keep-alive, ``Content-Length`` bodies only (no chunked encoding, so no smuggling games),
-a body cap checked before reading (413), a request head cap, a deadline for each request
-to arrive once it has begun (:data:`READ_TIMEOUT`, else 408), a deadline for the client to
-read its answer (:data:`WRITE_TIMEOUT`), an idle limit between requests
-(:data:`IDLE_TIMEOUT`), and a cap on open connections (503 beyond it), as the admin
-endpoint bounds its own. It listens
+Before protobuf parses anything, the request bounds of :mod:`sidecar.service.validate` are
+checked on the decoded JSON, in the order the gRPC path checks them and with its messages:
+the domain, the number of descriptors, then per descriptor its entries (count, key and
+value sizes), that descriptor parsed alone (at most 32 entries) and its own checks. So a
+body of 21,000 empty descriptors is refused from a list length, never handed to
+``json_format.ParseDict``, and a request within the bounds (up to 64 x 32 entries) is parsed
+a descriptor at a time, yielding to the event loop every :data:`PARSE_CHUNK_ENTRIES`.
+
+HTTP is :mod:`sidecar.http_server`'s (h11 under asyncio streams, on the sidecar's event
+loop): keep-alive, ``Content-Length`` bodies only (411 otherwise), a body cap checked
+before reading (413), a request head cap, a deadline for each request to arrive once it
+has begun (:data:`READ_TIMEOUT`, else 408), a deadline for the client to read its answer
+(:data:`WRITE_TIMEOUT`), an idle limit between requests (:data:`IDLE_TIMEOUT`), and a cap
+on open connections (503 beyond it), as the admin endpoint bounds its own. It listens
 only when ``--json-address`` is set, loopback in the documented examples: it has no TLS,
 so anything that reaches it can spend every limit.
 """
@@ -29,26 +36,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
-import structlog
+import grpc
 from google.protobuf import json_format
 
+from sidecar.http_server import MAX_HEAD_BYTES, Answer, Bounds, HttpServer, Request
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService, Refusal
+from sidecar.service.validate import (
+    MAX_DESCRIPTORS,
+    MAX_DOMAIN_LENGTH,
+    MAX_ENTRIES,
+    MAX_KEY_LENGTH,
+    MAX_VALUE_LENGTH,
+    descriptor_problem,
+)
 
-log = structlog.get_logger(__name__)
+__all__ = ["MAX_HEAD_BYTES", "Answer", "JsonEndpoint", "decide_json"]
 
 PATH = "/json"
 HEALTH_PATH = "/healthcheck"
 """envoyproxy/ratelimit's health check on its HTTP port: 200 ``OK``, 500 while not serving."""
 MAX_BODY_BYTES = 64 * 1024
-"""Largest body parsed. JSON is parsed in Python on the event loop, so the cap also bounds
-how long one request can hold it (about a millisecond per 10 KiB); every request the
-bounds accept with ordinary values is far smaller."""
-MAX_HEAD_BYTES = 8192
-"""Request line plus headers."""
+"""Largest body read. JSON is decoded on the event loop (about 0.5 ms for 64 KiB); what
+protobuf then parses is bounded by the request bounds, checked first."""
 READ_TIMEOUT = 5.0
 """Seconds a request has to arrive in full once its first byte has (slow clients get 408)."""
 WRITE_TIMEOUT = 5.0
@@ -59,43 +72,24 @@ MAX_CONNECTIONS = 512
 """Open connections at most; the next one is answered 503 and closed."""
 MAX_DETAIL = 200
 """Characters of the JSON parser's reason quoted back: it may echo the client's input."""
+PARSE_CHUNK_ENTRIES = 256
+"""Descriptor entries parsed by protobuf between two yields to the event loop (about 7 ms
+of ``ParseDict`` on this machine's 2 cores)."""
 
-REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    411: "Length Required",
-    413: "Content Too Large",
-    429: "Too Many Requests",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "INTERNAL": 500}
 
 
-class HttpError(Exception):
-    """An HTTP-level problem: the status to answer with, and a short reason; the connection closes."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """One HTTP response: status, JSON body, and whether the connection must close after it."""
-
-    status: int
-    body: bytes
-    close: bool = False
-    allow: str = ""
+class OutOfBoundsError(Exception):
+    """A request bound broken, found on the decoded JSON: the gRPC path's message for it."""
 
 
 def error_body(code: str, message: str) -> bytes:
     return json.dumps({"code": code, "message": message}, ensure_ascii=False).encode()
+
+
+def http_error(status: int, reason: str) -> Answer:
+    """What an HTTP-level refusal (400, 408, 411, 413) gets on this endpoint."""
+    return Answer(status, error_body("BAD_REQUEST", reason), close=True)
 
 
 def refusal_answer(refusal: Refusal, detail: str = "") -> Answer:
@@ -105,14 +99,93 @@ def refusal_answer(refusal: Refusal, detail: str = "") -> Answer:
     return Answer(HTTP_STATUS.get(name, 500), error_body(name, message))
 
 
+def domain_problem(value: dict[str, Any]) -> str | None:
+    """``request_problem``'s first checks, on the JSON (a non-string domain is the parser's to refuse)."""
+    domain = value.get("domain", "")
+    if not isinstance(domain, str):
+        return None
+    if not domain:
+        return "domain: must not be empty"
+    if len(domain) > MAX_DOMAIN_LENGTH:
+        return f"domain: longer than {MAX_DOMAIN_LENGTH} characters"
+    return None
+
+
+def entries_problem(descriptor: Any) -> str | None:
+    """``descriptor_problem``'s checks of the entries, on the JSON, before protobuf sees them.
+    Values of the wrong JSON type are left for the parser to name."""
+    entries = descriptor.get("entries", []) if isinstance(descriptor, dict) else None
+    if not isinstance(entries, list):
+        return None
+    if not entries:
+        return "entries: a descriptor needs at least one entry"
+    if len(entries) > MAX_ENTRIES:
+        return f"entries: more than {MAX_ENTRIES} entries"
+    for index, entry in enumerate(entries):
+        problem = entry_problem(entry) if isinstance(entry, dict) else None
+        if problem is not None:
+            return f"entries[{index}].{problem}"
+    return None
+
+
+def entry_problem(entry: dict[str, Any]) -> str | None:
+    """``validate.entry_problem`` on one JSON entry (wrong types are the parser's to name)."""
+    key, value = entry.get("key", ""), entry.get("value", "")
+    if isinstance(key, str) and not key:
+        return "key: must not be empty"
+    if isinstance(key, str) and len(key) > MAX_KEY_LENGTH:
+        return f"key: longer than {MAX_KEY_LENGTH} characters"
+    if isinstance(value, str) and len(value) > MAX_VALUE_LENGTH:
+        return f"value: longer than {MAX_VALUE_LENGTH} characters"
+    return None
+
+
+async def parse_request(value: dict[str, Any]) -> Any:
+    """``value`` as a ``RateLimitRequest``, the bounds checked before each part is parsed.
+
+    Raises :class:`OutOfBoundsError` with the gRPC path's message, or the parser's error."""
+    request = rls_pb2.RateLimitRequest()
+    descriptors = value.get("descriptors", [])
+    json_format.ParseDict({name: part for name, part in value.items() if name != "descriptors"}, request)
+    problem = domain_problem(value)
+    if problem is None and isinstance(descriptors, list):
+        if not descriptors:
+            problem = "descriptors: at least one descriptor is required"
+        elif len(descriptors) > MAX_DESCRIPTORS:
+            problem = f"descriptors: more than {MAX_DESCRIPTORS} descriptors"
+    if problem is not None:
+        raise OutOfBoundsError(problem)
+    if not isinstance(descriptors, list):
+        json_format.ParseDict({"descriptors": descriptors}, request)  # the parser names the wrong type
+        return request
+    parsed = 0
+    for index, descriptor in enumerate(descriptors):
+        problem = entries_problem(descriptor)
+        if problem is None:
+            try:
+                json_format.ParseDict(descriptor, request.descriptors.add())
+            except json_format.ParseError as error:
+                raise json_format.ParseError(f"descriptors[{index}]: {error}") from None
+            problem = descriptor_problem(request.descriptors[index])
+        if problem is not None:
+            raise OutOfBoundsError(f"descriptors[{index}].{problem}")
+        parsed += len(request.descriptors[index].entries) + 1
+        if parsed >= PARSE_CHUNK_ENTRIES:
+            parsed = 0
+            await asyncio.sleep(0)
+    return request
+
+
 async def decide_json(service: RateLimitService, body: bytes) -> Answer:
     """A ``RateLimitRequest`` in JSON through the service's shared request path; no sockets involved."""
-    request = rls_pb2.RateLimitRequest()
     try:
         value = json.loads(body)
         if not isinstance(value, dict):
             raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-        json_format.ParseDict(value, request)
+        request = await parse_request(value)
+    except OutOfBoundsError as bound:
+        service.stats.error("invalid_argument")  # as RateLimitService.handle counts its own refusals
+        return refusal_answer(Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(bound)))
     except Exception as error:  # ParseError, bad UTF-8, RecursionError, ...: all the client's doing
         refusal = await service.handle(None)  # counted as undecodable, answered as gRPC would
         assert isinstance(refusal, Refusal)
@@ -126,48 +199,6 @@ async def decide_json(service: RateLimitService, body: bytes) -> Answer:
     return Answer(429 if over else 200, text.encode())
 
 
-@dataclass
-class Head:
-    """A parsed request head."""
-
-    method: str
-    path: str
-    version: str
-    headers: Mapping[str, str]
-
-
-def parse_head(data: bytes) -> Head:
-    """The request line and headers (names lowercased); :class:`HttpError` when malformed."""
-    try:
-        text = data.decode("latin-1")
-        line, *rest = text.split("\r\n")
-        method, target, version = line.split(" ")
-    except ValueError:
-        raise HttpError(400, "malformed request line") from None
-    if not version.startswith("HTTP/1."):
-        raise HttpError(400, "only HTTP/1.x")
-    headers: dict[str, str] = {}
-    for field in rest:
-        if not field:
-            continue
-        name, sep, value = field.partition(":")
-        if not sep or not name or name != name.strip():
-            raise HttpError(400, "malformed header")
-        name = name.lower()
-        value = value.strip()
-        if name in headers and name in ("content-length", "transfer-encoding"):
-            raise HttpError(400, f"repeated {name}")
-        headers[name] = value
-    return Head(method, target.split("?", 1)[0], version, headers)
-
-
-def keep_alive(head: Head) -> bool:
-    connection = head.headers.get("connection", "").lower()
-    if head.version == "HTTP/1.0":
-        return connection == "keep-alive"
-    return connection != "close"
-
-
 class JsonEndpoint:
     """The ``/json`` listener: serves :func:`decide_json` over HTTP/1.1 on the running event loop."""
 
@@ -178,128 +209,46 @@ class JsonEndpoint:
         max_connections: int = MAX_CONNECTIONS,
         read_timeout: float = READ_TIMEOUT,
         idle_timeout: float = IDLE_TIMEOUT,
+        write_timeout: float = WRITE_TIMEOUT,
         max_body: int = MAX_BODY_BYTES,
         serving: Callable[[], bool] = lambda: True,
     ) -> None:
         self.service = service
         self.serving = serving
         """Whether ``GET /healthcheck`` answers 200 (envoyproxy/ratelimit's health path on its HTTP port)."""
-        self.max_connections = max_connections
-        self.read_timeout = read_timeout
-        self.idle_timeout = idle_timeout
-        self.max_body = max_body
-        self.server: asyncio.Server | None = None
-        self.port = 0
-        self.writers: set[asyncio.StreamWriter] = set()
-        self.refused_connections = 0
-        """Connections answered 503 because :attr:`max_connections` were open."""
+        bounds = Bounds(
+            max_connections=max_connections,
+            read_timeout=read_timeout,
+            idle_timeout=idle_timeout,
+            write_timeout=write_timeout,
+            max_body=max_body,
+            length_required=frozenset({"POST"}),
+        )
+        busy = Answer(503, error_body("UNAVAILABLE", "too many connections"), close=True)
+        self.http = HttpServer("json", self.answer, bounds, http_error, busy)
+
+    @property
+    def port(self) -> int:
+        return self.http.port
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections answered 503 because ``max_connections`` were open."""
+        return self.http.refused
 
     async def start(self, address: str) -> None:
-        host, _, port = address.rpartition(":")
-        self.server = await asyncio.start_server(self._serve, host.strip("[]"), int(port), limit=MAX_HEAD_BYTES)
-        self.port = int(self.server.sockets[0].getsockname()[1])
+        await self.http.start(address)
 
     async def close(self) -> None:
         """Stop listening and close every connection (called once calls have stopped)."""
-        if self.server is not None:
-            self.server.close()
-            for writer in list(self.writers):
-                writer.close()
-            await self.server.wait_closed()
+        await self.http.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self.writers) >= self.max_connections:
-            self.refused_connections += 1
-            await self._write(writer, Answer(503, error_body("UNAVAILABLE", "too many connections"), close=True))
-            writer.close()
-            return
-        self.writers.add(writer)
-        try:
-            timeout = self.read_timeout
-            while True:
-                answer = await self._one(reader, writer, timeout)
-                if answer is None:
-                    break
-                await self._write(writer, answer)
-                if answer.close:
-                    break
-                timeout = self.idle_timeout
-        except ConnectionError:
-            pass
-        except Exception:
-            log.exception("json_request_failed")
-        finally:
-            self.writers.discard(writer)
-            writer.close()
-
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, idle: float) -> Answer | None:
-        """Read and answer one request; None when the client left or stayed idle too long."""
-        received = await self._receive(reader, writer, idle)
-        if received is None or isinstance(received, Answer):
-            return received
-        head, body = received
-        close = not keep_alive(head)
-        if head.path.split("?", 1)[0] == HEALTH_PATH and head.method in ("GET", "HEAD"):
-            return Answer(200, b"OK", close) if self.serving() else Answer(500, b"NOT_SERVING", close)
-        if head.path != PATH:
-            return Answer(404, error_body("NOT_FOUND", f"the decision endpoint is POST {PATH}"), close)
-        if head.method != "POST":
-            return Answer(405, error_body("BAD_REQUEST", f"{PATH} takes POST"), close, allow="POST")
-        answer = await decide_json(self.service, body)
-        return Answer(answer.status, answer.body, close)
-
-    async def _receive(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, idle: float
-    ) -> tuple[Head, bytes] | Answer | None:
-        """A request's head and body; an error answer (the connection then closes); None: nobody there."""
-        try:
-            async with asyncio.timeout(idle):
-                first = await reader.read(1)
-        except TimeoutError:
-            first = b""  # idle too long: close quietly
-        if not first:
-            return None
-        try:
-            async with asyncio.timeout(self.read_timeout):
-                head = parse_head(first + await reader.readuntil(b"\r\n\r\n"))
-                return head, await self._body(reader, writer, head)
-        except HttpError as bad:
-            return Answer(bad.status, error_body("BAD_REQUEST", bad.reason), close=True)
-        except TimeoutError:
-            return Answer(408, error_body("BAD_REQUEST", "request not received in time"), close=True)
-        except asyncio.LimitOverrunError:
-            return Answer(400, error_body("BAD_REQUEST", f"request head over {MAX_HEAD_BYTES} bytes"), close=True)
-        except asyncio.IncompleteReadError:
-            return None
-
-    async def _body(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: Head) -> bytes:
-        if "transfer-encoding" in head.headers:
-            raise HttpError(411, "send the body with Content-Length, not Transfer-Encoding")
-        length_text = head.headers.get("content-length")
-        if length_text is None:
-            if head.method == "POST":
-                raise HttpError(411, "Content-Length is required")
-            return b""
-        if not length_text.isdigit():
-            raise HttpError(400, "Content-Length must be a number")
-        length = int(length_text)
-        if length > self.max_body:
-            raise HttpError(413, f"body over {self.max_body} bytes")
-        if length and head.headers.get("expect", "").lower() == "100-continue":
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits for this before a large body
-        return await reader.readexactly(length) if length else b""
-
-    async def _write(self, writer: asyncio.StreamWriter, answer: Answer) -> None:
-        allow = f"allow: {answer.allow}\r\n" if answer.allow else ""
-        head = (
-            f"HTTP/1.1 {answer.status} {REASONS.get(answer.status, '')}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(answer.body)}\r\n{allow}connection: {'close' if answer.close else 'keep-alive'}"
-            "\r\n\r\n"
-        ).encode()
-        writer.write(head + answer.body)
-        try:
-            async with asyncio.timeout(WRITE_TIMEOUT):
-                await writer.drain()
-        except TimeoutError:
-            writer.transport.abort()  # a client that does not read would pin the buffer
-            raise ConnectionResetError("client stopped reading") from None
+    async def answer(self, request: Request) -> Answer:
+        """One request: the health check, or a decision."""
+        if request.path == HEALTH_PATH and request.method in ("GET", "HEAD"):
+            return Answer(200, b"OK") if self.serving() else Answer(500, b"NOT_SERVING")
+        if request.path != PATH:
+            return Answer(404, error_body("NOT_FOUND", f"the decision endpoint is POST {PATH}"))
+        if request.method != "POST":
+            return Answer(405, error_body("BAD_REQUEST", f"{PATH} takes POST"), allow="POST")
+        return await decide_json(self.service, request.body)

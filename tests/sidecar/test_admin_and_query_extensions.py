@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from sidecar.admin import AdminEndpoint, config_json, rule_json
 from sidecar.client import describe
 from sidecar.config import load_config
+from sidecar.http_server import Request
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.service.servicer import RateLimitService
 
@@ -67,12 +68,12 @@ def test_config_shows_algorithm_window_burst_and_ban_of_each_rule() -> None:
     )
 
 
-def test_config_over_http_lists_every_limit_of_a_descriptor() -> None:
+async def test_config_over_http_lists_every_limit_of_a_descriptor() -> None:
     config = load_config(EXTENSIONS)
-    endpoint = AdminEndpoint(registry=None, config=lambda: config_json(config, 0.0), serving=lambda: True)
-    status, content_type, body = endpoint.respond("GET", "/config")
-    assert (status, content_type) == ("200 OK", "application/json")
-    rules = json.loads(body)["domains"]["extensions"]["rules"]
+    endpoint = AdminEndpoint(registry=None, config=lambda: lambda: config_json(config, 0.0), serving=lambda: True)
+    answer = await endpoint.answer(Request("GET", "/config"))
+    assert (answer.status, answer.content_type) == (200, "application/json")
+    rules = json.loads(answer.body)["domains"]["extensions"]["rules"]
     api_key = [rule for rule in rules if rule["stat_key"] == "extensions.api_key"]
     assert [(rule["name"], rule["requests_per_unit"], rule["unit"]) for rule in api_key] == [
         ("api_key_per_second", 10, "second"),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.admin import AdminEndpoint
+from sidecar.http_server import Request
 from tests.support.redis_servers import RedisServer, fresh_prefix
 from tests.support.sidecars import Sidecar, SidecarFactory, clean_env, free_port, metric, request, run_cli
 
@@ -96,13 +97,14 @@ def test_healthz_and_unknown_paths(start_sidecar: SidecarFactory, config_dir: Pa
         raw.sendall(b"garbage\r\n\r\n")
         assert raw.recv(100).startswith(b"HTTP/1.1 400")
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
-        raw.sendall(b"POST /metrics HTTP/1.1\r\n\r\n")
+        raw.sendall(b"POST /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
         assert raw.recv(100).startswith(b"HTTP/1.1 405")
 
 
-def test_healthz_answers_503_while_not_serving() -> None:
-    endpoint = AdminEndpoint(registry=None, config=dict, serving=lambda: False)
-    assert endpoint.respond("GET", "/healthz")[:2] == ("503 Service Unavailable", "text/plain")
+async def test_healthz_answers_503_while_not_serving() -> None:
+    endpoint = AdminEndpoint(registry=None, config=lambda: dict, serving=lambda: False)
+    answer = await endpoint.answer(Request("GET", "/healthz"))
+    assert (answer.status, answer.content_type) == (503, "text/plain")
 
 
 def test_a_taken_metrics_port_fails_startup_with_one_line(config_dir: Path) -> None:

@@ -136,11 +136,11 @@ class SlowCollector:
 
 async def test_a_scrape_is_rendered_off_the_event_loop() -> None:
     slow = SlowCollector(0.4)
-    endpoint = AdminEndpoint(registry=slow, config=dict, serving=lambda: True)
+    endpoint = AdminEndpoint(registry=slow, config=lambda: dict, serving=lambda: True)
     await endpoint.start("127.0.0.1:0")
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
-        writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+        writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         lags = []
         scrape = asyncio.ensure_future(reader.read())
         while not scrape.done():

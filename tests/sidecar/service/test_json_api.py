@@ -160,14 +160,14 @@ async def test_listener_keeps_alive_and_refuses_what_a_careful_server_refuses(h,
         cases = {
             post(b"{}", "expect: 100-continue\r\n"): b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 400",
             post(b"x" * (MAX_BODY_BYTES + 1)): b"HTTP/1.1 413",
-            b"POST /json HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n": b"HTTP/1.1 411",
-            b"POST /json HTTP/1.1\r\n\r\n": b"HTTP/1.1 411",
-            b"POST /json HTTP/1.1\r\ncontent-length: 1\r\ncontent-length: 1\r\n\r\n{": b"HTTP/1.1 400",
-            b"GET /json HTTP/1.1\r\nconnection: close\r\n\r\n": b"HTTP/1.1 405",
+            b"POST /json HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n": b"HTTP/1.1 411",
+            b"POST /json HTTP/1.1\r\nhost: x\r\n\r\n": b"HTTP/1.1 411",
+            b"POST /json HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n{": b"HTTP/1.1 400",
+            b"GET /json HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n": b"HTTP/1.1 405",
             post(good, "connection: close\r\n", path="/other"): b"HTTP/1.1 404",
             b"POST /json HTTP/1.1\r\nx: " + b"y" * 9000 + b"\r\n\r\n": b"HTTP/1.1 400",
             b"BREW /json\r\n\r\n": b"HTTP/1.1 400",
-            b"POST /json HTTP/1.1\r\ncontent-length: 10\r\n\r\n{": b"HTTP/1.1 408",  # the body never comes
+            b"POST /json HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n{": b"HTTP/1.1 408",  # the body never comes
         }
         for sent, expected in cases.items():
             got = await raw_exchange(endpoint.port, sent)
@@ -249,3 +249,96 @@ def test_json_address_off_by_default_and_refused_when_taken(start_sidecar: Sidec
         )  # fmt: skip
     assert result.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+# ---------------------------------------------------------------------------- issue 25: bounds before parsing
+
+
+class ParseSpy:
+    """Records what ``json_format.ParseDict`` is handed, and the yields to the loop between."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from sidecar.service import json_api
+
+        self.calls: list[Any] = []
+        self.entries_between_yields: list[int] = [0]
+        real_parse, real_sleep = json_format.ParseDict, asyncio.sleep
+
+        def parse(value: Any, message: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls.append(value)
+            found = [value] if "entries" in value else value.get("descriptors", [])
+            self.entries_between_yields[-1] += sum(len(d.get("entries", [])) for d in found if isinstance(d, dict))
+            return real_parse(value, message, *args, **kwargs)
+
+        async def sleep(delay: float) -> None:
+            self.entries_between_yields.append(0)
+            await real_sleep(delay)
+
+        monkeypatch.setattr(json_format, "ParseDict", parse)
+        monkeypatch.setattr(json_api.asyncio, "sleep", sleep)
+
+    def descriptors_parsed(self) -> int:
+        return sum(("entries" in value) + len(value.get("descriptors", [])) for value in self.calls)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"domain": "api", "descriptors": [{}] * 21_000}, "descriptors: more than 64 descriptors"),
+        ({"domain": "", "descriptors": [{}] * 21_000}, "domain: must not be empty"),
+        (
+            {"domain": "api", "descriptors": [{"entries": [{"key": "k"}] * 5_000}]},
+            "descriptors[0].entries: more than 32 entries",
+        ),
+        (
+            {"domain": "api", "descriptors": [{"entries": [{"key": "k"}]}, {"entries": [{"key": "k" * 300}]}]},
+            "descriptors[1].entries[0].key: longer than 256 characters",
+        ),
+        (
+            {"domain": "api", "descriptors": [{"entries": [{"key": "k", "value": "v" * 5000}] * 12}]},
+            "descriptors[0].entries[0].value: longer than 4096 characters",
+        ),
+    ],
+    ids=["21000-descriptors", "empty-domain-first", "5000-entries", "long-key", "long-value"],
+)
+async def test_bounds_are_checked_before_protobuf_parses_the_body(h, clock, monkeypatch, value, message):
+    """Defect 4: 21,000 empty descriptors (63 KB) took 130-170 ms in ParseDict before the bounds refused them."""
+    service = h.memory_service(RULES, clock)
+    body = json.dumps(value, separators=(",", ":")).encode()
+    assert len(body) <= MAX_BODY_BYTES
+    spy = ParseSpy(monkeypatch)
+    answer = await decide_json(service, body)
+    assert (answer.status, json.loads(answer.body)) == (400, {"code": "INVALID_ARGUMENT", "message": message})
+    assert spy.descriptors_parsed() <= 1, "an over-bound body reached protobuf"
+    assert sum(spy.entries_between_yields) <= 1, "an over-bound descriptor reached protobuf"
+    assert service.stats.errors["invalid_argument"] == 1
+
+
+async def test_a_request_at_the_bounds_is_parsed_in_chunks_between_loop_turns(h, clock, monkeypatch):
+    """64 descriptors of 32 entries (what the bounds admit) are parsed a few hundred entries per loop turn."""
+    from sidecar.service.json_api import PARSE_CHUNK_ENTRIES
+
+    service = h.memory_service(RULES, clock)
+    value = {
+        "domain": "api",
+        "descriptors": [{"entries": [{"key": f"k{j}", "value": str(i)} for j in range(32)]} for i in range(64)],
+    }
+    spy = ParseSpy(monkeypatch)
+    answer = await decide_json(service, json.dumps(value).encode())
+    assert answer.status == 200
+    assert sum(spy.entries_between_yields) == 64 * 32
+    assert max(spy.entries_between_yields) <= PARSE_CHUNK_ENTRIES + 32
+
+
+async def test_a_bound_is_named_in_the_grpc_order_across_descriptors(h, clock):
+    """An earlier descriptor's own fault (its unit) is named before a later one's oversize entry, as gRPC does."""
+    service = h.memory_service(RULES, clock)
+    value = {
+        "domain": "api",
+        "descriptors": [
+            {"entries": [{"key": "k"}], "limit": {"requestsPerUnit": 1, "unit": 9}},
+            {"entries": [{"key": "k"}] * 40},
+        ],
+    }
+    answer = await decide_json(service, json.dumps(value).encode())
+    assert json.loads(answer.body)["message"] == "descriptors[0].limit.unit: unknown unit 9"

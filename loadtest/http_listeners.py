@@ -1,0 +1,110 @@
+"""What the HTTP listeners cost: resident memory with and without them, and ``POST /json`` latency.
+
+    python -m loadtest.http_listeners                      # ~1 minute
+    python -m loadtest.http_listeners --seconds 10 --connections 4
+
+Starts ``ratelimit-sidecar serve`` (memory backend, examples/config) three times: with no
+HTTP listener (``RLS_METRICS_ADDRESS=""``), with the admin endpoint alone (the default),
+and with the admin endpoint and ``--json-address``; reads VmRSS from ``/proc/<pid>`` after
+startup settles. On the last one it runs ``wrk`` (bounded by ``--seconds``) with a Lua
+script that POSTs one ``RateLimitRequest`` as JSON over ``--connections`` kept-alive
+connections, and prints wrk's latency percentiles and the RSS after the load. Every child is
+stopped when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+from loadtest.footprint import CONFIG, child, free_port, memory_mib, wait_serving
+
+BODY = (
+    '{"domain": "demo", "descriptors": [{"entries": [{"key": "remote_address", "value": "198.51.100.7"}]},'
+    ' {"entries": [{"key": "generic_key", "value": "api"}, {"key": "api_key", "value": "premium-a"}]}]}'
+)
+LUA = f"""
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [[{BODY}]]
+"""
+
+
+def start_env(grpc: str, metrics: str, json_address: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("RLS_", "OTEL_"))}
+    env.update(
+        RLS_LOG_LEVEL="warning",
+        RLS_CONFIG=str(CONFIG),
+        RLS_GRPC_ADDRESS=grpc,
+        RLS_METRICS_ADDRESS=metrics,
+        RLS_JSON_ADDRESS=json_address,
+    )
+    return env
+
+
+def settled_rss(grpc: str, env: dict[str, str], settle: float) -> float:
+    with child([sys.executable, "-m", "sidecar", "serve"], env) as process:
+        wait_serving(grpc, process)
+        time.sleep(settle)
+        return memory_mib(process.pid)[0]
+
+
+def wrk_latency(port: int, seconds: float, connections: int) -> dict[str, str]:
+    """wrk's requests/s and latency percentiles for ``POST /json``."""
+    binary = shutil.which("wrk")
+    if binary is None:
+        raise SystemExit("wrk not found (scripts/bootstrap installs it)")
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
+        script.write(LUA)
+        script.flush()
+        argv = [binary, "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", script.name]
+        output = subprocess.run(
+            [*argv, f"http://127.0.0.1:{port}/json"], capture_output=True, text=True, timeout=seconds + 30, check=True
+        ).stdout
+    found = {name: value for name, value in re.findall(r"^\s+(50|75|90|99)%\s+(\S+)", output, re.MULTILINE)}
+    found["rps"] = re.search(r"Requests/sec:\s+(\S+)", output).group(1)  # type: ignore[union-attr]
+    found["errors"] = "yes" if "Socket errors" in output else "none"
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=15.0, help="length of the wrk run")
+    parser.add_argument("--connections", type=int, default=4)
+    parser.add_argument("--settle", type=float, default=3.0, help="seconds after SERVING before RSS is read")
+    arguments = parser.parse_args(argv)
+    print(
+        f"python -m loadtest.http_listeners --seconds {arguments.seconds:g} --connections {arguments.connections}"
+        f" --settle {arguments.settle:g}\n{os.cpu_count()} cores, Python {sys.version.split()[0]}"
+    )
+    grpc = f"127.0.0.1:{free_port()}"
+    no_http = settled_rss(grpc, start_env(grpc, "", ""), arguments.settle)
+    admin_only = settled_rss(grpc, start_env(grpc, f"127.0.0.1:{free_port()}", ""), arguments.settle)
+    json_port = free_port()
+    env = start_env(grpc, f"127.0.0.1:{free_port()}", f"127.0.0.1:{json_port}")
+    with child([sys.executable, "-m", "sidecar", "serve"], env) as process:
+        wait_serving(grpc, process)
+        time.sleep(arguments.settle)
+        both = memory_mib(process.pid)[0]
+        load = wrk_latency(json_port, arguments.seconds, arguments.connections)
+        after, peak = memory_mib(process.pid)
+    print(f"RSS, no HTTP listener:          {no_http:6.1f} MiB")
+    print(f"RSS, admin endpoint (default): {admin_only:6.1f} MiB")
+    print(f"RSS, admin + /json:            {both:6.1f} MiB")
+    print(f"RSS after the /json load:      {after:6.1f} MiB (peak {peak:.1f} MiB)")
+    print(
+        f"POST /json, {arguments.connections} connections: {load['rps']} requests/s, p50 {load['50']}, "
+        f"p75 {load['75']}, p90 {load['90']}, p99 {load['99']}, socket errors: {load['errors']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,294 @@
+"""The HTTP/1.1 server under the sidecar's two HTTP listeners (the admin endpoint and ``POST /json``).
+
+HTTP itself (request lines, headers, ``Content-Length`` framing, keep-alive, ``HEAD``,
+``Expect: 100-continue``, what a malformed request is) is h11's: a sans-IO HTTP/1.1
+implementation, so no parsing is written here. This module adds only the I/O on asyncio
+streams of the sidecar's event loop, and the bounds a per-pod sidecar needs, because
+every connection is served on the loop that answers Envoy:
+
+- the request head is at most :data:`MAX_HEAD_BYTES` (h11's incomplete-event cap; 400),
+  and must arrive in full within ``read_timeout`` of its first byte (408), body included;
+- bodies are ``Content-Length`` only (``Transfer-Encoding`` gets 411: no chunked games),
+  at most ``max_body`` bytes, refused from the header before any of it is read (413);
+- a kept-alive connection may idle ``idle_timeout`` seconds between requests;
+- a client gets ``write_timeout`` seconds to read an answer: one that stops reading is
+  dropped, and its buffer freed;
+- at most ``max_connections`` are open: the next one gets the ``busy`` answer at once,
+  without its request being read, and is closed.
+
+Anything malformed (a ``Content-Length`` of ``²`` or of 5,000 digits, a bad request line, a
+missing ``Host`` in HTTP/1.1) is h11's ``RemoteProtocolError``: 400, no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import h11
+import structlog
+
+log = structlog.get_logger(__name__)
+
+MAX_HEAD_BYTES = 8192
+"""Request line plus headers."""
+READ_CHUNK = 65536
+REFUSAL_LOG_SECONDS = 60.0
+"""At most one log line per listener this often about connections refused at the cap."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request as a listener's handler sees it: method, path (no query), and the whole body."""
+
+    method: str
+    path: str
+    body: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One response: status, body and its type; ``close``: end the connection after it."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    close: bool = False
+    allow: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What one listener lets a client hold; see the module docstring."""
+
+    max_connections: int
+    read_timeout: float
+    idle_timeout: float
+    write_timeout: float
+    max_body: int
+    length_required: frozenset[str] = frozenset()
+    """Methods whose requests must say ``Content-Length`` (411 otherwise)."""
+
+
+Handler = Callable[[Request], Awaitable[Answer]]
+ErrorAnswer = Callable[[int, str], Answer]
+"""The answer a listener gives for an HTTP-level refusal: ``(status, reason)``."""
+
+
+class RequestError(Exception):
+    """An HTTP-level refusal: the status, and a reason for the client. The connection closes."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class ClientGoneError(Exception):
+    """The client left (or stayed idle past the idle timeout): nothing to answer."""
+
+
+def serialized(answer: Answer) -> bytes:
+    """``answer`` as bytes on a connection of its own (written before any request is read): h11
+    frames it for a client that is then refused (its request side put in error, unread)."""
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(b"\0\r\n\r\n")
+    with contextlib.suppress(h11.RemoteProtocolError):
+        connection.next_event()
+    return b"".join(
+        connection.send(event)
+        for event in (response_event(answer), h11.Data(data=answer.body), h11.EndOfMessage())
+        if not isinstance(event, h11.Data) or answer.body
+    )
+
+
+def response_event(answer: Answer) -> h11.Response:
+    headers = [("content-type", answer.content_type), ("content-length", str(len(answer.body)))]
+    if answer.allow:
+        headers.append(("allow", answer.allow))
+    if answer.close:
+        headers.append(("connection", "close"))
+    return h11.Response(status_code=answer.status, headers=headers, reason=HTTPStatus(answer.status).phrase)
+
+
+class HttpServer:
+    """One listener: serves ``handler`` over HTTP/1.1 on the running event loop, within ``bounds``."""
+
+    def __init__(self, name: str, handler: Handler, bounds: Bounds, error: ErrorAnswer, busy: Answer) -> None:
+        self.name = name
+        self.handler = handler
+        self.bounds = bounds
+        self.error = error
+        self.busy = serialized(busy)
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.writers: set[asyncio.StreamWriter] = set()
+        """Open connections (their writers), at most ``bounds.max_connections``."""
+        self.refused = 0
+        """Connections answered ``busy`` because ``max_connections`` were open (since start)."""
+        self.dropped = 0
+        """Clients dropped for not reading their answer within ``write_timeout`` (since start)."""
+        self._refusal_logged = -REFUSAL_LOG_SECONDS
+
+    async def start(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        self.server = await asyncio.start_server(self._accept, host.strip("[]"), int(port), limit=READ_CHUNK)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop listening and close every connection."""
+        if self.server is not None:
+            self.server.close()
+            for writer in list(self.writers):
+                writer.close()
+            await self.server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.writers) >= self.bounds.max_connections:
+            self._refuse(writer)
+            return
+        self.writers.add(writer)
+        try:
+            await Exchange(self, reader, writer).run()
+        except (ConnectionError, ClientGoneError):
+            pass
+        except Exception:
+            log.exception("http_request_failed", listener=self.name)
+        finally:
+            self.writers.discard(writer)
+            writer.close()
+
+    def _refuse(self, writer: asyncio.StreamWriter) -> None:
+        """The short ``busy`` answer without waiting for the client (it fits any socket buffer), then close."""
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged >= REFUSAL_LOG_SECONDS:
+            self._refusal_logged = now
+            log.warning("http_connections_refused", listener=self.name, open=len(self.writers), total=self.refused)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            writer.write(self.busy)
+        writer.close()
+
+
+class Exchange:
+    """One connection: requests in, answers out, in turn, until either side closes."""
+
+    def __init__(self, server: HttpServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.server = server
+        self.bounds = server.bounds
+        self.reader = reader
+        self.writer = writer
+        self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.loop = asyncio.get_running_loop()
+
+    async def run(self) -> None:
+        wait = self.bounds.read_timeout  # a new connection is expected to ask at once
+        while True:
+            method = "GET"
+            try:
+                request = await self._receive(wait)
+                method = request.method
+                answer = await self.server.handler(request)
+            except RequestError as refused:
+                answer = self._close(self.server.error(refused.status, refused.reason))
+            await self._send(answer, method)
+            if self.http.our_state is not h11.DONE or self.http.their_state is not h11.DONE:
+                return
+            self.http.start_next_cycle()
+            wait = self.bounds.idle_timeout
+
+    @staticmethod
+    def _close(answer: Answer) -> Answer:
+        return Answer(answer.status, answer.body, answer.content_type, True, answer.allow)
+
+    async def _receive(self, idle: float) -> Request:
+        """The next whole request: the first byte within ``idle``, the rest within ``read_timeout``."""
+        deadline = self.loop.time() + idle
+        event = await self._next_event(deadline, first=True)
+        if not isinstance(event, h11.Request):  # ConnectionClosed: the client left between requests
+            raise ClientGoneError
+        method = event.method.decode("ascii")
+        path = event.target.decode("latin-1").split("?", 1)[0]
+        length = self._content_length(event, method)
+        if length and self.http.they_are_waiting_for_100_continue:
+            go_on = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+            await self._write(self.http.send(go_on), 0)  # curl waits for this before a large body
+        body = bytearray()
+        deadline = self.loop.time() + self.bounds.read_timeout
+        while not isinstance(event := await self._next_event(deadline), h11.EndOfMessage):
+            if isinstance(event, h11.Data):
+                body += event.data
+            else:
+                raise ClientGoneError
+        return Request(method, path, bytes(body))
+
+    def _content_length(self, request: h11.Request, method: str) -> int:
+        """The body's announced length, refused (411, 413) before any of it is read."""
+        length: int | None = None
+        for name, value in request.headers:
+            if name == b"transfer-encoding":
+                raise RequestError(411, "send the body with Content-Length, not Transfer-Encoding")
+            if name == b"content-length":
+                length = int(value)  # h11 has checked it: ASCII digits, one value
+        if length is None:
+            if method in self.bounds.length_required:
+                raise RequestError(411, "Content-Length is required")
+            return 0
+        if length > self.bounds.max_body:
+            raise RequestError(413, f"body over {self.bounds.max_body} bytes")
+        return length
+
+    async def _next_event(self, deadline: float, first: bool = False) -> h11.Event | type[h11.PAUSED]:
+        """h11's next event, reading as it needs; ``first``: until the request's first byte,
+        then ``read_timeout`` from it."""
+        while True:
+            try:
+                event = self.http.next_event()
+            except h11.RemoteProtocolError as error:
+                raise RequestError(400, str(error) or "malformed request") from None
+            if event is not h11.NEED_DATA:
+                return event  # type: ignore[return-value]  # h11's sentinels are classes
+            try:
+                async with asyncio.timeout_at(deadline):
+                    data = await self.reader.read(READ_CHUNK)
+            except TimeoutError:
+                if first:
+                    raise ClientGoneError from None  # idle too long: close quietly
+                raise RequestError(408, "request not received in time") from None
+            if first and data:
+                first = False
+                deadline = self.loop.time() + self.bounds.read_timeout
+            self.http.receive_data(data)
+
+    async def _send(self, answer: Answer, method: str) -> None:
+        if self.http.our_state is not h11.SEND_RESPONSE:  # no whole request head: answer, then close
+            await self._write(serialized(self._close(answer)), len(answer.body))
+            return
+        head = self.http.send(response_event(answer))
+        body = self.http.send(h11.Data(data=answer.body)) if answer.body and method != "HEAD" else b""
+        await self._write(head, len(answer.body))
+        if body:
+            self.writer.write(body)  # the answer's own bytes (a shared render), not a copy
+        await self._write(self.http.send(h11.EndOfMessage()), len(answer.body))
+
+    async def _write(self, data: bytes, body_bytes: int) -> None:
+        """Write and wait for the client to read, at most ``write_timeout``; a client that
+        does not read would pin the buffer, so it is dropped."""
+        self.writer.write(data)
+        try:
+            async with asyncio.timeout(self.bounds.write_timeout):
+                await self.writer.drain()
+        except TimeoutError:
+            self.server.dropped += 1
+            log.info(
+                "http_slow_reader_dropped",
+                listener=self.server.name,
+                write_timeout=self.bounds.write_timeout,
+                body_bytes=body_bytes,
+            )
+            self.writer.transport.abort()
+            raise ClientGoneError from None

@@ -1,0 +1,228 @@
+"""Issue 25: the two HTTP listeners (``/json`` and the admin endpoint) at the HTTP layer, over real sockets.
+
+Malformed framing gets 400 (never a traceback and silence), ``HEAD`` answers carry no body
+on a kept-alive connection, slow and non-reading clients and extra connections are
+bounded, and ``/config`` renders off the event loop, once for concurrent GETs, capped in bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sidecar.admin import AdminEndpoint, config_json
+from sidecar.config import load_config
+from sidecar.service.json_api import JsonEndpoint
+
+RULES = """
+    domain: api
+    descriptors:
+      - key: client
+        rate_limit: {unit: minute, requests_per_unit: 2}
+"""
+
+
+@pytest.fixture
+async def json_port(h: Any, clock: Any) -> AsyncIterator[int]:
+    endpoint = JsonEndpoint(h.memory_service(RULES, clock), read_timeout=0.3, idle_timeout=2.0)
+    await endpoint.start("127.0.0.1:0")
+    yield endpoint.port
+    await endpoint.close()
+
+
+def document(calls: list[int] | None = None, gate: threading.Event | None = None) -> Any:
+    def build() -> dict[str, Any]:
+        if calls is not None:
+            calls.append(threading.get_ident())
+        if gate is not None:
+            gate.wait(5)
+        return {"sha256": "x", "domains": {}}
+
+    return build
+
+
+@pytest.fixture
+async def admin() -> AsyncIterator[AdminEndpoint]:
+    endpoint = AdminEndpoint(registry=CollectorRegistry(), config=document, serving=lambda: True)
+    await endpoint.start("127.0.0.1:0")
+    yield endpoint
+    await endpoint.close()
+
+
+async def exchange(port: int, data: bytes, wait: float = 5.0) -> bytes:
+    """Send ``data``, read until the server closes (or ``wait`` passes)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    received = b""
+    try:
+        async with asyncio.timeout(wait):
+            while chunk := await reader.read(65536):
+                received += chunk
+    except TimeoutError:
+        pass
+    writer.close()
+    return received
+
+
+@pytest.mark.parametrize(
+    "length", [b"\xb2", b"9" * 5000, b"-1", b"1, 2"], ids=["superscript-two", "5000-digits", "negative", "list"]
+)
+async def test_a_bad_content_length_is_400_on_json(json_port: int, length: bytes) -> None:
+    """Defect 13: ``Content-Length: ²`` (or 5,000 digits) got no answer and a logged traceback."""
+    sent = b"POST /json HTTP/1.1\r\nhost: x\r\ncontent-length: " + length + b"\r\n\r\n{}"
+    got = await exchange(json_port, sent)
+    assert got.startswith(b"HTTP/1.1 400"), got[:100]
+
+
+@pytest.mark.parametrize("length", [b"\xb2", b"9" * 5000])
+async def test_a_bad_content_length_is_400_on_admin(admin: AdminEndpoint, length: bytes) -> None:
+    got = await exchange(admin.port, b"GET /healthz HTTP/1.1\r\nhost: x\r\ncontent-length: " + length + b"\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 400"), got[:100]
+
+
+@pytest.mark.parametrize(
+    ("path", "next_path"),
+    [("/healthcheck", "/healthcheck"), ("/json", "/healthcheck")],
+    ids=["healthcheck", "json-405"],
+)
+async def test_head_has_no_body_on_a_kept_alive_json_connection(json_port: int, path: str, next_path: str) -> None:
+    """Defect 14: ``HEAD`` was answered with a body, which the next response on the connection was read from."""
+    sent = f"HEAD {path} HTTP/1.1\r\nhost: x\r\n\r\nGET {next_path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    got = await exchange(json_port, sent.encode())
+    first_head, _, rest = got.partition(b"\r\n\r\n")
+    assert first_head.startswith(b"HTTP/1.1 "), got[:100]
+    assert b"content-length: " in first_head
+    assert rest.startswith(b"HTTP/1.1 200"), f"bytes after the HEAD answer's head: {rest[:60]!r}"
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/config", "/metrics"])
+async def test_head_has_no_body_on_a_kept_alive_admin_connection(admin: AdminEndpoint, path: str) -> None:
+    sent = f"HEAD {path} HTTP/1.1\r\nhost: x\r\n\r\nGET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    got = await exchange(admin.port, sent.encode())
+    _, _, rest = got.partition(b"\r\n\r\n")
+    assert rest.startswith(b"HTTP/1.1 200") and rest.endswith(b"SERVING\n"), rest[:80]
+
+
+async def test_a_trickling_request_head_is_cut_at_the_read_timeout(json_port: int) -> None:
+    """Slowloris: a head sent a byte at a time never completes; the server answers 408 and closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", json_port)
+    answer = b""
+    for byte in b"POST /json HTTP/1.1\r\nhost: x\r\n" + b"x-pad: " + b"y" * 200:
+        writer.write(bytes([byte]))
+        try:
+            answer = await asyncio.wait_for(reader.read(4096), 0.05)
+        except TimeoutError:
+            continue
+        break
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+
+
+async def test_admin_connection_cap_answers_503_without_reading() -> None:
+    endpoint = AdminEndpoint(registry=None, config=document, serving=lambda: True, max_connections=2)
+    await endpoint.start("127.0.0.1:0")
+    try:
+        held = [await asyncio.open_connection("127.0.0.1", endpoint.port) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert (await exchange(endpoint.port, b"")).startswith(b"HTTP/1.1 503")
+        assert endpoint.refused == 1
+        for _, writer in held:
+            writer.close()
+    finally:
+        await endpoint.close()
+
+
+# ---------------------------------------------------------------------------- /config (defect 8)
+
+
+async def test_config_is_built_off_the_loop_once_for_concurrent_gets() -> None:
+    """Defect 8: ``/config`` was built and serialized on the event loop, once per GET."""
+    calls: list[int] = []
+    gate = threading.Event()
+    snapshots: list[int] = []
+
+    def snapshot() -> Any:
+        snapshots.append(threading.get_ident())
+        return document(calls, gate)
+
+    endpoint = AdminEndpoint(registry=None, config=snapshot, serving=lambda: True)
+    await endpoint.start("127.0.0.1:0")
+    try:
+        get = b"GET /config HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        readers = [asyncio.ensure_future(exchange(endpoint.port, get)) for _ in range(3)]
+        await asyncio.sleep(0.2)  # all three have asked while the first render waits at the gate
+        gate.set()
+        answers = await asyncio.gather(*readers)
+    finally:
+        await endpoint.close()
+    assert all(answer.startswith(b"HTTP/1.1 200") for answer in answers)
+    assert len({answer.partition(b"\r\n\r\n")[2] for answer in answers}) == 1
+    assert snapshots == [threading.get_ident()], "the snapshot is taken on the loop, once"
+    assert len(calls) == 1 and calls[0] != threading.get_ident(), "built once, in a worker thread"
+
+
+def many_rules(directory: Path, count: int) -> Path:
+    directory.mkdir()
+    rules = "".join(
+        f"  - key: k{index}\n    rate_limit: {{unit: minute, requests_per_unit: {index + 1}}}\n"
+        for index in range(count)
+    )
+    (directory / "big.yaml").write_text(f"domain: big\ndescriptors:\n{rules}")
+    return directory
+
+
+async def test_config_is_capped_in_bytes_with_the_rules_left_out_counted(tmp_path: Path) -> None:
+    config = load_config(many_rules(tmp_path / "config", 3000))
+    cap = 64 * 1024
+    endpoint = AdminEndpoint(
+        registry=None,
+        config=lambda: lambda: {**config_json(config, 0.0), "quota": {"buckets": []}},
+        serving=lambda: True,
+        max_config_bytes=cap,
+    )
+    answer = await endpoint.config_body()
+    assert len(answer) <= cap
+    shown = json.loads(answer)
+    rules = shown["domains"]["big"]["rules"]
+    assert 0 < len(rules) < 3000
+    assert [rule["requests_per_unit"] for rule in rules] == list(range(1, len(rules) + 1)), "a prefix, in order"
+    assert shown["domains"]["big"]["rules_total"] == 3000
+    assert shown["truncated"] == {"max_bytes": cap, "rules_left_out": 3000 - len(rules)}
+    assert shown["quota"] == {"buckets": []}
+    uncapped = AdminEndpoint(None, lambda: lambda: config_json(config, 0.0), lambda: True, max_config_bytes=10**8)
+    whole = json.loads(await uncapped.config_body())
+    assert len(whole["domains"]["big"]["rules"]) == 3000 and "truncated" not in whole
+
+
+async def test_a_client_that_never_reads_a_large_config_is_dropped(tmp_path: Path) -> None:
+    config = load_config(many_rules(tmp_path / "config", 10_000))  # about 7 MB: more than socket buffers hold
+    endpoint = AdminEndpoint(
+        registry=None,
+        config=lambda: lambda: config_json(config, 0.0),
+        serving=lambda: True,
+        write_timeout=0.3,
+        max_config_bytes=16 * 1024 * 1024,
+    )
+    await endpoint.start("127.0.0.1:0")
+    try:
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.connect(("127.0.0.1", endpoint.port))
+        raw.sendall(b"GET /config HTTP/1.1\r\nhost: x\r\n\r\n")
+        for _ in range(200):
+            if endpoint.dropped:
+                break
+            await asyncio.sleep(0.05)
+        raw.close()
+        assert endpoint.dropped == 1
+        assert not endpoint.http.writers, "the connection and its buffer were let go"
+    finally:
+        await endpoint.close()
