@@ -48,6 +48,8 @@ from sidecar.client import health_status
 PROBE_RATE = 200.0
 """Probe calls a second: steady and bounded, one every 5 ms across its lanes."""
 PROBE_LANES = 4
+PROBE_TIMEOUT = 30.0
+"""Deadline of a probe call: far past any stall, so a stalled call is measured, not cut."""
 PROBE_BOUND = 600.0
 """Seconds after which a probe stops by itself, whatever happens to the row."""
 LAG_MAX = "ratelimit_sidecar_event_loop_lag_max_seconds"
@@ -87,6 +89,7 @@ class Probe:
             seconds=PROBE_BOUND,
             lanes=PROBE_LANES,
             rate=PROBE_RATE,
+            timeout=PROBE_TIMEOUT,
             stop=self._stop,
         )
 
@@ -100,12 +103,22 @@ class Probe:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
 
-    def window(self, start: float, end: float) -> tuple[list[float], int, int]:
-        """``(latencies of the answered calls, calls, errors)`` of the calls sent in ``[start, end)``."""
+    def window(self, start: float, end: float) -> tuple[list[float], int]:
+        """``(latencies, errors)`` of the calls sent in ``[start, end)``; a failed call's
+        latency is how long it waited for its failure.
+
+        A lane waits for its call, so while the sidecar stalls fewer calls are sent than
+        scheduled (their slots are skipped): compare ``len(latencies)`` with
+        :func:`scheduled`, which the row prints."""
         calls = self.calls
         chosen = [index for index, sent in enumerate(calls.sent) if start <= sent < end]
-        latencies = [calls.latency[index] for index in chosen if calls.code[index] != CODE_ERROR]
-        return latencies, len(chosen), len(chosen) - len(latencies)
+        errors = sum(1 for index in chosen if calls.code[index] == CODE_ERROR)
+        return [calls.latency[index] for index in chosen], errors
+
+
+def scheduled(start: float, end: float) -> int:
+    """Probe calls due in ``[start, end)`` at :data:`PROBE_RATE`."""
+    return round((end - start) * PROBE_RATE)
 
 
 class RssWatch:
@@ -190,17 +203,18 @@ def measure(sidecar: SidecarProcess, probe_request: bytes, hostile: Hostile, tim
     finally:
         probe.stop()
     after, waited = rss_after(sidecar.pid, before, timing.settle)
-    quiet_latencies, quiet_calls, quiet_errors = probe.window(quiet_start, quiet_end)
-    latencies, calls, errors = probe.window(input_start, input_end)
+    quiet_latencies, quiet_errors = probe.window(quiet_start, quiet_end)
+    latencies, errors = probe.window(input_start, input_end)
     figures.update(latency_figures(quiet_latencies, "quiet_"))
     figures.update(latency_figures(latencies))
     figures.update(
         {
-            "quiet_calls": quiet_calls,
+            "quiet_calls": len(quiet_latencies),
+            "quiet_scheduled": scheduled(quiet_start, quiet_end),
             "quiet_errors": quiet_errors,
-            "calls": calls,
+            "calls": len(latencies),
+            "scheduled": scheduled(input_start, input_end),
             "errors": errors,
-            "missed_slots": probe.calls.missed_slots,
             "input_seconds": round(input_end - input_start, 2),
             "quiet_stall_ms": ms(quiet_stall),
             "stall_ms": ms(stall),
@@ -248,7 +262,8 @@ def verdict(area: str, scenario: str, figures: Figures, about_input: str) -> Row
     notes = (
         f"worst loop stall {f['quiet_stall_ms']:g} → {f['stall_ms']:g} ms; "
         f"RSS {f['rss_before_mib']:g} → {f['rss_peak_mib']:g} → {f['rss_after_mib']:g} MiB; "
-        f"{f['calls']:.0f} probe calls in {f['input_seconds']:g} s, {f['errors']:.0f} failed; {about_input}"
+        f"{f['calls']:,.0f} of {f['scheduled']:,.0f} scheduled probe calls sent in {f['input_seconds']:g} s "
+        f"(quiet: {f['quiet_calls']:,.0f} of {f['quiet_scheduled']:,.0f}), {f['errors']:.0f} failed; {about_input}"
         + (f"; other processes used {busy:.1f} cores" if busy >= 0.3 else "")
         + ("; goals missed: " + ", ".join(missed) if missed else "; goals met")
     )
