@@ -546,6 +546,7 @@ def quota_settings(settings: Settings, shared: bool = False) -> QuotaSettings:
         idle_abandon=settings.quota_idle_abandon,
         max_buckets=settings.quota_max_buckets,
         max_buckets_per_stream=settings.quota_max_buckets_per_stream,
+        max_streams=settings.quota_max_streams,
         instances=1 if shared else settings.instances,
         admit_all=settings.shadow_mode,
     )

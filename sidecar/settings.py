@@ -394,6 +394,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         _positive_int,
         "quota mode: cap on live buckets per Envoy stream; new buckets beyond it get ALLOW_ALL and no state",
     ),
+    Option(
+        "quota_max_streams",
+        _positive_int,
+        "quota mode: cap on open StreamRateLimitQuotas streams in this process; more are refused RESOURCE_EXHAUSTED",
+    ),
     Option("log_level", _choice(LogLevel), "log level"),
     Option(
         "log_format",
@@ -448,6 +453,7 @@ class Settings:
     quota_idle_abandon: int = 120
     quota_max_buckets: int = 100_000
     quota_max_buckets_per_stream: int = 20_000
+    quota_max_streams: int = 100
     log_level: LogLevel = "info"
     log_format: LogFormat = "auto"
 

@@ -1,50 +1,67 @@
 """Live buckets per stream: what each was assigned, when it was last pushed and used.
 
-Pure bookkeeping on a clock the caller passes in (no asyncio, no protobuf), so TTL
-refreshes, idle abandonment and the caps are tested on a fake clock. Each method that
-decides something queues :class:`Action` s on the stream; the service sends them.
+Bookkeeping on a clock the caller passes in (no protobuf), so TTL refreshes, idle
+abandonment and the caps are tested on a fake clock. Each method that decides something
+queues :class:`Action` s on the stream (:meth:`Stream.push`); the service sends them.
 
 * **TTL.** Envoy 1.40 drops an assignment when ``assignment_time_to_live`` runs out
   (unset means at once), so every assignment carries ``ttl`` and is pushed again once
-  ``ttl / 3`` has passed since it was last sent: two refreshes may be lost before it
-  expires.
+  ``ttl / 3`` has passed since it was last sent (up to :data:`REFRESH_SPREAD` sooner, so
+  buckets adopted or reassigned together are not all due in the same turn): two
+  refreshes may be lost before it expires.
 * **Idle buckets.** Envoy never forgets a bucket by itself, and bucket ids built from
   headers are unbounded, so a bucket whose reports show no request for ``idle_abandon``
   seconds gets ``abandon_action`` and is forgotten here too. Its id is remembered for
   :data:`ABANDON_MEMORY` seconds, so a zero-usage report already on its way does not
   bring it back.
-* **Caps.** At most ``max_buckets_per_stream`` per stream and ``max_buckets`` per
-  process. A new bucket beyond a cap gets the default action (ALLOW_ALL) and no state;
-  it is adopted on a later report once there is room. Bucket ids outside the
-  convention, or too large to keep, are served the same stateless way.
+* **Caps.** At most ``max_streams`` streams, ``max_buckets_per_stream`` buckets per
+  stream and ``max_buckets`` per process. A new bucket beyond a cap gets the default
+  action (ALLOW_ALL) and no state; it is adopted on a later report once there is room.
+  Bucket ids outside the convention, or too large to keep, are served the same
+  stateless way.
+* **Bounded turns.** One event loop answers every ``ShouldRateLimit`` of the pod, so
+  nothing here handles more than :data:`CHUNK` items (usages of a report, due refreshes,
+  re-matches of a reload, releases of a closed stream) before it yields to the loop.
+  A report's reader also waits while the stream's queue is over its byte bound
+  (:mod:`sidecar.quota.outbox`): the client that does not read stops being read.
 """
 
 from __future__ import annotations
 
+import asyncio
+import heapq
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import count
+from itertools import count, islice
 from typing import TYPE_CHECKING
-
-import structlog
 
 from sidecar.config.model import RateLimitConfig
 from sidecar.quota.assignments import Action, Assignment, assign, default, nanos_after
 from sidecar.quota.buckets import BucketIdError, BucketKey, bucket_key, parse_bucket
+from sidecar.quota.outbox import MAX_QUEUED_BYTES, Outbox
+from sidecar.quota.shown import RateLimitedLog, shown_id
 from sidecar.quota.stats import FrozenQuota, Gauges, QuotaStats
 
 if TYPE_CHECKING:
     from sidecar.quota.leases import QuotaLeases
 
-log = structlog.get_logger(__name__)
+__all__ = ["LiveBucket", "QuotaRegistry", "QuotaSettings", "RateLimitedLog", "Stream", "StreamCapError"]
 
 ABANDON_MEMORY = 15.0
 """Seconds an abandoned id stays remembered: three of Envoy's 5 s report periods."""
 MAX_KEPT_ID_CHARS = 4096
 """Bucket ids longer than this (keys and values together) are served without state."""
-LOG_INTERVAL = 60.0
-"""Recurring warnings (overflow, malformed input) are logged at most this often each."""
+CHUNK = 256
+"""Items handled per event-loop turn: about 1-3 ms of matching, well under Envoy's 20 ms."""
+REFRESH_SPREAD = 0.25
+"""Refreshes come up to this fraction of ``ttl / 3`` early, spread over the buckets."""
+SPREAD_SLOTS = 16
+WRITE_TIMEOUT = 10.0
+"""Seconds a response message may wait for a client that does not read before the stream ends."""
+MAX_SHOWN_CHARS = 64 * 1024
+"""``/config`` lists buckets until their ids shown add up to this many characters."""
 
 
 @dataclass(frozen=True)
@@ -57,11 +74,21 @@ class QuotaSettings:
     max_buckets_per_stream: int = 20_000
     instances: int = 1
     admit_all: bool = False
+    max_streams: int = 100
+    max_queued_bytes: int = MAX_QUEUED_BYTES
+    write_timeout: float = WRITE_TIMEOUT
 
     @property
     def refresh_after(self) -> float:
-        """Seconds after a push at which the assignment is pushed again."""
+        """Seconds after a push at which the assignment is pushed again (at the latest)."""
         return self.ttl / 3
+
+
+class StreamCapError(Exception):
+    """A new stream past ``--quota-max-streams``."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(f"quota streams are at the cap of {cap} per process (--quota-max-streams)")
 
 
 @dataclass(slots=True)
@@ -73,6 +100,9 @@ class LiveBucket:
     nanos: int = 0
     allowed: int = 0
     denied: int = 0
+    refresh_every: float = 0.0
+    generation: int = 0
+    """The config generation it was matched under (a reload re-matches older ones)."""
 
 
 @dataclass
@@ -84,34 +114,24 @@ class Stream:
     opened_at: float
     buckets: dict[BucketKey, LiveBucket] = field(default_factory=dict)
     abandoned: dict[BucketKey, float] = field(default_factory=dict)
-    pending: list[Action] = field(default_factory=list)
+    abandon_order: deque[tuple[float, BucketKey]] = field(default_factory=deque)
+    pending: Outbox = field(default_factory=Outbox)
+    due: list[tuple[float, int, BucketKey]] = field(default_factory=list)
+    """A heap of when each live bucket next needs a look (refresh or idle), one entry each."""
     last_report_at: float | None = None
     domain: str = ""
     notify: Callable[[], None] = lambda: None
-    """Called when actions were queued outside the stream's own loop (a reload)."""
+    """Wakes the stream's writer: called when actions were queued outside its own loop."""
 
     def push(self, action: Action) -> None:
-        """Queue one action for the stream's writer: the one way actions are queued."""
-        self.pending.append(action)
+        """Queue one action for the stream's writer: the one way actions are queued.
 
+        The latest action per bucket id replaces one still queued (see :class:`Outbox`)."""
+        self.pending.push(bucket_key(action.bucket_id), action)
 
-class RateLimitedLog:
-    """Log each event at most once per ``interval`` (and each distinct reason once)."""
-
-    def __init__(self, interval: float = LOG_INTERVAL) -> None:
-        self.interval = interval
-        self.last: dict[str, float] = {}
-        self.reasons: set[str] = set()
-
-    def every(self, event: str, now: float, **fields: object) -> None:
-        if now - self.last.get(event, -self.interval) >= self.interval:
-            self.last[event] = now
-            log.warning(event, **fields)
-
-    def once(self, event: str, reason: str, **fields: object) -> None:
-        if reason not in self.reasons and len(self.reasons) < 1000:
-            self.reasons.add(reason)
-            log.warning(event, reason=reason, **fields)
+    def abandon(self, key: BucketKey, now: float) -> None:
+        self.abandoned[key] = now
+        self.abandon_order.append((now, key))
 
 
 def id_chars(bucket: Mapping[str, str]) -> int:
@@ -130,6 +150,7 @@ class QuotaRegistry:
         leases: QuotaLeases | None = None,
     ) -> None:
         self.config = config
+        self.generation = 0
         self.leases = leases
         """Shares of each limit across replicas through Redis (``--backend redis``), else None."""
         self.settings = settings
@@ -139,21 +160,62 @@ class QuotaRegistry:
         self.live = 0
         self.logs = RateLimitedLog()
         self._ids = count(1)
+        self._adopted = count()
+        self._seq = count()
+        self._reassigning: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
 
     def open(self, peer: str) -> Stream:
-        stream = Stream(next(self._ids), peer, self.clock())
+        """A new stream; :class:`StreamCapError` past ``max_streams``."""
+        if len(self.streams) >= self.settings.max_streams:
+            self.stats.bump(self.stats.streams_ended, "max_streams")
+            raise StreamCapError(self.settings.max_streams)
+        stream = Stream(next(self._ids), peer, self.clock(), pending=Outbox(self.settings.max_queued_bytes))
         self.streams[stream.id] = stream
         self.stats.streams_opened += 1
         return stream
 
     def close(self, stream: Stream) -> None:
-        """Forget a stream's buckets: Envoy reports them all again when it reconnects."""
-        if self.streams.pop(stream.id, None) is not None:
+        """Forget a stream's buckets: Envoy reports them all again when it reconnects.
+
+        The stream leaves at once; its buckets are released :data:`CHUNK` now and
+        :data:`CHUNK` per turn after (by a task)."""
+        if self.streams.pop(stream.id, None) is None:
+            return
+        buckets, stream.buckets = stream.buckets, {}
+        outbox, stream.pending = stream.pending, Outbox(0)
+        stream.due = []
+        self.live -= len(buckets)
+        self._release_chunk(stream, buckets, outbox)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop, so no one else to wait for: a tool or test
+            while buckets or outbox:
+                self._release_chunk(stream, buckets, outbox)
+            return
+        if buckets or outbox:
+            task = loop.create_task(self._release(stream, buckets, outbox))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def _release_chunk(self, stream: Stream, buckets: dict[BucketKey, LiveBucket], outbox: Outbox) -> None:
+        for _ in range(min(CHUNK, len(buckets))):
+            key, _live = buckets.popitem()
             if self.leases is not None:
-                for key in stream.buckets:
-                    self.leases.release(stream, key, give_back=False)
-            self.live -= len(stream.buckets)
-            stream.buckets.clear()
+                self.leases.release(stream, key, give_back=False)
+        outbox.take(CHUNK)
+
+    async def _release(self, stream: Stream, buckets: dict[BucketKey, LiveBucket], outbox: Outbox) -> None:
+        while buckets or outbox:
+            await asyncio.sleep(0)
+            self._release_chunk(stream, buckets, outbox)
+
+    async def settled(self) -> None:
+        """Wait for a reload's re-matching and closed streams' releases (tests, drain)."""
+        while self._reassigning is not None and not self._reassigning.done():
+            await asyncio.wait([self._reassigning])
+        if self._closing:
+            await asyncio.wait(set(self._closing))
 
     def frozen_stats(self) -> FrozenQuota:
         """This scrape's numbers, copied on the event loop (the text is made in a thread)."""
@@ -165,14 +227,47 @@ class QuotaRegistry:
         shares = self.leases.by_rule() if self.leases is not None else {}
         return Gauges(self.live, len(self.streams), max(lags, default=0.0), shares)
 
+    # -- reports -------------------------------------------------------------------------
+
     def report(self, stream: Stream, domain: str, usages: Iterator[tuple[dict[str, str], int, int]]) -> None:
-        """One usage report: adopt new buckets, count usage; queues assignments for new ones."""
+        """One usage report in one pass: for callers with a few usages (simulations,
+        tests); the service uses :meth:`report_in_chunks`."""
+        for _ in self._report_steps(stream, domain, usages):
+            pass
+
+    async def report_in_chunks(
+        self, stream: Stream, domain: str, usages: Iterator[tuple[dict[str, str], int, int]]
+    ) -> None:
+        """One usage report, :data:`CHUNK` usages per turn (``usages`` is read lazily, so
+        ids are decoded a chunk at a time). Between chunks, and at the end, the writer is
+        woken and this waits while the stream's queue is over its bound (backpressure)."""
+        for _ in self._report_steps(stream, domain, usages):
+            await self._between_chunks(stream)
+
+    def _report_steps(
+        self, stream: Stream, domain: str, usages: Iterator[tuple[dict[str, str], int, int]]
+    ) -> Iterator[None]:
+        """Adopt new buckets, count usage, queue assignments for new ones; yields after
+        each :data:`CHUNK` usages (the next chunk is not decoded before), and stops if the
+        stream was closed meanwhile."""
         now = self.clock()
         stream.last_report_at = now
         stream.domain = domain[:256]
         self.stats.reports += 1
-        for bucket, allowed, denied in usages:
-            self._usage(stream, bucket, allowed, denied, now)
+        while chunk := list(islice(usages, CHUNK)):
+            for bucket, allowed, denied in chunk:
+                self._usage(stream, bucket, allowed, denied, now)
+            yield
+            if stream.id not in self.streams:
+                return
+            now = self.clock()
+
+    @staticmethod
+    async def _between_chunks(stream: Stream) -> None:
+        if stream.pending:
+            stream.notify()
+        await asyncio.sleep(0)
+        await stream.pending.room.wait()
 
     def _usage(self, stream: Stream, bucket: dict[str, str], allowed: int, denied: int, now: float) -> None:
         key = bucket_key(bucket)
@@ -205,14 +300,23 @@ class QuotaRegistry:
                 assignment = default("overflow") if cap != "id_size" else assignment
             stream.push(Action(bucket, assignment))
             return assignment
-        live = LiveBucket(bucket, assignment, sent_at=now, used_at=now)
+        live = LiveBucket(
+            bucket, assignment, now, now, refresh_every=self._refresh_period(), generation=self.generation
+        )
         if self.leases is not None:
             live.assignment = assignment = self.leases.adopt(stream, key, live, assignment)
         stream.buckets[key] = live
         stream.abandoned.pop(key, None)
         self.live += 1
+        self._schedule(stream, key, live)
         stream.push(Action(bucket, assignment))
         return live
+
+    def _refresh_period(self) -> float:
+        """``ttl / 3``, less up to :data:`REFRESH_SPREAD` of it by adoption order (the
+        first bucket gets the whole period), so refreshes do not all fall in one turn."""
+        slot = next(self._adopted) % SPREAD_SLOTS
+        return self.settings.refresh_after * (1 - REFRESH_SPREAD * slot / SPREAD_SLOTS)
 
     def _cap_reached(self, stream: Stream, bucket: Mapping[str, str]) -> str | None:
         if len(stream.buckets) >= self.settings.max_buckets_per_stream:
@@ -237,62 +341,134 @@ class QuotaRegistry:
             self.logs.once("quota_bucket_unmatched", assignment.why, domain=parsed.domain[:64])
         return assignment
 
+    # -- refreshes and idle buckets ------------------------------------------------------
+
+    def _next_look(self, live: LiveBucket) -> float:
+        return min(live.sent_at + live.refresh_every, live.used_at + self.settings.idle_abandon)
+
+    def _schedule(self, stream: Stream, key: BucketKey, live: LiveBucket) -> None:
+        heapq.heappush(stream.due, (self._next_look(live), next(self._seq), key))
+
     def maintain(self, stream: Stream) -> None:
-        """Queue TTL refreshes and idle abandons that are due."""
+        """Queue the TTL refreshes and idle abandons that are due, in one pass: for callers
+        with a few buckets (simulations, tests); the service uses :meth:`maintain_in_chunks`."""
+        for _ in self._maintain_steps(stream):
+            pass
+
+    async def maintain_in_chunks(self, stream: Stream) -> None:
+        """Queue the TTL refreshes and idle abandons that are due, :data:`CHUNK` per turn."""
+        for _ in self._maintain_steps(stream):
+            await asyncio.sleep(0)
+
+    def _maintain_steps(self, stream: Stream) -> Iterator[None]:
+        """Only buckets whose time has come are looked at (a heap ordered by it); an entry
+        found early (the bucket was used or pushed since) is put back at its new time.
+        Yields every :data:`CHUNK` buckets looked at or abandoned ids forgotten."""
         now = self.clock()
-        settings = self.settings
-        idle: list[BucketKey] = []
-        for key, live in stream.buckets.items():
-            if now - live.used_at >= settings.idle_abandon:
-                idle.append(key)
-            elif now - live.sent_at >= settings.refresh_after:
-                live.sent_at = now
-                stream.push(Action(live.bucket_id, live.assignment, live.nanos))
-        for key in idle:
-            live = stream.buckets.pop(key)
+        handled = 0
+        while stream.due and stream.due[0][0] <= now:
+            if handled == CHUNK:
+                yield
+                if stream.id not in self.streams:
+                    return
+                handled = 0
+            _, _, key = heapq.heappop(stream.due)
+            live = stream.buckets.get(key)
+            if live is not None:
+                self._look(stream, key, live, now)
+            handled += 1
+        if len(stream.abandoned) > self.settings.max_buckets_per_stream:
+            stream.abandoned, stream.abandon_order = {}, deque()  # bounded memory wins over a few re-adopted buckets
+        order = stream.abandon_order
+        while order and now - order[0][0] >= ABANDON_MEMORY:
+            if handled == CHUNK:
+                yield
+                handled = 0
+                continue
+            when, key = order.popleft()
+            if stream.abandoned.get(key) == when:
+                del stream.abandoned[key]
+            handled += 1
+
+    def _look(self, stream: Stream, key: BucketKey, live: LiveBucket, now: float) -> None:
+        if now - live.used_at >= self.settings.idle_abandon:
+            del stream.buckets[key]
             if self.leases is not None:
                 self.leases.release(stream, key, give_back=True)
             self.live -= 1
-            stream.abandoned[key] = now
+            stream.abandon(key, now)
             stream.push(Action(live.bucket_id, None))
             self.stats.bump(self.stats.abandoned, "idle")
-        if stream.abandoned:
-            self._forget_abandoned(stream, now)
+            return
+        if now - live.sent_at >= live.refresh_every:
+            live.sent_at = now
+            stream.push(Action(live.bucket_id, live.assignment, live.nanos))
+        self._schedule(stream, key, live)
 
-    def _forget_abandoned(self, stream: Stream, now: float) -> None:
-        old = [key for key, when in stream.abandoned.items() if now - when >= ABANDON_MEMORY]
-        for key in old:
-            del stream.abandoned[key]
-        if len(stream.abandoned) > self.settings.max_buckets_per_stream:
-            stream.abandoned.clear()  # bounded memory wins over a few re-adopted buckets
+    # -- reloads -------------------------------------------------------------------------
 
     def reassign(self, config: RateLimitConfig) -> None:
-        """A new config: every live bucket of every stream gets its assignment again, now."""
+        """A new config: every live bucket of every stream gets its assignment again.
+
+        New buckets are matched under ``config`` from now on; the live ones are
+        re-matched :data:`CHUNK` per turn by a task. A reload that comes while one is
+        still running replaces it: the newest config wins, and a bucket already matched
+        under it (adopted meanwhile) is not matched again."""
         self.config = config
+        self.generation += 1
+        if self._reassigning is not None:
+            self._reassigning.cancel()
+        self._reassigning = asyncio.get_running_loop().create_task(self._rematch(self.generation))
+
+    async def _rematch(self, generation: int) -> None:
+        matched: dict[BucketKey, Assignment] = {}  # the same id on several streams is matched once
+        for stream in list(self.streams.values()):
+            keys = list(stream.buckets)  # a copy of pointers; the matching is chunked
+            for start in range(0, len(keys), CHUNK):
+                if generation != self.generation:
+                    return
+                self._rematch_chunk(stream, keys[start : start + CHUNK], matched, generation)
+                stream.notify()
+                await asyncio.sleep(0)
+
+    def _rematch_chunk(
+        self, stream: Stream, keys: list[BucketKey], matched: dict[BucketKey, Assignment], generation: int
+    ) -> None:
         now = self.clock()
-        for stream in self.streams.values():
-            for key, live in stream.buckets.items():
-                new = self.assignment_of(live.bucket_id, now)
-                if self.leases is not None:
-                    new = self.leases.rebase(key, new) or new
-                live.nanos = nanos_after(live.assignment, new, live.nanos)
-                live.assignment = new
-                live.sent_at = now
-                stream.push(Action(live.bucket_id, new, live.nanos))
-            stream.notify()
+        for key in keys:
+            live = stream.buckets.get(key)
+            if live is None or live.generation == generation:
+                continue
+            new = matched.get(key)
+            if new is None:
+                new = matched[key] = self.assignment_of(live.bucket_id, now)
+            if self.leases is not None:
+                new = self.leases.rebase(key, new) or new
+            live.nanos = nanos_after(live.assignment, new, live.nanos)
+            live.assignment = new
+            live.generation = generation
+            live.sent_at = now
+            stream.push(Action(live.bucket_id, new, live.nanos))
+
+    # -- /config -------------------------------------------------------------------------
 
     def describe(self, limit: int = 1000) -> dict[str, object]:
-        """Live buckets and their assignments for ``/config`` (at most ``limit`` listed)."""
+        """Live buckets and their assignments for ``/config``: at most ``limit`` listed,
+        each id cut (:func:`~sidecar.quota.shown.shown_id`), and listing stops once the
+        ids shown reach :data:`MAX_SHOWN_CHARS`."""
         now = self.clock()
         shown: list[dict[str, object]] = []
+        chars = 0
         for stream in self.streams.values():
             for live in stream.buckets.values():
-                if len(shown) >= limit:
+                if len(shown) >= limit or chars >= MAX_SHOWN_CHARS:
                     break
+                bucket_id, used = shown_id(live.bucket_id)
+                chars += used
                 shown.append(
                     {
                         "stream": stream.id,
-                        "bucket_id": live.bucket_id,
+                        "bucket_id": bucket_id,
                         "assignment": live.assignment.describe(),
                         "seconds_since_push": round(now - live.sent_at, 1),
                         "seconds_since_use": round(now - live.used_at, 1),
@@ -307,9 +483,12 @@ class QuotaRegistry:
                 "idle_abandon_seconds": self.settings.idle_abandon,
                 "max_buckets": self.settings.max_buckets,
                 "max_buckets_per_stream": self.settings.max_buckets_per_stream,
+                "max_streams": self.settings.max_streams,
+                "max_queued_bytes": self.settings.max_queued_bytes,
+                "write_timeout_seconds": self.settings.write_timeout,
             },
             "streams": [
-                {"id": s.id, "peer": s.peer, "domain": s.domain, "buckets": len(s.buckets)}
+                {"id": s.id, "peer": s.peer[:128], "domain": s.domain[:128], "buckets": len(s.buckets)}
                 for s in self.streams.values()
             ],
             "live_buckets": self.live,

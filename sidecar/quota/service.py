@@ -1,18 +1,26 @@
 """The ``envoy.service.rate_limit_quota.v3.RateLimitQuotaService`` servicer (RLQS).
 
-One long-lived ``StreamRateLimitQuotas`` call per Envoy (per filter config). A reader
-task hands each usage report to the :class:`~sidecar.quota.registry.QuotaRegistry`;
-the call's own loop wakes when actions are queued, and at least every
-:data:`TICK` seconds for TTL refreshes and idle abandonment, and sends what is queued.
-Nothing a client sends ends the call with an error: undecodable messages and bad bucket
-ids are counted, logged (rate-limited) and skipped.
+One long-lived ``StreamRateLimitQuotas`` call per Envoy (per filter config), at most
+``--quota-max-streams`` per process (more are refused ``RESOURCE_EXHAUSTED``). A reader
+task hands each usage report to the :class:`~sidecar.quota.registry.QuotaRegistry`,
+a chunk of usages per loop turn; the call's own loop wakes when actions are queued,
+and at least every :data:`TICK` seconds for TTL refreshes and idle abandonment, and
+sends what is queued in messages cut by bytes (:data:`MAX_RESPONSE_BYTES`) and by count.
+
+Backpressure: gRPC lets a handler write several MB to a client that does not read
+before a write waits (measured on grpcio 1.85: 4-8 MB of 100-500 KB messages), so the
+stream's own queue is bounded in bytes (:mod:`sidecar.quota.outbox`): past it, reports
+are no longer read; and a message the client has not taken within the write timeout
+ends the stream with ``RESOURCE_EXHAUSTED``. Nothing else a client sends ends the call
+with an error: undecodable messages and bad bucket ids are counted, logged
+(rate-limited) and skipped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -21,7 +29,8 @@ from google.protobuf.message import DecodeError
 
 from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from sidecar.quota.assignments import Action, Kind
-from sidecar.quota.registry import QuotaRegistry, Stream
+from sidecar.quota.registry import QuotaRegistry, Stream, StreamCapError
+from sidecar.quota.stats import QuotaStats
 
 log = structlog.get_logger(__name__)
 
@@ -29,8 +38,21 @@ SERVICE_NAME = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"
 METHOD = "StreamRateLimitQuotas"
 TICK = 1.0
 """Seconds between two maintenance passes of a stream (refreshes are due every TTL / 3)."""
-MAX_ACTIONS_PER_MESSAGE = 1000
-"""Actions per response message: well under the 1 MiB message cap for ids of 1 KiB."""
+MAX_ACTIONS_PER_MESSAGE = 256
+"""Actions per response message (and built per loop turn)."""
+MAX_RESPONSE_BYTES = 256 * 1024
+"""Serialized bytes of one response message at most. The binding limit is our own
+``grpc.max_send_message_length`` (1 MiB, ``MAX_MESSAGE_BYTES`` in server.py; a larger
+message ends the stream with ``RESOURCE_EXHAUSTED``); Envoy's Google-gRPC client
+refuses more than 4 MiB by default. A quarter of the smaller one leaves room for any
+framing and keeps one message to a few HTTP/2 flow-control windows."""
+MAX_REPORTED_REQUESTS = 2**32 - 1
+"""A usage's ``num_requests_allowed``/``denied`` (uint64 from the client) is clamped to
+this: about a million requests a second on one bucket for over an hour, more than one
+Envoy serves between two reports (5 s by default). So a hostile 2^64-1 cannot reach the
+stats, the leases or Redis arithmetic."""
+BUCKET_ACTION_TAG = b"\x0a"
+"""``RateLimitQuotaResponse.bucket_action`` is field 1, length-delimited."""
 
 BucketAction = rlqs_pb2.RateLimitQuotaResponse.BucketAction
 BLANKET = {Kind.ALLOW_ALL: 0, Kind.DENY_ALL: 1}
@@ -59,20 +81,54 @@ def action_message(action: Action, ttl: int) -> Any:
     return message
 
 
-def responses(actions: list[Action], ttl: int) -> Iterator[Any]:
-    """The actions in messages of at most :data:`MAX_ACTIONS_PER_MESSAGE`."""
-    for start in range(0, len(actions), MAX_ACTIONS_PER_MESSAGE):
-        chunk = actions[start : start + MAX_ACTIONS_PER_MESSAGE]
-        yield rlqs_pb2.RateLimitQuotaResponse(bucket_action=[action_message(action, ttl) for action in chunk])
+def varint(number: int) -> bytes:
+    out = bytearray()
+    while number > 0x7F:
+        out.append(number & 0x7F | 0x80)
+        number >>= 7
+    out.append(number)
+    return bytes(out)
+
+
+def responses(actions: Sequence[Action], ttl: int, stats: QuotaStats) -> Iterator[bytes]:
+    """Serialized ``RateLimitQuotaResponse`` s carrying ``actions``: each at most
+    :data:`MAX_RESPONSE_BYTES` and :data:`MAX_ACTIONS_PER_MESSAGE` actions.
+
+    A response is its ``bucket_action`` fields one after the other, so each action is
+    serialized once and the message cut exactly where its bytes would pass the bound. An
+    action that alone would pass it (an id near the 1 MiB report size, served without
+    state) is not sent and counted: Envoy applies its ``no_assignment_behavior``."""
+    parts: list[bytes] = []
+    size = 0
+    for action in actions:
+        data = action_message(action, ttl).SerializeToString()
+        field = BUCKET_ACTION_TAG + varint(len(data)) + data
+        if len(field) > MAX_RESPONSE_BYTES:
+            stats.bump(stats.malformed, "answer_too_large")
+            continue
+        if parts and (size + len(field) > MAX_RESPONSE_BYTES or len(parts) == MAX_ACTIONS_PER_MESSAGE):
+            yield b"".join(parts)
+            parts, size = [], 0
+        parts.append(field)
+        size += len(field)
+        label = action_label(action)
+        stats.sent[label] = stats.sent.get(label, 0) + 1
+    if parts:
+        yield b"".join(parts)
 
 
 def action_label(action: Action) -> str:
     return "abandon" if action.assignment is None else action.assignment.kind.value
 
 
-def usages(report: Any) -> Iterator[tuple[dict[str, str], int, int]]:
+def usages(report: Any, stats: QuotaStats) -> Iterator[tuple[dict[str, str], int, int]]:
+    """The report's usages, decoded one at a time, counts clamped to :data:`MAX_REPORTED_REQUESTS`."""
     for usage in report.bucket_quota_usages:
-        yield dict(usage.bucket_id.bucket), usage.num_requests_allowed, usage.num_requests_denied
+        allowed, denied = usage.num_requests_allowed, usage.num_requests_denied
+        if allowed > MAX_REPORTED_REQUESTS or denied > MAX_REPORTED_REQUESTS:
+            stats.bump(stats.malformed, "count_clamped")
+            allowed, denied = min(allowed, MAX_REPORTED_REQUESTS), min(denied, MAX_REPORTED_REQUESTS)
+        yield dict(usage.bucket_id.bucket), allowed, denied
 
 
 def parse_reports(data: bytes) -> Any | None:
@@ -92,36 +148,60 @@ class QuotaService:
 
     async def StreamRateLimitQuotas(  # noqa: N802 - name fixed by the proto
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[bytes]:
+    ) -> None:
         registry = self.registry
-        stream = registry.open(context.peer())
+        try:
+            stream = registry.open(context.peer())
+        except StreamCapError as refused:
+            registry.logs.every("quota_stream_refused", registry.clock(), reason=str(refused))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
         wake = asyncio.Event()
         stream.notify = wake.set
         reader = asyncio.get_running_loop().create_task(self._read(requests, stream, wake))
-        log.info("quota_stream_opened", stream=stream.id, peer=stream.peer)
+        registry.logs.limited("quota_stream_opened", registry.clock(), stream=stream.id, peer=stream.peer)
         try:
-            while not reader.done() or stream.pending:
-                registry.maintain(stream)
-                for message in self._take(stream):
-                    yield message
-                if reader.done():
-                    break
-                wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self.tick)
+            await self._serve(stream, reader, wake, context)
         finally:
             reader.cancel()
             registry.close(stream)
-            log.info("quota_stream_closed", stream=stream.id, peer=stream.peer)
+            registry.logs.limited("quota_stream_closed", registry.clock(), stream=stream.id, peer=stream.peer)
 
-    def _take(self, stream: Stream) -> Iterator[bytes]:
-        actions, stream.pending = stream.pending, []
-        sent = self.registry.stats.sent
-        for action in actions:
-            label = action_label(action)
-            sent[label] = sent.get(label, 0) + 1
-        for message in responses(actions, self.registry.settings.ttl):
-            yield bytes(message.SerializeToString())
+    async def _serve(
+        self,
+        stream: Stream,
+        reader: asyncio.Task[None],
+        wake: asyncio.Event,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Maintain and send until the client half-closes (and all is sent) or stops reading."""
+        while True:
+            wake.clear()
+            await self.registry.maintain_in_chunks(stream)
+            if not await self._send(stream, context):
+                return
+            if reader.done() and not stream.pending:
+                return
+            if not stream.pending:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), self.tick)
+
+    async def _send(self, stream: Stream, context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+        """Send what is queued, a message per turn; False when the client did not take one
+        within the write timeout (the stream is then ended ``RESOURCE_EXHAUSTED``)."""
+        registry = self.registry
+        timeout = registry.settings.write_timeout
+        while stream.pending:
+            actions = stream.pending.take(MAX_ACTIONS_PER_MESSAGE)
+            for message in responses(actions, registry.settings.ttl, registry.stats):
+                try:
+                    await asyncio.wait_for(context.write(message), timeout)
+                except TimeoutError:
+                    registry.stats.bump(registry.stats.streams_ended, "write_timeout")
+                    registry.logs.every("quota_stream_not_reading", registry.clock(), peer=stream.peer)
+                    context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    context.set_details(f"the client did not read a response for {timeout:g} s")
+                    return False
+        return True
 
     async def _read(self, requests: AsyncIterator[Any], stream: Stream, wake: asyncio.Event) -> None:
         registry = self.registry
@@ -131,9 +211,7 @@ class QuotaService:
                     registry.stats.bump(registry.stats.malformed, "undecodable")
                     registry.logs.every("quota_report_undecodable", registry.clock(), peer=stream.peer)
                     continue
-                registry.report(stream, report.domain, usages(report))
-                if stream.pending:
-                    wake.set()
+                await registry.report_in_chunks(stream, report.domain, usages(report, registry.stats))
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             raise
         except Exception:
@@ -147,6 +225,6 @@ def add_to_server(service: QuotaService, server: grpc.aio.Server) -> None:
     method = grpc.stream_stream_rpc_method_handler(
         service.StreamRateLimitQuotas,
         request_deserializer=parse_reports,
-        response_serializer=None,  # the handler yields serialized responses
+        response_serializer=None,  # the handler writes serialized responses
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {METHOD: method}),))

@@ -45,6 +45,8 @@ class QuotaStats:
     abandoned: dict[str, int] = field(default_factory=dict)
     unmatched: dict[str, int] = field(default_factory=dict)
     overflow: dict[str, int] = field(default_factory=dict)
+    streams_ended: dict[str, int] = field(default_factory=dict)
+    """Streams refused or ended by this side, by reason: ``max_streams``, ``write_timeout``."""
 
     @staticmethod
     def bump(counts: dict[str, int], label: str, by: int = 1) -> None:
@@ -79,6 +81,7 @@ class QuotaStats:
             abandoned=dict(self.abandoned),
             unmatched=dict(self.unmatched),
             overflow=dict(self.overflow),
+            streams_ended=dict(self.streams_ended),
         )
         return FrozenQuota(copy, gauges)
 
@@ -110,6 +113,8 @@ class QuotaStats:
         unmatched = "New buckets without a rule (default action), by reason"
         yield _labelled(PREFIX + "unmatched_buckets", unmatched, "reason", self.unmatched)
         yield _labelled(PREFIX + "bucket_overflow", "New buckets refused state at a cap, by cap", "cap", self.overflow)
+        ended = "Streams refused at --quota-max-streams or ended for not reading responses, by reason"
+        yield _labelled(PREFIX + "streams_ended", ended, "reason", self.streams_ended)
 
     def _rule_families(self) -> Iterator[Metric]:
         names = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +23,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.quota.buckets import bucket_of
-from sidecar.quota.service import METHOD, SERVICE_NAME
+from sidecar.quota.registry import CHUNK
+from sidecar.quota.service import MAX_RESPONSE_BYTES, METHOD, SERVICE_NAME
 from sidecar.server import Sidecar
 from sidecar.settings import Settings
 
@@ -37,6 +39,7 @@ Usage = Reports.BucketQuotaUsage
 
 
 def report(*buckets: dict[str, str], allowed: int = 1) -> bytes:
+    """A serialized usage report of ``buckets``."""
     usages = [Usage(bucket_id=rlqs_pb2.BucketId(bucket=b), num_requests_allowed=allowed) for b in buckets]
     return bytes(Reports(domain="q", bucket_quota_usages=usages).SerializeToString())
 
@@ -79,6 +82,7 @@ async def running(tmp_path: Path) -> AsyncIterator[SimpleNamespace]:
         quota_ttl=6,
         quota_max_buckets=50,
         quota_max_buckets_per_stream=40,
+        quota_max_streams=3,
     )
     sidecar = Sidecar(settings, load_config(str(tmp_path)), MemoryLimiter())
     await sidecar.start()
@@ -169,3 +173,61 @@ async def test_health_and_reflection_list_the_quota_service(running: SimpleNames
         names = [service.name for service in reply.list_services_response.service]
         assert SERVICE_NAME in names
         break
+
+
+async def test_answers_of_long_ids_are_cut_by_bytes_and_the_stream_lives_on(running: SimpleNamespace) -> None:
+    """1,000 buckets with ~1 KiB ids: one message of 1,060,000 bytes ended the stream
+    RESOURCE_EXHAUSTED (past the 1 MiB send cap), and a reconnecting Envoy lost it again."""
+    buckets = [bucket_of("q", [("user", f"{index:0990}")]) for index in range(1_000)]
+    await running.client.send(report(*buckets))
+    sizes: list[int] = []
+    while sum(sizes) < 1_000 * 1_000:
+        sizes.append((await running.client.receive()).ByteSize())
+    assert max(sizes) <= MAX_RESPONSE_BYTES and len(sizes) >= 4
+    await running.client.send(report(bucket_of("q", [("user", "0")])))
+    await running.client.receive()  # still open
+    await running.client.close()
+
+
+async def test_a_client_that_never_reads_is_bounded_then_ended(running: SimpleNamespace) -> None:
+    """Reports of stateless ids (bad ids) to a client that never reads: what is queued
+    stays within the byte bound (reports stop being read), and once gRPC's own buffers
+    are full the stream ends after the write timeout."""
+    registry = running.sidecar.quota.registry
+    registry.settings = replace(registry.settings, max_queued_bytes=64 * 1024, write_timeout=1.0)
+    client = Client(running.channel)
+    reports = 40  # 40 x 0.9 MB of answers: more than gRPC buffers for a client that does not read
+    for number in range(reports):
+        await client.send(report(*({"entry.0.user": f"{number:03}{index:0990}"} for index in range(900))))
+    peak = 0
+    for _ in range(3_000):  # bounded: at most 60 s of 20 ms polls
+        if registry.stats.streams_ended:
+            break
+        peak = max([peak] + [stream.pending.bytes for stream in registry.streams.values()])
+        await asyncio.sleep(0.02)
+    assert registry.stats.streams_ended == {"write_timeout": 1}
+    assert registry.stats.reports < reports  # backpressure: not every report was read
+    assert peak <= 64 * 1024 + CHUNK * 1_100  # the bound, plus one chunk of answers at most
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        while True:
+            await client.receive()
+    # The server ends it RESOURCE_EXHAUSTED; a Python client whose own send of a report
+    # is still blocked (as here) reports that failed send instead (INTERNAL).
+    assert ended.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
+    await client.close()
+
+
+async def test_streams_past_the_cap_are_refused_resource_exhausted(running: SimpleNamespace) -> None:
+    clients = [running.client, Client(running.channel), Client(running.channel)]
+    for index, client in enumerate(clients):  # the fixture's cap is 3
+        await client.send(report(bucket_of("q", [("user", str(index))])))
+        await client.receive()
+    refused = Client(running.channel)
+    await refused.send(report(bucket_of("q", [("user", "x")])))
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await refused.receive()
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--quota-max-streams" in (error.value.details() or "")
+    assert running.sidecar.quota.registry.stats.streams_ended == {"max_streams": 1}
+    for client in clients:
+        await client.close()

@@ -36,8 +36,7 @@ def usage(*items: tuple[dict[str, str], int, int]) -> Iterator[tuple[dict[str, s
 
 
 def take(stream: Stream) -> list[Action]:
-    actions, stream.pending = stream.pending, []
-    return actions
+    return stream.pending.take(len(stream.pending))
 
 
 @pytest.fixture
@@ -151,7 +150,7 @@ def test_huge_ids_are_served_without_state(setup: tuple[QuotaRegistry, Stream, S
     assert registry.live == 0 and registry.stats.overflow == {"id_size": 1}
 
 
-def test_a_reload_pushes_every_bucket_and_flips_nanos_when_only_the_seconds_change(
+async def test_a_reload_pushes_every_bucket_and_flips_nanos_when_only_the_seconds_change(
     h: SimpleNamespace, setup: tuple[QuotaRegistry, Stream, SimpleNamespace]
 ) -> None:
     registry, stream, _ = setup
@@ -160,10 +159,12 @@ def test_a_reload_pushes_every_bucket_and_flips_nanos_when_only_the_seconds_chan
     registry.report(stream, "q", usage((user("a"), 1, 0)))
     take(stream)
     registry.reassign(h.config_of(RELOADED))
+    await registry.settled()
     [action] = take(stream)
     assert action.assignment is not None
     assert (action.assignment.envoy_fields(), action.nanos, woken) == ((Kind.TOKEN_BUCKET, 5, 5, 10), 1, [True])
     registry.reassign(h.config_of(RULES))
+    await registry.settled()
     assert take(stream)[0].nanos == 0
 
 
