@@ -121,7 +121,7 @@ async def run_strategy(strategy: str, addresses: list[str], waiters: int, second
 
     async def retry_after(consumer: Consumer) -> None:
         while time.monotonic() < stop_at:
-            response = await consumer._ask(payload)
+            response = await consumer._ask(payload, timeout=consumer.rpc_timeout)
             if response.overall_code == 1:  # OK
                 admitted.append(time.time())
                 await asyncio.sleep(work)
