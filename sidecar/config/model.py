@@ -17,6 +17,18 @@ from sidecar.limiter.windows import CALENDAR_MONTH, UNIT_SECONDS, Unit
 ValueMatcher = Callable[[str], bool]
 UNIT_BY_SECONDS = {seconds: unit for unit, seconds in UNIT_SECONDS.items()}
 
+# What a request may hold, beside the descriptors the rules match: checked before any work
+# is done (sidecar.service.validate, the JSON API, quota bucket ids), so no request can make
+# the sidecar allocate without limit or build an unbounded counter key. Documented in README.
+MAX_DOMAIN_LENGTH = 256
+MAX_DESCRIPTORS = 64
+MAX_ENTRIES = 32
+MAX_KEY_LENGTH = 256
+MAX_VALUE_LENGTH = 4096
+MAX_HITS = 2**32 - 1
+"""Per-descriptor ``hits_addend`` is a uint64 in the proto; a hit count beyond uint32
+is certainly a client bug and would overflow counters in stores with int64."""
+
 
 @dataclass(frozen=True, slots=True)
 class RateLimitRule:

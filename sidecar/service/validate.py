@@ -2,23 +2,38 @@
 
 Every bound exists so that no request can make the sidecar allocate without limit
 or build an unbounded counter key; the message names the request part at fault so
-a misconfigured Envoy route is easy to find. The bounds are documented in README.
+a misconfigured Envoy route is easy to find. The bounds are declared beside the
+descriptor model (:mod:`sidecar.config.model`) and documented in README.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sidecar.config.model import (
+    MAX_DESCRIPTORS,
+    MAX_DOMAIN_LENGTH,
+    MAX_ENTRIES,
+    MAX_HITS,
+    MAX_KEY_LENGTH,
+    MAX_VALUE_LENGTH,
+)
 from sidecar.limiter.windows import Unit
 
-MAX_DOMAIN_LENGTH = 256
-MAX_DESCRIPTORS = 64
-MAX_ENTRIES = 32
-MAX_KEY_LENGTH = 256
-MAX_VALUE_LENGTH = 4096
-MAX_HITS = 2**32 - 1
-"""Per-descriptor ``hits_addend`` is a uint64 in the proto; a hit count beyond uint32
-is certainly a client bug and would overflow counters in stores with int64."""
+__all__ = [
+    "MAX_DESCRIPTORS",
+    "MAX_DOMAIN_LENGTH",
+    "MAX_ENTRIES",
+    "MAX_HITS",
+    "MAX_KEY_LENGTH",
+    "MAX_VALUE_LENGTH",
+    "descriptor_problem",
+    "entry_problem",
+    "request_problem",
+]
+"""The bounds live beside the descriptor model (:mod:`sidecar.config.model`); the JSON API and
+quota bucket ids still import them from here."""
+
 KNOWN_UNITS = frozenset(int(unit) for unit in Unit)
 
 

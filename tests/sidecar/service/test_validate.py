@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.limiter.windows import Unit
-from sidecar.service.validate import (
+from sidecar.config.model import (
     MAX_DESCRIPTORS,
     MAX_DOMAIN_LENGTH,
     MAX_ENTRIES,
     MAX_HITS,
     MAX_KEY_LENGTH,
     MAX_VALUE_LENGTH,
-    request_problem,
 )
+from sidecar.limiter.windows import Unit
+from sidecar.service.validate import request_problem
 
 
 def test_valid_requests_pass(h):
