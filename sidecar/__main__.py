@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from sidecar import __version__
-from sidecar.client import ClientTLS, build_request, describe, health_status, query
+from sidecar.client import ClientTLS, Replaced, build_request, describe, health_status, query, replaced_rules
 from sidecar.config import ConfigError, LoadOptions, load_config
 from sidecar.export.haproxy.export import add_export_arguments, run_export
 from sidecar.export.haproxy.model import ExportError
@@ -80,7 +80,17 @@ def _parser() -> argparse.ArgumentParser:
     ask = commands.add_parser("query", help="ask a running sidecar about one request")
     _add_client_arguments(ask)
     ask.add_argument("--domain", required=True, help="rate limit domain")
-    ask.add_argument("--hits", type=int, default=0, help="hits_addend (0 means 1)")
+    ask.add_argument(
+        "--hits",
+        type=int,
+        default=0,
+        help="hits_addend (0 means 1): a query spends them like the request it stands for",
+    )
+    ask.add_argument(
+        "--config",
+        default=os.environ.get("RLS_CONFIG", ""),
+        help="the sidecar's descriptor config (default: RLS_CONFIG): tells a rule `replaces` dropped from no match",
+    )
     ask.add_argument(
         "descriptors",
         nargs="+",
@@ -169,8 +179,26 @@ def _query(arguments: argparse.Namespace) -> int:
         return _fail(f"{error.filename}: {error.strerror}")
     except grpc.RpcError as error:
         return _fail(f"{arguments.address}: {error.code().name}: {error.details()}")
-    print("\n".join(describe(response)))
+    print("\n".join(describe(response, _replaced(arguments.config, request))))
+    if any(status.HasField("current_limit") for status in response.statuses):
+        # There is no dry run: the protocol counts a hits_addend of 0 as 1.
+        print(
+            f"(a query is a real request: it counted against the limits above, hits={max(arguments.hits, 1)})",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _replaced(config_path: str, request: Any) -> dict[int, Replaced] | None:
+    """What ``query --config`` can tell about rules ``replaces`` dropped; None without a
+    usable config (a config that fails to load is named on stderr, the answer still printed)."""
+    if not config_path:
+        return None
+    try:
+        return replaced_rules(load_config(config_path), request)
+    except ConfigError as error:
+        print(f"{PROG}: --config {config_path}: {len(error.issues)} error(s), not used", file=sys.stderr)
+        return None
 
 
 def _health(arguments: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ decisions without installing grpcurl; its channels serve :mod:`sidecar.consumer`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sidecar.config.match import match_descriptor
+from sidecar.config.model import RateLimitConfig
 from sidecar.limiter.windows import Unit
 from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
@@ -39,8 +41,49 @@ def build_request(domain: str, descriptors: Sequence[str], hits: int = 0) -> Any
     )
 
 
-def describe(response: Any) -> list[str]:
+@dataclass(frozen=True)
+class Replaced:
+    """A descriptor whose matched rules another matched rule ``replaces``: the service
+    drops them and answers a bare OK, as for no match; the config tells the two apart."""
+
+    rules: tuple[str, ...]
+    """The names of the descriptor's rules that were dropped."""
+    by: tuple[str, ...]
+    """The names of the rules whose ``replaces`` dropped them."""
+
+
+def replaced_rules(config: RateLimitConfig, request: Any) -> dict[int, Replaced]:
+    """Descriptor index -> :class:`Replaced`, for the descriptors of ``request`` that match
+    a rule of ``config`` whose every limit another matched limit ``replaces`` (the same
+    matching and dropping as the service: :func:`sidecar.config.match.drop_replaced`)."""
+    domain = config.domains.get(request.domain)
+    if domain is None:
+        return {}
+    matches = [
+        None if descriptor.HasField("limit") else match_descriptor(domain, descriptor.entries)
+        for descriptor in request.descriptors
+    ]
+    replacers: dict[str, set[str]] = {}
+    for match in matches:
+        for limit in match.limits() if match else ():
+            for name in limit.rule.replaces:
+                replacers.setdefault(name, set()).add(limit.rule.name or "(unnamed)")
+    found = {}
+    for index, match in enumerate(matches):
+        names = [limit.rule.name for limit in match.limits()] if match else []
+        if names and all(name in replacers for name in names):
+            by = sorted({replacer for name in names for replacer in replacers[str(name)]})
+            found[index] = Replaced(tuple(str(name) for name in names), tuple(by))
+    return found
+
+
+def describe(response: Any, replaced: Mapping[int, Replaced] | None = None) -> list[str]:
     """Human lines: the overall verdict, then one line per descriptor.
+
+    A bare OK status (no limit, nothing remaining) means no rule matched, or the rules that
+    matched were replaced by another descriptor's (``replaces``). With ``replaced``
+    (:func:`replaced_rules`, from the config) the line says which; without it (None: no
+    config at hand) it says it cannot tell.
 
     ``limit`` is ``current_limit`` as sent: ``requests_per_unit`` per ``unit``, the window's
     limit, or a token bucket's refill rate (its size, ``burst``, is not in the response, so
@@ -64,8 +107,13 @@ def describe(response: Any) -> list[str]:
             )
         elif status.limit_remaining:
             line += " unlimited"
-        else:
+        elif replaced is not None and index in replaced:
+            dropped = replaced[index]
+            line += f" no limit: {', '.join(dropped.rules)} replaced by {', '.join(dropped.by)}"
+        elif replaced is not None:
             line += " no rule matched"
+        else:
+            line += " no limit: no rule matched, or replaced (--config tells which)"
         lines.append(line)
     lines.extend(f"  header {header.key}: {header.value}" for header in response.response_headers_to_add)
     return lines

@@ -284,7 +284,8 @@ def test_query_prints_the_decision(shared_sidecar: Sidecar) -> None:
     lines = rest.stdout.splitlines()
     assert lines[0] == "overall: OVER_LIMIT"
     assert re.fullmatch(r"  \[0\] OVER_LIMIT limit=5/minute name=five_per_minute remaining=0 reset=\d+s", lines[1])
-    assert lines[2:] == ["  [1] OK unlimited", "  [2] OK no rule matched"]
+    assert lines[2:] == ["  [1] OK unlimited", "  [2] OK no limit: no rule matched, or replaced (--config tells which)"]
+    assert "a query is a real request" in rest.stderr
 
 
 def test_query_into_a_reader_that_left_ends_quietly(shared_sidecar: Sidecar) -> None:
@@ -323,3 +324,17 @@ def test_health_command_fails_for_unknown_service_and_dead_address(shared_sideca
     assert result.returncode == 1
     (line,) = stderr_lines(result.stderr)
     assert line.startswith(f"{PROG}: error: {dead}: UNAVAILABLE")
+
+
+def test_query_with_the_config_names_a_replaced_rule(start_sidecar: SidecarFactory) -> None:
+    """examples/config: an api_key matching premium-* replaces api_route, so the (generic_key, api)
+    descriptor gets a bare OK; ``query --config`` says so instead of "no rule matched"."""
+    demo = Path(__file__).resolve().parents[2] / "examples" / "config"
+    sidecar = start_sidecar(config=demo)
+    premium = f"generic_key=api,api_key=premium-{uuid.uuid4().hex}"
+    args = ("query", "--address", sidecar.address, "--domain", "demo", "generic_key=api", premium)
+    told = run_cli(*args, "--config", str(demo))
+    assert told.returncode == 0, told.stderr
+    assert told.stdout.splitlines()[1] == "  [0] OK no limit: api_route replaced by premium_key"
+    from_environment = run_cli(*args, env=clean_env(RLS_CONFIG=str(demo)))
+    assert from_environment.stdout.splitlines()[1] == "  [0] OK no limit: api_route replaced by premium_key"
