@@ -396,7 +396,7 @@ class Consumer:
 
     def _no_slot(
         self, domain: str, max_wait: float, verdict: Fail | AwaitAnswer, waited: float, attempts: int
-    ) -> Exception:
+    ) -> RateLimitExceeded:
         """The :class:`RateLimitExceeded` of a call that gets no slot in time: ``Fail`` says when budget comes
         back; ``AwaitAnswer`` is a deadline that struck while the answer setting the pace was on its way."""
         if isinstance(verdict, AwaitAnswer):
