@@ -19,7 +19,7 @@ from sidecar import __version__
 from sidecar.client import ClientTLS, Replaced, build_request, describe, health_status, query, replaced_rules
 from sidecar.config import ConfigError, LoadOptions, load_config
 from sidecar.export.haproxy.export import add_export_arguments, run_export
-from sidecar.export.haproxy.model import ExportError
+from sidecar.export.problems import ExportError
 from sidecar.logs import configure_logging
 from sidecar.server import StartupError, serve
 from sidecar.settings import Settings, SettingsError, add_serve_arguments, option_value, resolve_with_notes

@@ -39,21 +39,22 @@ table keyed without the window, written by the request that goes over (its own t
 and read with ``table_gpt``. A ``token_bucket`` has no HAProxy 2.6 counterpart and is
 listed.
 
-Modules, each importing only those above it:
+Modules, each importing only those above it and the exporters' shared ones in
+:mod:`sidecar.export` (``problems``, ``envoy_routes``, ``rules``):
 
 ``model``
     The vocabulary: :class:`Fetch`/:class:`Const` sources, :class:`Test` ACLs, :class:`Producer`,
-    :class:`Route`, :class:`Sources`, :class:`Problem`, :class:`ExportError`, and HAProxy 2.6's limits
-    (``TRACKERS``, ``MAX_SLOTS``, ``KEY_LENGTH``, ...).
+    :class:`Route`, :class:`Sources`, and HAProxy 2.6's limits (``TRACKERS``, ``MAX_SLOTS``,
+    ``KEY_LENGTH``, ...).
 ``words``
     HAProxy config words: quoting, ACL patterns, anchored regexes, comment-safe text, ACL name hints.
-``rules``
-    One descriptor-config rule: the limits of a tree node, how problems name a rule, its rate and
-    window text, and why HAProxy 2.6 cannot hold it (``rule_problem``, ``ban_problem``).
-``from_envoy``
-    Reading the Envoy config's routes into :class:`Sources` (``read_envoy``, ``rate_limited_manager``,
-    ``sources_from_envoy``, ``EnvoyReader``, route and header matchers as ACLs).
-``from_flags``
+``fit``
+    Whether one descriptor-config rule fits HAProxy 2.6 (``rule_problem``, ``ban_problem``), and its
+    rate and window text.
+``routes``
+    The Envoy config's routes as :class:`Sources` (``sources_from_envoy``, ``EnvoyReader``, route and
+    header matchers as ACLs).
+``flags``
     Reading ``--fetch``/``--when`` into :class:`Sources` instead (``sources_from_flags``).
 ``plan``
     Descriptors onto rules (``targets_of``) and the :class:`Planner`: tables, slots, trackers, bans,
@@ -66,6 +67,7 @@ Modules, each importing only those above it:
 The names callers use are re-exported here.
 """
 
+from sidecar.export.envoy_routes import rate_limited_manager, read_envoy
 from sidecar.export.haproxy.export import Export, add_export_arguments, export, run_export
 from sidecar.export.haproxy.flags import sources_from_flags
 from sidecar.export.haproxy.model import (
@@ -73,10 +75,8 @@ from sidecar.export.haproxy.model import (
     MAX_SLOTS,
     TRACKERS,
     Const,
-    ExportError,
     Fetch,
     Flavour,
-    Problem,
     Producer,
     Route,
     Sources,
@@ -87,12 +87,11 @@ from sidecar.export.haproxy.routes import (
     EnvoyReader,
     header_tests,
     header_value_match,
-    rate_limited_manager,
-    read_envoy,
     route_test,
     sources_from_envoy,
 )
 from sidecar.export.haproxy.words import patterns, quote
+from sidecar.export.problems import ExportError, Problem
 
 __all__ = [
     "KEY_LENGTH",

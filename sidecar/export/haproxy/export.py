@@ -5,19 +5,20 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from sidecar.config.load import load_config
 from sidecar.config.model import DomainConfig
-from sidecar.export.haproxy.fit import where_of
 from sidecar.export.haproxy.flags import sources_from_flags
-from sidecar.export.haproxy.model import DEFAULT_TABLE_SIZE, FLAVOURS, ExportError, Problem, Sources
+from sidecar.export.haproxy.model import DEFAULT_TABLE_SIZE, FLAVOURS, Sources
 from sidecar.export.haproxy.plan import ExportOptions, Planner
 from sidecar.export.haproxy.render import Renderer
 from sidecar.export.haproxy.routes import sources_from_envoy
 from sidecar.export.haproxy.words import CONTROL
+from sidecar.export.problems import ExportError, Problem
+from sidecar.export.rules import pick_domain, where_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,18 +43,6 @@ def sorted_problems(domain: DomainConfig, problems: Sequence[Problem]) -> tuple[
     position = {where_of(rule): index for index, rule in enumerate(domain.rules)}
     unique = list(dict.fromkeys(problems))
     return tuple(sorted(unique, key=lambda problem: position.get(problem.where, -1)))
-
-
-def pick_domain(domains: Mapping[str, DomainConfig], name: str | None) -> DomainConfig:
-    """The domain to export: ``name``, or the only one."""
-    if name is not None:
-        if name not in domains:
-            known = ", ".join(sorted(domains)) or "none"
-            raise ExportError(f"domain {name!r} is not in the config (domains: {known})")
-        return domains[name]
-    if len(domains) != 1:
-        raise ExportError(f"the config has {len(domains)} domains; choose one with --domain")
-    return next(iter(domains.values()))
 
 
 # ---------------------------------------------------------------- command line

@@ -1,33 +1,11 @@
-"""One descriptor-config rule as the exporter sees it: the tree's limits, how problems name a rule,
-how the output describes it, and why HAProxy 2.6 cannot hold it."""
+"""Whether one descriptor-config rule fits HAProxy 2.6 (why not: ``rule_problem``, ``ban_problem``),
+and how the HAProxy output writes its rate and window."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-from sidecar.config.model import DescriptorNode, RateLimitRule
+from sidecar.config.model import RateLimitRule
 from sidecar.export.haproxy.model import MAX_TIMER_SECONDS, Flavour
 from sidecar.limiter.algorithms import Algorithm
-
-
-def node_limits(node: DescriptorNode) -> tuple[RateLimitRule, ...]:
-    """The limits of a node: its ``rate_limit`` (or first ``rate_limits`` entry), then the others."""
-    return () if node.rule is None else (node.rule, *node.more)
-
-
-def subtree_rules(node: DescriptorNode) -> Iterator[RateLimitRule]:
-    """Every rule at or below ``node``."""
-    yield from node_limits(node)
-    for child in node.children.nodes():
-        yield from subtree_rules(child)
-
-
-def where_of(rule: RateLimitRule) -> str:
-    """How problems name a rule: its file and line, stat key and name, and which of a node's
-    ``rate_limits`` it is (several can share a line and a stat key)."""
-    name = f" ({rule.name})" if rule.name else ""
-    entry = f" {rule.where.rsplit('.', 1)[-1]}" if ".rate_limits[" in rule.where else ""
-    return f"{rule.source}: {rule.stat_key}{name}{entry}"
 
 
 def window_text(rule: RateLimitRule) -> str:

@@ -5,14 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sidecar.config.model import DescriptorNode, DomainConfig, Level
-from sidecar.export.haproxy.fit import subtree_rules, where_of
 from sidecar.export.haproxy.model import (
     ADDRESS_LENGTH,
     FLAGS_ROUTE,
     Condition,
     Const,
     Fetch,
-    Problem,
     Producer,
     Route,
     Source,
@@ -20,6 +18,8 @@ from sidecar.export.haproxy.model import (
     Test,
 )
 from sidecar.export.haproxy.words import hint_of
+from sidecar.export.problems import Problem
+from sidecar.export.rules import subtree_rules, where_of
 
 
 def sources_from_flags(

@@ -1,10 +1,14 @@
-"""The exporter's vocabulary: what the proxy sends (sources, tests, producers, routes), problems,
-and the HAProxy 2.6 limits every other module of :mod:`sidecar.export.haproxy` works within."""
+"""The HAProxy exporter's vocabulary: what the proxy sends (sources, tests, producers, routes), in
+HAProxy's terms (sample expressions, ACL bodies), and the HAProxy 2.6 limits every other module of
+:mod:`sidecar.export.haproxy` works within. :class:`Problem` and :class:`ExportError` are the
+exporters' shared ones (:mod:`sidecar.export.problems`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Literal
+
+from sidecar.export.problems import Problem
 
 Flavour = Literal["fixed", "sliding"]
 FLAVOURS: tuple[Flavour, ...] = ("fixed", "sliding")
@@ -29,10 +33,6 @@ FLAGS_ROUTE = "all requests"
 """The one route of an export from flags: every descriptor may come with any request."""
 ADDRESS_LENGTH = 45
 """Longest text form of an IPv6 address (with an embedded IPv4 one)."""
-
-
-class ExportError(Exception):
-    """The inputs cannot be exported at all (unreadable Envoy config, unknown domain, bad flag)."""
 
 
 # ---------------------------------------------------------------- what the proxy sends
@@ -92,18 +92,6 @@ class Route:
     label: str
     match: Test | None
     producers: tuple[Producer, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """Something not exported (``exported=False``) or exported with a difference (a note)."""
-
-    where: str
-    reason: str
-    exported: bool = False
-
-    def __str__(self) -> str:
-        return f"{'note' if self.exported else 'not exported'}: {self.where}: {self.reason}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from sidecar.config.model import UNIT_BY_SECONDS, DescriptorNode, DomainConfig, Level, RateLimitRule
-from sidecar.export.haproxy.fit import ban_problem, keeps_previous_window, node_limits, rule_problem, where_of
+from sidecar.export.haproxy.fit import ban_problem, keeps_previous_window, rule_problem
 from sidecar.export.haproxy.model import (
     DEFAULT_TABLE_SIZE,
     FLAGS_ROUTE,
@@ -17,13 +17,14 @@ from sidecar.export.haproxy.model import (
     Condition,
     Const,
     Flavour,
-    Problem,
     Producer,
     Source,
     Sources,
     Test,
 )
 from sidecar.export.haproxy.words import SAFE_CONSTANT, hint_of, patterns, unquotable, wildcard_test
+from sidecar.export.problems import Problem
+from sidecar.export.rules import landing_nodes, node_limits, where_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,30 +60,24 @@ def targets_of(domain: DomainConfig, route: int, producer: Producer) -> list[Tar
 
 
 def candidates(level: Level, key: str, source: Source) -> list[tuple[DescriptorNode, Condition]]:
-    """The nodes an entry can land on and the tests for each: exact value, then wildcards in order,
-    then the key-only default, as :func:`find_node` picks them."""
+    """The nodes an entry can land on (:func:`landing_nodes`) and the ACL tests selecting each: an
+    exact value's own test; a wildcard's, after none of the earlier ones held; the key-only default
+    when none held."""
     if isinstance(source, Const):
-        node = level.exact.get((key, source.value))
-        if node is None:
-            node = next((n for n in level.wildcards.get(key, ()) if n.wildcard and n.wildcard(source.value)), None)
-        node = node or level.defaults.get(key)
-        return [] if node is None else [(node, ())]
+        return [(node, ()) for node in landing_nodes(level, key, source.value)]
     earlier: list[Test] = []
     found: list[tuple[DescriptorNode, Condition]] = []
-    exact = [node for (name, value), node in level.exact.items() if name == key and not unquotable(value)]
-    for node in exact:
-        test = Test(f"{source.sample} -m str {patterns([node.value or ''])}", hint_of(f"{key}_is_{node.value}"))
-        found.append((node, (test,)))
-        earlier.append(test.negate())
-    for node in level.wildcards.get(key, ()):
-        if unquotable(node.value or ""):
-            continue
-        test = wildcard_test(source.sample, node.value or "", hint_of(f"{key}_like_{node.value}"))
-        found.append((node, (*earlier, test)))
-        earlier.append(test.negate())
-    default = level.defaults.get(key)
-    if default is not None:
-        found.append((default, tuple(earlier)))
+    for node in landing_nodes(level, key, None):
+        if node.value is None:
+            found.append((node, tuple(earlier)))
+        elif node.wildcard is None:
+            test = Test(f"{source.sample} -m str {patterns([node.value])}", hint_of(f"{key}_is_{node.value}"))
+            found.append((node, (test,)))
+            earlier.append(test.negate())
+        else:
+            test = wildcard_test(source.sample, node.value, hint_of(f"{key}_like_{node.value}"))
+            found.append((node, (*earlier, test)))
+            earlier.append(test.negate())
     return found
 
 

@@ -1,27 +1,34 @@
-"""Reading an Envoy config's routes: which descriptors (:class:`Producer`) each route's
-``rate_limits`` send, and the ACLs for its path match and header matchers.
+"""The Envoy config's routes as HAProxy sees them: which descriptors (:class:`Producer`) each
+route's ``rate_limits`` send, and the ACLs for its path match and header matchers.
 
-Reusable beyond HAProxy: :func:`read_envoy`, :func:`rate_limited_manager`, :func:`sources_from_envoy`
-and :class:`EnvoyReader` turn the routes into :class:`Sources`, whatever is generated from them.
+Finding the routes and the rules both exporters share are :mod:`sidecar.export.envoy_routes`;
+this module writes route matches and actions as HAProxy ACLs and samples, into :class:`Sources`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from sidecar.export.envoy_routes import (
+    filter_domain,
+    filter_stage,
+    inline_routes,
+    one_action,
+    ratelimit_filter,
+    read_envoy,
+    served_routes,
+    skipped_entry,
+    string_match,
+)
 from sidecar.export.haproxy.model import (
     ADDRESS_LENGTH,
     Condition,
     Const,
-    ExportError,
     Fetch,
-    Problem,
     Producer,
     Route,
     Source,
@@ -29,64 +36,20 @@ from sidecar.export.haproxy.model import (
     Test,
 )
 from sidecar.export.haproxy.words import full_regex, hint_of, patterns, quote, unquotable
-
-RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
-HTTP_CONNECTION_MANAGER = "envoy.filters.network.http_connection_manager"
+from sidecar.export.problems import ExportError, Problem
 
 _HEADER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _METHODS = re.compile(r"[A-Z]+(?:\|[A-Z]+)*")
 
 
-def read_envoy(path: Path) -> dict[str, Any]:
-    """The Envoy config as a mapping; :class:`ExportError` when it cannot be read."""
-    try:
-        document = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise ExportError(f"{path}: cannot read: {error.strerror or error}") from None
-    except yaml.YAMLError as error:
-        raise ExportError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
-    if not isinstance(document, dict):
-        raise ExportError(f"{path}: not an Envoy config (expected a mapping)")
-    return document
-
-
-def _filters(document: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
-    listeners = (document.get("static_resources") or {}).get("listeners") or []
-    for listener in listeners:
-        for chain in listener.get("filter_chains") or []:
-            yield from chain.get("filters") or []
-
-
-def rate_limited_manager(document: Mapping[str, Any], path: Path) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-    """The one HTTP connection manager with a rate-limit filter, and that filter's config."""
-    found = []
-    for network_filter in _filters(document):
-        manager = network_filter.get("typed_config") or {}
-        if network_filter.get("name") != HTTP_CONNECTION_MANAGER and "http_filters" not in manager:
-            continue
-        for http_filter in manager.get("http_filters") or []:
-            if http_filter.get("name") == RATELIMIT_FILTER:
-                found.append((manager, http_filter.get("typed_config") or {}))
-    if len(found) != 1:
-        raise ExportError(f"{path}: expected one HTTP listener with {RATELIMIT_FILTER}, found {len(found)}")
-    return found[0]
-
-
 def sources_from_envoy(path: Path, overrides: Mapping[str, str]) -> Sources:
     """Routes and descriptors of the Envoy config at ``path``, ``overrides`` replacing key fetches."""
-    document = read_envoy(path)
+    manager, limiter = ratelimit_filter(read_envoy(path), path)
+    domain = filter_domain(limiter, path)
+    route_config = inline_routes(manager, path)
     try:
-        manager, limiter = rate_limited_manager(document, path)
-    except (AttributeError, TypeError) as error:
-        raise ExportError(f"{path}: not the shape of an Envoy v3 config ({error})") from None
-    domain = limiter.get("domain")
-    if not isinstance(domain, str) or not domain:
-        raise ExportError(f"{path}: the {RATELIMIT_FILTER} filter has no domain")
-    if "route_config" not in manager:
-        raise ExportError(f"{path}: routes come from RDS; only an inline route_config can be read")
-    try:
-        reader = EnvoyReader(str(path), int(limiter.get("stage", 0) or 0), overrides)
-        routes = reader.virtual_hosts(manager["route_config"].get("virtual_hosts") or [])
+        reader = EnvoyReader(str(path), filter_stage(limiter), overrides)
+        routes = reader.virtual_hosts(route_config.get("virtual_hosts") or [])
     except (AttributeError, TypeError, ValueError) as error:
         raise ExportError(f"{path}: not the shape of an Envoy v3 config ({error})") from None
     return Sources(domain, str(path), tuple(routes), tuple(reader.problems))
@@ -104,17 +67,10 @@ class EnvoyReader:
     def virtual_hosts(self, hosts: Sequence[Mapping[str, Any]]) -> list[Route]:
         """Routes of the virtual host serving every domain (``*``); others are reported."""
         routes: list[Route] = []
-        for host in hosts:
-            where = f"{self.origin}: virtual host {host.get('name', '?')!r}"
-            if "*" not in (host.get("domains") or []):
-                self._problem(where, "only the virtual host for every domain ('*') is exported")
-                continue
-            if host.get("rate_limits"):
-                self._problem(where, "virtual host rate_limits are not exported (only route ones)")
-            for index, route in enumerate(host.get("routes") or []):
-                exported = self.route(index, route)
-                if exported is not None:
-                    routes.append(exported)
+        for index, route in served_routes(hosts, self.origin, self._problem):
+            exported = self.route(index, route)
+            if exported is not None:
+                routes.append(exported)
         return routes
 
     def route(self, index: int, route: Mapping[str, Any]) -> Route | None:
@@ -139,12 +95,9 @@ class EnvoyReader:
 
     def producer(self, where: str, entry: Mapping[str, Any]) -> Producer | None:
         """The descriptor one ``rate_limits`` entry produces, or None (reported) when it cannot be read."""
-        if int(entry.get("stage", 0) or 0) != self.stage:
-            self._problem(where, f"stage {entry.get('stage')}: not applied by the filter (stage {self.stage})", True)
-            return None
-        extra = sorted(set(entry) - {"actions", "stage"})
-        if extra:
-            self._problem(where, f"{', '.join(extra)} not supported; descriptor not exported")
+        skipped = skipped_entry(entry, self.stage)
+        if skipped is not None:
+            self._problem(where, *skipped)
             return None
         entries: list[tuple[str, Source]] = []
         condition: list[Test] = []
@@ -160,10 +113,10 @@ class EnvoyReader:
 
     def action(self, action: Mapping[str, Any]) -> tuple[str, Source, Condition] | str:
         """One action as ``(descriptor key, value source, presence tests)``, or why not."""
-        if len(action) != 1:
-            return f"action {sorted(action)} is not one action"
-        kind, body = next(iter(action.items()))
-        body = body or {}
+        found = one_action(action)
+        if isinstance(found, str):
+            return found
+        kind, body = found
         if kind == "remote_address":
             return "remote_address", self._fetch("remote_address", "src"), ()
         if kind == "generic_key":
@@ -256,12 +209,6 @@ def header_sample(name: str) -> tuple[str, bool] | None:
 
 
 _STRING_MATCHES = {"exact": "str", "prefix": "beg", "suffix": "end", "contains": "sub"}
-_LEGACY_MATCHES = {
-    "exact_match": "exact",
-    "prefix_match": "prefix",
-    "suffix_match": "suffix",
-    "contains_match": "contains",
-}
 
 
 def header_tests(matcher: Mapping[str, Any], hint: str) -> Condition | str:
@@ -283,17 +230,6 @@ def header_tests(matcher: Mapping[str, Any], hint: str) -> Condition | str:
         test = test.negate()
         return (test,) if always else (found, test)
     return (test,)
-
-
-def string_match(matcher: Mapping[str, Any]) -> dict[str, Any]:
-    """A header matcher's ``string_match``, with the legacy ``*_match`` fields folded into it."""
-    found = dict(matcher.get("string_match") or {})
-    for legacy, kind in _LEGACY_MATCHES.items():
-        if legacy in matcher:
-            found[kind] = matcher[legacy]
-    if "safe_regex_match" in matcher:
-        found["safe_regex"] = matcher["safe_regex_match"]
-    return found
 
 
 def match_body(fetch: str, matcher: Mapping[str, Any]) -> str | None:

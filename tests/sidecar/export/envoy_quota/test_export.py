@@ -19,7 +19,7 @@ import yaml
 from sidecar.__main__ import main
 from sidecar.config import load_config
 from sidecar.export.envoy_quota.export import check_quota_filters, export_quota
-from sidecar.export.haproxy import ExportError
+from sidecar.export.problems import ExportError
 from tests.support.envoy_snippets import minimal_envoy_config
 
 REPO = Path(__file__).resolve().parents[4]

@@ -1,0 +1,207 @@
+"""The Envoy config's routes as the ``rate_limit_quota`` filter sees them: each route's path test
+and the descriptors its ``rate_limits`` send, as matcher predicates and bucket values
+(:class:`RouteReader`).
+
+Finding the routes and the rules both exporters share are :mod:`sidecar.export.envoy_routes`;
+this module writes route matches and actions in the quota filter's terms: a predicate on
+request headers (``:path`` included) and, for each entry of a descriptor, where the bucket id
+builder takes its value (a constant, a header, the client address).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.export.envoy_quota import objects
+from sidecar.export.envoy_quota.objects import BucketValue, Predicate
+from sidecar.export.envoy_routes import one_action, served_routes, skipped_entry, string_match
+from sidecar.export.problems import Problem
+
+_PATH_MATCHES = ("prefix", "path", "path_separated_prefix", "safe_regex")
+_STRING_KINDS = ("exact", "prefix", "suffix", "contains", "safe_regex")
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """One ``rate_limits`` entry of a route: its entries and the tests under which it is sent."""
+
+    where: str
+    entries: tuple[tuple[str, BucketValue], ...]
+    conditions: tuple[Predicate, ...] = field(compare=False, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaRoute:
+    """A route: its path test (None when untranslatable) and the descriptors it sends."""
+
+    label: str
+    path: Predicate | None = field(compare=False, hash=False)
+    descriptors: tuple[Descriptor, ...]
+
+
+@dataclass(slots=True)
+class RouteReader:
+    """Reads virtual hosts, routes and rate-limit actions as predicates and bucket values."""
+
+    origin: str
+    stage: int
+    problems: list[Problem] = field(default_factory=list)
+
+    def virtual_hosts(self, hosts: Sequence[Mapping[str, Any]]) -> list[QuotaRoute]:
+        """Routes of the virtual host for every domain (``*``), in match order; others reported."""
+        return [self.route(index, route) for index, route in served_routes(hosts, self.origin, self.problem)]
+
+    def route(self, index: int, route: Mapping[str, Any]) -> QuotaRoute:
+        match = route.get("match") or {}
+        path, text = self.path_test(match)
+        label = f"route {index} ({text})"
+        if path is None:
+            self.problem(f"{self.origin}: route {index}", f"{text}; its requests may land in later routes' buckets")
+            return QuotaRoute(label, None, ())
+        action = route.get("route") or {}
+        descriptors = []
+        for number, entry in enumerate(action.get("rate_limits") or []):
+            found = self.descriptor(f"{self.origin}: {label} rate_limits[{number}]", entry, action)
+            if found is not None:
+                descriptors.append(found)
+        return QuotaRoute(label, path, tuple(descriptors))
+
+    def path_test(self, match: Mapping[str, Any]) -> tuple[Predicate | None, str]:
+        """The predicate of a route ``match`` on ``:path`` (and its ``headers``), and a short text."""
+        kinds = [kind for kind in _PATH_MATCHES if kind in match]
+        unsupported = sorted(set(match) - {*_PATH_MATCHES, "case_sensitive", "headers"})
+        if unsupported or len(kinds) != 1:
+            return None, f"match on {', '.join(unsupported) or 'no path'} is not exported"
+        kind = kinds[0]
+        value = match[kind]
+        text = str((value or {}).get("regex", "")) if kind == "safe_regex" else str(value)
+        tests = [path_predicate(kind, text, ignore_case=match.get("case_sensitive") is False)]
+        for matcher in match.get("headers") or []:
+            test = header_matcher(matcher)
+            if isinstance(test, str):
+                return None, f"{kind} {text} with {test}"
+            tests.append(test)
+        return objects.all_of(tests), f"{kind} {text}"
+
+    def descriptor(self, where: str, entry: Mapping[str, Any], action: Mapping[str, Any]) -> Descriptor | None:
+        """The descriptor one ``rate_limits`` entry sends, or None (reported)."""
+        skipped = skipped_entry(entry, self.stage)
+        if skipped is not None:
+            self.problem(where, *skipped)
+            return None
+        entries: list[tuple[str, BucketValue]] = []
+        conditions: list[Predicate] = []
+        for item in entry.get("actions") or []:
+            result = self.action(item, action)
+            if isinstance(result, str):
+                self.problem(where, f"{result}; descriptor not exported")
+                return None
+            key, value, tests = result
+            entries.append((key, value))
+            conditions.extend(tests)
+        return Descriptor(where, tuple(entries), tuple(conditions)) if entries else None
+
+    def action(
+        self, item: Mapping[str, Any], route_action: Mapping[str, Any]
+    ) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
+        """One action as ``(descriptor key, bucket value, tests)``, or why not."""
+        found = one_action(item)
+        if isinstance(found, str):
+            return found
+        kind, body = found
+        if kind == "destination_cluster" and isinstance(route_action.get("cluster"), str):
+            return "destination_cluster", BucketValue(constant=route_action["cluster"]), ()
+        translate = _ACTIONS.get(kind)
+        if translate is not None:
+            return translate(body)
+        return f"action {kind!r} has no rate_limit_quota translation here"
+
+    def problem(self, where: str, reason: str, exported: bool = False) -> None:
+        self.problems.append(Problem(where, reason, exported))
+
+
+def remote_address(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
+    """Envoy's ``remote_address``: the client address, after ``xff_num_trusted_hops``."""
+    return "remote_address", BucketValue(source_ip=True), ()
+
+
+def generic_key(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
+    """Envoy's ``generic_key``: a constant (key ``generic_key`` unless ``descriptor_key`` says)."""
+    key = str(body.get("descriptor_key") or "generic_key")
+    return key, BucketValue(constant=str(body.get("descriptor_value", ""))), ()
+
+
+def path_predicate(kind: str, text: str, *, ignore_case: bool) -> Predicate:
+    """A route path match as a ``:path`` test. ``:path`` holds the query string, which Envoy's
+    route matching ignores: an exact path also matches ``path?query``, a regex is followed by
+    an optional ``?query``."""
+
+    def test(string_kind: str, value: str) -> Predicate:
+        return objects.header_predicate(":path", string_kind, value, ignore_case=ignore_case)
+
+    if kind == "prefix":
+        return test("prefix", text)
+    if kind == "path":
+        return objects.any_of([test("exact", text), test("prefix", text + "?")])
+    if kind == "path_separated_prefix":
+        return objects.any_of([test("exact", text), test("prefix", text + "/"), test("prefix", text + "?")])
+    return test("safe_regex", f"(?:{text})(?:\\?.*)?")
+
+
+def header_matcher(matcher: Mapping[str, Any]) -> Predicate | str:
+    """An Envoy ``HeaderMatcher`` as a predicate (a missing header never matches, inverted or
+    not, as in Envoy), or why not."""
+    name = str(matcher.get("name", ""))
+    if not name or matcher.get("treat_missing_header_as_empty") or "range_match" in matcher:
+        return f"header matcher on {name!r} with range_match or treat_missing_header_as_empty"
+    wanted = string_match(matcher)
+    invert = bool(matcher.get("invert_match"))
+    if not wanted:  # present_match, or no match at all (Envoy: presence)
+        present = (matcher.get("present_match", True) is not False) != invert
+        test = objects.header_present(name)
+        return test if present else objects.negate(test)
+    ignore_case = bool(wanted.pop("ignore_case", False))
+    if len(wanted) != 1 or next(iter(wanted)) not in _STRING_KINDS:
+        return f"header matcher on {name!r}: only {', '.join(_STRING_KINDS)} and present are supported"
+    kind, value = next(iter(wanted.items()))
+    text = str((value or {}).get("regex", "")) if kind == "safe_regex" else str(value)
+    test = objects.header_predicate(name, kind, text, ignore_case=ignore_case)
+    return objects.all_of([objects.header_present(name), objects.negate(test)]) if invert else test
+
+
+def request_headers(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
+    """Envoy's ``request_headers``: the header's value; no descriptor when the header is absent."""
+    name, key = str(body.get("header_name", "")), str(body.get("descriptor_key", ""))
+    if body.get("skip_if_absent"):
+        return "request_headers with skip_if_absent is not supported"
+    if not name or not key:
+        return f"request_headers header {name!r} / descriptor_key {key!r} not supported"
+    return key, BucketValue(header=name), (objects.header_present(name),)
+
+
+def header_value_match(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
+    """Envoy's ``header_value_match``: a constant, sent when all header matchers hold (or, with
+    ``expect_match: false``, when they do not all hold)."""
+    key = str(body.get("descriptor_key") or "header_match")
+    tests = []
+    for matcher in body.get("headers") or []:
+        test = header_matcher(matcher)
+        if isinstance(test, str):
+            return test
+        tests.append(test)
+    if not tests:
+        return "header_value_match without headers is not supported"
+    condition = objects.all_of(tests)
+    if body.get("expect_match") is False:
+        condition = objects.negate(condition)
+    return key, BucketValue(constant=str(body.get("descriptor_value", ""))), (condition,)
+
+
+_ACTIONS = {
+    "remote_address": remote_address,
+    "generic_key": generic_key,
+    "request_headers": request_headers,
+    "header_value_match": header_value_match,
+}
