@@ -3,6 +3,7 @@
 # ratelimit-sidecar: the Envoy RateLimitService next to every app pod.
 #
 #   docker build -t ratelimit-sidecar:0.1.0 .                                     # the sidecar (default target)
+#   docker build -t ratelimit-sidecar:0.1.0-tracing --build-arg EXTRAS=tracing .  # ...with OpenTelemetry
 #   docker build -t ratelimit-sidecar-demo-upstream:0.1.0 --target demo-upstream .  # the demo app (compose)
 #   docker run --rm -v "$PWD/examples/config:/etc/ratelimit/config:ro" ratelimit-sidecar:0.1.0
 #
@@ -38,10 +39,19 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
 
-# The venv has no pip and no setuptools: the builder's pip installs into it.
-RUN pip wheel --wheel-dir /wheels . \
+# EXTRAS: the package's optional extras, comma-separated; "tracing" adds OpenTelemetry
+# (docs/deployment.md, Tracing). Empty by default: the smallest image.
+ARG EXTRAS=""
+
+# The venv has no pip and no setuptools: the builder's pip installs into it. Nothing
+# is fetched there (--no-index: only the wheels just built), so there is no version to pin
+# (hadolint's DL3013 reads "WHEEL[extras]" as a package name).
+# hadolint ignore=DL3013
+RUN pip wheel --wheel-dir /wheels ."${EXTRAS:+[$EXTRAS]}" \
     && python -m venv --without-pip /opt/venv \
-    && pip --python /opt/venv/bin/python install --no-index --find-links /wheels /wheels/ratelimit_sidecar-*.whl
+    && for wheel in /wheels/ratelimit_sidecar-*.whl; do \
+         pip --python /opt/venv/bin/python install --no-index --find-links /wheels "$wheel${EXTRAS:+[$EXTRAS]}"; \
+       done
 
 
 FROM python:3.11-slim-bookworm AS runtime

@@ -97,6 +97,34 @@ def test_wheels_are_built_in_the_builder(stages: list[Stage]) -> None:
     assert {"pyproject.toml", project["readme"], "sidecar"} <= copied
 
 
+@pytest.mark.parametrize(
+    ("extras", "installed"),
+    [
+        ("", "ratelimit_sidecar-0.1.0-py3-none-any.whl"),
+        ("tracing", "ratelimit_sidecar-0.1.0-py3-none-any.whl[tracing]"),
+    ],
+)
+def test_the_extras_build_argument_reaches_both_pip_commands(
+    stages: list[Stage], tmp_path: Path, extras: str, installed: str
+) -> None:
+    """``--build-arg EXTRAS=tracing`` builds and installs the wheel with that extra (as
+    tests/deploy/test_wheel.py installs it and proves it traces); empty, the plain wheel.
+    The builder's RUN is run by sh with pip and python standing in, printing what they get."""
+    builder = stage_chain(stages, "builder")[0]
+    (run,) = builder.all("RUN")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "ratelimit_sidecar-0.1.0-py3-none-any.whl").touch()
+    stand_ins = 'pip() { echo "pip $*"; }; python() { :; }; '
+    script = stand_ins + run.arguments.replace("/wheels", str(wheels))
+    result = subprocess.run(
+        ["sh", "-c", script], env={"EXTRAS": extras}, capture_output=True, text=True, timeout=30, check=True
+    )
+    built, install = result.stdout.splitlines()
+    assert built.endswith(f" .[{extras}]" if extras else " .")
+    assert install.endswith(f"{wheels}/{installed}")
+
+
 def test_final_image_has_no_build_tools_and_runs_as_non_root(stages: list[Stage]) -> None:
     chain = stage_chain(stages, "sidecar")
     assert [stage.name for stage in chain] == ["sidecar", "runtime"]
