@@ -8,8 +8,9 @@ HTTP listener (``RLS_METRICS_ADDRESS=""``), with the admin endpoint alone (the d
 and with the admin endpoint and ``--json-address``; reads VmRSS from ``/proc/<pid>`` after
 startup settles. On the last one it runs ``wrk`` (bounded by ``--seconds``) with a Lua
 script that POSTs one ``RateLimitRequest`` as JSON over ``--connections`` kept-alive
-connections, and prints wrk's latency percentiles and the RSS after the load. Every child is
-stopped when it ends.
+connections, and prints wrk's latency percentiles, the sidecar's CPU time per request
+(utime + stime from ``/proc``: less sensitive than latency to other load on the machine)
+and the RSS after the load. Every child is stopped when it ends.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from loadtest.footprint import CONFIG, child, free_port, memory_mib, wait_serving
+from loadtest.footprint import CONFIG, child, cpu_seconds, free_port, memory_mib, wait_serving
 
 BODY = (
     '{"domain": "demo", "descriptors": [{"entries": [{"key": "remote_address", "value": "198.51.100.7"}]},'
@@ -70,6 +71,7 @@ def wrk_latency(port: int, seconds: float, connections: int) -> dict[str, str]:
         ).stdout
     found = {name: value for name, value in re.findall(r"^\s+(50|75|90|99)%\s+(\S+)", output, re.MULTILINE)}
     found["rps"] = re.search(r"Requests/sec:\s+(\S+)", output).group(1)  # type: ignore[union-attr]
+    found["requests"] = re.search(r"(\d+) requests in", output).group(1)  # type: ignore[union-attr]
     found["errors"] = "yes" if "Socket errors" in output else "none"
     return found
 
@@ -93,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         wait_serving(grpc, process)
         time.sleep(arguments.settle)
         both = memory_mib(process.pid)[0]
+        cpu = cpu_seconds(process.pid)
         load = wrk_latency(json_port, arguments.seconds, arguments.connections)
+        cpu_per_request = (cpu_seconds(process.pid) - cpu) / max(int(load["requests"]), 1)
         after, peak = memory_mib(process.pid)
     print(f"RSS, no HTTP listener:          {no_http:6.1f} MiB")
     print(f"RSS, admin endpoint (default): {admin_only:6.1f} MiB")
@@ -101,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"RSS after the /json load:      {after:6.1f} MiB (peak {peak:.1f} MiB)")
     print(
         f"POST /json, {arguments.connections} connections: {load['rps']} requests/s, p50 {load['50']}, "
-        f"p75 {load['75']}, p90 {load['90']}, p99 {load['99']}, socket errors: {load['errors']}"
+        f"p75 {load['75']}, p90 {load['90']}, p99 {load['99']}, socket errors: {load['errors']}; "
+        f"sidecar CPU {cpu_per_request * 1e6:.0f} us/request"
     )
     return 0
 

@@ -37,6 +37,11 @@ log = structlog.get_logger(__name__)
 MAX_HEAD_BYTES = 8192
 """Request line plus headers."""
 READ_CHUNK = 65536
+JOIN_BODY_BYTES = 65536
+"""Bodies up to this size go out with their head in one write; larger ones (a shared
+``/metrics`` or ``/config`` render) are written as they are, not copied per client."""
+MAX_REASON = 200
+"""Characters of h11's reason for a malformed request quoted back (it may quote the request)."""
 REFUSAL_LOG_SECONDS = 60.0
 """At most one log line per listener this often about connections refused at the cap."""
 
@@ -249,7 +254,7 @@ class Exchange:
             try:
                 event = self.http.next_event()
             except h11.RemoteProtocolError as error:
-                raise RequestError(400, str(error) or "malformed request") from None
+                raise RequestError(400, str(error)[:MAX_REASON] or "malformed request") from None
             if event is not h11.NEED_DATA:
                 return event  # type: ignore[return-value]  # h11's sentinels are classes
             try:
@@ -270,10 +275,12 @@ class Exchange:
             return
         head = self.http.send(response_event(answer))
         body = self.http.send(h11.Data(data=answer.body)) if answer.body and method != "HEAD" else b""
-        await self._write(head, len(answer.body))
-        if body:
-            self.writer.write(body)  # the answer's own bytes (a shared render), not a copy
-        await self._write(self.http.send(h11.EndOfMessage()), len(answer.body))
+        end = self.http.send(h11.EndOfMessage())  # b"" with Content-Length framing
+        if len(body) <= JOIN_BODY_BYTES:
+            await self._write(head + body + end, len(body))  # one write: one send, one segment
+            return
+        self.writer.write(head)
+        await self._write(body, len(body))  # the answer's own bytes (a shared render), not a copy
 
     async def _write(self, data: bytes, body_bytes: int) -> None:
         """Write and wait for the client to read, at most ``write_timeout``; a client that

@@ -141,12 +141,11 @@ def entry_problem(entry: dict[str, Any]) -> str | None:
 
 
 async def parse_request(value: dict[str, Any]) -> Any:
-    """``value`` as a ``RateLimitRequest``, the bounds checked before each part is parsed.
+    """``value`` as a ``RateLimitRequest``, the bounds checked before protobuf parses what they bound.
 
     Raises :class:`OutOfBoundsError` with the gRPC path's message, or the parser's error."""
     request = rls_pb2.RateLimitRequest()
     descriptors = value.get("descriptors", [])
-    json_format.ParseDict({name: part for name, part in value.items() if name != "descriptors"}, request)
     problem = domain_problem(value)
     if problem is None and isinstance(descriptors, list):
         if not descriptors:
@@ -154,26 +153,45 @@ async def parse_request(value: dict[str, Any]) -> Any:
         elif len(descriptors) > MAX_DESCRIPTORS:
             problem = f"descriptors: more than {MAX_DESCRIPTORS} descriptors"
     if problem is not None:
-        raise OutOfBoundsError(problem)
+        json_format.ParseDict({name: part for name, part in value.items() if name != "descriptors"}, request)
+        raise OutOfBoundsError(problem)  # unless the rest of the request is not one: the parser's error first
     if not isinstance(descriptors, list):
-        json_format.ParseDict({"descriptors": descriptors}, request)  # the parser names the wrong type
+        json_format.ParseDict(value, request)  # the parser names the wrong type
         return request
+    bad = next((index for index, descriptor in enumerate(descriptors) if entries_problem(descriptor)), None)
+    if bad is None and entry_count(descriptors) <= PARSE_CHUNK_ENTRIES:
+        json_format.ParseDict(value, request)  # small and within the bounds: one call
+        return request
+    json_format.ParseDict({name: part for name, part in value.items() if name != "descriptors"}, request)
+    await parse_descriptors(descriptors[:bad], request)
+    if bad is not None:
+        raise OutOfBoundsError(f"descriptors[{bad}].{entries_problem(descriptors[bad])}")
+    return request
+
+
+def entry_count(descriptors: list[Any]) -> int:
+    return sum(
+        len(entries) for d in descriptors if isinstance(d, dict) and isinstance(entries := d.get("entries"), list)
+    )
+
+
+async def parse_descriptors(descriptors: list[Any], request: Any) -> None:
+    """Parse ``descriptors`` (each within the entry bounds) into ``request`` one at a time,
+    checking each as the gRPC path would (so an earlier fault is named first), and yielding
+    to the event loop every :data:`PARSE_CHUNK_ENTRIES` entries."""
     parsed = 0
     for index, descriptor in enumerate(descriptors):
-        problem = entries_problem(descriptor)
-        if problem is None:
-            try:
-                json_format.ParseDict(descriptor, request.descriptors.add())
-            except json_format.ParseError as error:
-                raise json_format.ParseError(f"descriptors[{index}]: {error}") from None
-            problem = descriptor_problem(request.descriptors[index])
+        try:
+            json_format.ParseDict(descriptor, request.descriptors.add())
+        except json_format.ParseError as error:
+            raise json_format.ParseError(f"descriptors[{index}]: {error}") from None
+        problem = descriptor_problem(request.descriptors[index])
         if problem is not None:
             raise OutOfBoundsError(f"descriptors[{index}].{problem}")
         parsed += len(request.descriptors[index].entries) + 1
         if parsed >= PARSE_CHUNK_ENTRIES:
             parsed = 0
             await asyncio.sleep(0)
-    return request
 
 
 async def decide_json(service: RateLimitService, body: bytes) -> Answer:
