@@ -41,12 +41,12 @@ from typing import Any
 
 import grpc
 import uvloop
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sidecar.config.match import match_descriptor
 from sidecar.limiter.windows import seconds_until_reset
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from sidecar.server import SERVER_OPTIONS
 from sidecar.service import wire
 from sidecar.service.servicer import SERVICE_NAME, add_to_server

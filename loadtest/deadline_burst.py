@@ -79,8 +79,8 @@ def config_text(limit: int) -> str:
 
 def grpc_frame(domain: str, key: str, value: str) -> bytes:
     """The body h2load sends with ``-d``: one gRPC message (flag byte 0, 4-byte length, request)."""
-    from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-    from envoy.service.ratelimit.v3 import rls_pb2
+    from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+    from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
     entry = ratelimit_pb2.RateLimitDescriptor.Entry(key=key, value=value)
     request = rls_pb2.RateLimitRequest(domain=domain, descriptors=[ratelimit_pb2.RateLimitDescriptor(entries=[entry])])

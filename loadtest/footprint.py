@@ -90,8 +90,8 @@ def redis_server() -> Iterator[str]:
 
 
 def requests(clients: int) -> list[Any]:
-    from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-    from envoy.service.ratelimit.v3 import rls_pb2
+    from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+    from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
     def descriptor(*entries: tuple[str, str]) -> Any:
         return ratelimit_pb2.RateLimitDescriptor(
@@ -114,7 +114,8 @@ def requests(clients: int) -> list[Any]:
 async def drive(address: str, rate: int, seconds: float, clients: int) -> int:
     """``rate`` calls per second for ``seconds``, paced in 10 ms ticks; the calls answered."""
     import grpc
-    from envoy.service.ratelimit.v3 import rls_pb2_grpc
+
+    from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2_grpc
 
     pool = requests(clients)
     answered = 0

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from loadtest.common import positive_int
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
 VARIANT_ENV = "RELOAD_STALL_VARIANT"
 VARIANTS = ("before", "after")

@@ -53,8 +53,8 @@ class Context:
 
 def requests(count: int) -> list[Any]:
     """Envoy's descriptors for ``GET /api`` with an API key (envoy/sidecar.yaml), many clients."""
-    from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-    from envoy.service.ratelimit.v3 import rls_pb2
+    from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+    from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
     def descriptor(*entries: tuple[str, str]) -> Any:
         return ratelimit_pb2.RateLimitDescriptor(

@@ -15,8 +15,8 @@ what gRPC reflection and Envoy expect.
     .venv/bin/python scripts/vendor_envoy_protos.py            # rewrite sidecar/protos/
     .venv/bin/python scripts/vendor_envoy_protos.py --check    # exit 1 if it differs
 
-The wheel is read from the installed xds-protos when it is the pinned version (the dev
-extras pin it), else downloaded with pip. tests/deploy/test_vendored_protos.py runs --check.
+The wheel is downloaded with pip (or read from an installed xds-protos of the pinned
+version, if one happens to be there). tests/deploy/test_vendored_protos.py runs --check.
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ VENDORED_TOP_LEVELS = ("envoy", "udpa", "validate", "xds")
 TARGET_PACKAGE = "sidecar.protos"
 TARGET = Path(__file__).resolve().parent.parent / "sidecar" / "protos"
 IMPORT = re.compile(rf"^from ((?:{'|'.join(VENDORED_TOP_LEVELS)})(?:\.[\w.]+)?) import (\w+)", re.MULTILINE)
+STUB = '''"""Typing stub: the generated module's names are built at import time, so they are Any."""
+
+from typing import Any
+
+def __getattr__(name: str) -> Any: ...
+'''
 PACKAGE_DOC = f'''"""Generated Envoy API modules, copied from {XDS_PROTOS} by scripts/vendor_envoy_protos.py.
 
 Do not edit: rerun the script. Why the sidecar carries them instead of depending on
@@ -104,11 +110,14 @@ def rewritten(source: str) -> str:
 
 
 def wanted_tree(sources: dict[str, str]) -> dict[Path, str]:
-    """Relative path -> content of everything sidecar/protos/ should hold, __init__.py files included."""
+    """Relative path -> content of everything sidecar/protos/ should hold: the modules, a
+    typing stub beside each (so mypy --strict sees Any, not names it cannot find), and
+    the __init__.py files."""
     tree: dict[Path, str] = {Path("__init__.py"): PACKAGE_DOC}
     for path, source in sources.items():
         relative = Path(path)
         tree[relative] = rewritten(source)
+        tree[relative.with_suffix(".pyi")] = STUB
         for parent in relative.parents:
             if parent != Path("."):
                 tree.setdefault(parent / "__init__.py", "")
@@ -116,8 +125,10 @@ def wanted_tree(sources: dict[str, str]) -> dict[Path, str]:
 
 
 def present_tree() -> dict[Path, str]:
-    """What sidecar/protos/ holds now (Python files only)."""
-    return {path.relative_to(TARGET): path.read_text() for path in TARGET.rglob("*.py")}
+    """What sidecar/protos/ holds now (Python sources and stubs)."""
+    return {
+        path.relative_to(TARGET): path.read_text() for path in TARGET.rglob("*.py*") if path.suffix in (".py", ".pyi")
+    }
 
 
 def main() -> int:
@@ -141,7 +152,8 @@ def main() -> int:
     for relative, content in wanted.items():
         (TARGET / relative).parent.mkdir(parents=True, exist_ok=True)
         (TARGET / relative).write_text(content)
-    print(f"sidecar/protos/: {sum(1 for p in wanted if p.name != '__init__.py')} modules from {XDS_PROTOS}")
+    modules = sum(1 for path in wanted if path.suffix == ".py" and path.name != "__init__.py")
+    print(f"sidecar/protos/: {modules} modules from {XDS_PROTOS}")
     return 0
 
 

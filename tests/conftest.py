@@ -17,14 +17,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.wrappers_pb2 import UInt64Value
 
 from sidecar.config.errors import ConfigIssue
 from sidecar.config.load import parse_text
 from sidecar.config.model import DomainConfig, RateLimitConfig
 from sidecar.limiter.windows import Unit
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from tests.support.redis_servers import (
     acl_redis,
     own_redis,

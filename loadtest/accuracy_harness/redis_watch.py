@@ -76,11 +76,10 @@ def digest_map(config_dir: Path, key: str, values: Sequence[str]) -> dict[str, i
     Returns an empty map if the sidecar's internals cannot be imported.
     """
     try:
-        from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-
         from sidecar.config import load_config
         from sidecar.config.match import match_descriptor
         from sidecar.limiter.redis.keys import counter_digest
+        from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
     except ImportError:
         return {}
     config = load_config(str(config_dir))

@@ -450,9 +450,10 @@ def payloads(key: str, values: Sequence[str], check_only: bool = False) -> tuple
     ``check_only`` sets the descriptor's ``hits_addend`` to 0: the request goes through
     the rule and the backend (a Redis round trip in strict mode) but spends no hit.
     """
-    from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-    from envoy.service.ratelimit.v3 import rls_pb2
     from google.protobuf import wrappers_pb2
+
+    from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+    from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
     entry = ratelimit_pb2.RateLimitDescriptor.Entry
     extra = {"hits_addend": wrappers_pb2.UInt64Value(value=0)} if check_only else {}

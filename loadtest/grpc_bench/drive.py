@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from loadtest.common import (
     METHOD,
@@ -30,6 +29,7 @@ from loadtest.common import (
     worker_answer,
 )
 from loadtest.grpc_bench.mix import request_pool
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
 CODE_NAMES = {0: "UNKNOWN", 1: "OK", 2: "OVER_LIMIT"}
 

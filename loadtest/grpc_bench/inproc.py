@@ -9,11 +9,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from envoy.service.ratelimit.v3 import rls_pb2
-
 from loadtest.grpc_bench.mix import request_pool
 from loadtest.grpc_bench.report import command_line, environment, print_header, write_json
 from loadtest.grpc_bench.servers import config_path
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
 
 def per_call(function: Callable[[Any], Any], items: Sequence[Any]) -> float:

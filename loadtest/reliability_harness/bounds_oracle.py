@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from envoy.service.ratelimit.v3 import rls_pb2
+
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
 if TYPE_CHECKING:
     from loadtest.reliability_harness.in_process import AbortedError

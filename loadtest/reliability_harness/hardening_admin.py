@@ -28,8 +28,6 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from loadtest import reload_stall
 from loadtest.reliability_harness.support import (
@@ -45,6 +43,8 @@ from loadtest.reliability_harness.support import (
     rss,
     start_sidecar,
 )
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
 AREA = "hostile admin"
 CONFIG = """\

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from loadtest.reliability_harness.bounds_oracle import outcome_problem
 from loadtest.reliability_harness.hostile_requests import (
@@ -29,6 +28,7 @@ from loadtest.reliability_harness.hostile_requests import (
     random_text,
 )
 from loadtest.reliability_harness.in_process import EXAMPLES, call, make_service
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
 RICH = """\
 domain: rich

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from loadtest.reliability_harness.bounds_oracle import UINT32_MAX, UINT64_MAX
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
 MIB = 1024 * 1024
 INT32 = (-(2**31), 2**31 - 1)

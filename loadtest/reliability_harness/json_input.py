@@ -41,7 +41,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import json_format
 
 from loadtest.reliability_harness.bad_input import Tally, aftermath, flood_verdict
@@ -66,6 +65,7 @@ from loadtest.reliability_harness.support import (
     rss,
     start_sidecar,
 )
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
 AREA = "bad input"
 SCENARIO = "hostile bodies to POST /json"

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from envoy.service.rate_limit_quota.v3 import rlqs_pb2
+
+from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 
 PATH = "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas"
 MESSAGE_BYTES = 1024 * 1024

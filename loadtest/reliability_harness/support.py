@@ -103,7 +103,7 @@ def encode_request(domain: str, descriptors: Iterable[Sequence[tuple[str, str]]]
 
 def check_encoding() -> None:
     """The hand encoding parses to what protobuf would build (a guard against typos)."""
-    from envoy.service.ratelimit.v3 import rls_pb2
+    from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
     parsed = rls_pb2.RateLimitRequest.FromString(encode_request("d", [[("k", "v"), ("a", "b" * 300)], [("x", "")]], 7))
     assert parsed.domain == "d" and parsed.hits_addend == 7, parsed
@@ -227,9 +227,8 @@ class CounterNames:
     from the match tree (``sidecar.config.match_descriptor``), hashed by ``sidecar.limiter.redis.keys``."""
 
     def __init__(self, config_dir: Path, domain: str) -> None:
-        from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-
         from sidecar.config import load_config
+        from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 
         self.domain = load_config(str(config_dir)).domains[domain]
         self.entry = ratelimit_pb2.RateLimitDescriptor.Entry

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.support.deploy import REPO
 
@@ -26,11 +27,18 @@ def test_sidecar_protos_match_the_pinned_xds_protos_closure() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_the_sidecar_package_imports_envoy_protos_only_from_its_own_copy() -> None:
+def python_files() -> list[Path]:
+    """The project's Python: the package, its tests and tools (not the generated copy)."""
+    roots = [REPO / name for name in ("sidecar", "tests", "loadtest", "stack", "examples", "scripts")]
+    files = [path for root in roots for path in sorted(root.rglob("*.py"))]
+    return [path for path in files if (REPO / "sidecar" / "protos") not in path.parents]
+
+
+def test_the_project_imports_envoy_protos_only_from_the_sidecars_copy() -> None:
+    """Not even a test or tool: xds-protos is no dependency, not even a dev one, so an
+    ``import envoy...`` would work only where it happens to be installed."""
     offenders = []
-    for path in sorted((REPO / "sidecar").rglob("*.py")):
-        if (REPO / "sidecar" / "protos") in path.parents:
-            continue
+    for path in python_files():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []

@@ -25,9 +25,9 @@ from typing import Any
 
 import grpc
 import pytest
-from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 
 from sidecar.client import health_status
+from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from sidecar.quota.buckets import bucket_of
 from stack.processes import process_group
 from stack.quota_envoy import (

@@ -14,7 +14,6 @@ import re
 from typing import Any
 
 import grpc
-from envoy.service.ratelimit.v3 import rls_pb2
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +36,7 @@ from loadtest.reliability_harness.hostile_requests import (
 from sidecar.config.model import wildcard_matcher
 from sidecar.limiter.counters import MAX_INLINE_CHARS
 from sidecar.metrics import MAX_STAT_KEY_LENGTH
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import parse_request
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

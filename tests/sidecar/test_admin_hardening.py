@@ -16,9 +16,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2
-
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from tests.support.sidecars import Sidecar, SidecarFactory, clean_env, free_port, write_config
 
 CONFIG = textwrap.dedent(

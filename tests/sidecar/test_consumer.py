@@ -18,7 +18,6 @@ import uuid
 from typing import Any
 
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from sidecar.consumer import (
@@ -34,6 +33,7 @@ from sidecar.consumer import (
     window_end,
 )
 from sidecar.consumer_pace import pace_interval
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from tests.support.sidecars import Sidecar, free_port
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,6 @@ from typing import Any
 
 import grpc
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from sidecar.consumer import ANSWER_SLACK, Consumer, RateLimitExceeded, request_payload
@@ -34,6 +33,7 @@ from sidecar.consumer_pace import (
     Reading,
     plan_turn,
 )
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from tests.support.virtual_time import run_virtual
 
 Response = rls_pb2.RateLimitResponse

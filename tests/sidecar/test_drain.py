@@ -41,11 +41,11 @@ from typing import Any
 
 import grpc
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.config import load_config, match_descriptor
 from sidecar.limiter.redis.keys import counter_digest, replicas_key
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2_grpc
 from tests.support.redis_servers import RedisServer, fresh_prefix
 from tests.support.sidecars import (
     OK,

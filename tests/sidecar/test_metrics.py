@@ -6,7 +6,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +21,7 @@ from sidecar.metrics import (
     SidecarCollector,
     render,
 )
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService
 
 NOW = 1_700_000_000.0

@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2
 from prometheus_client.core import GaugeMetricFamily
 
 from sidecar import metrics
 from sidecar.admin import AdminEndpoint
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService
 from tests.support.sidecars import SidecarFactory, clean_env, free_port, write_config
 

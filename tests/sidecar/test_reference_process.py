@@ -19,9 +19,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2_grpc
 from tests.support.redis_servers import RedisServer, fresh_prefix
 from tests.support.sidecars import Sidecar, free_port, request
 

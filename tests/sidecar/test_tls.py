@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2_grpc
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, UpstreamTLS
 from stack.processes import process_group
 from stack.tls import OPENSSL, Certificates, make_certificates

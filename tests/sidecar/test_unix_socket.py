@@ -17,11 +17,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.server import UNIX_SOCKET_MODE, Sidecar, unix_socket_created_private
 from sidecar.settings import Settings
 

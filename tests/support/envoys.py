@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from envoy.service.ratelimit.v3 import rls_pb2
 
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from stack.processes import free_port
 
 METHOD = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"

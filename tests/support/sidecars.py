@@ -24,11 +24,11 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from stack.processes import spawn
 from stack.sidecar import cli_argv, serve_argv
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from tests.support.sidecars import CHANNEL_OPTIONS, OK, OVER_LIMIT, free_port, request
 
 REPO = Path(__file__).resolve().parents[2]

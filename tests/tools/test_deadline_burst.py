@@ -14,7 +14,6 @@ import struct
 from pathlib import Path
 
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from loadtest.deadline_burst import (
     RoundResult,
@@ -28,6 +27,7 @@ from loadtest.deadline_burst import (
     target_list,
 )
 from sidecar.config.load import parse_text
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from stack import redis as stack_redis
 from tests.support.tools import run_tool
 

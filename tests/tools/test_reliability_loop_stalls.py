@@ -12,12 +12,12 @@ import math
 from pathlib import Path
 
 import pytest
-from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 
 from loadtest.reliability import AREAS, table
 from loadtest.reliability_harness import Context, loop_stalls
 from loadtest.reliability_harness.quota_streams import MESSAGE_BYTES, bucket_reports, tiny_ids_reports
 from loadtest.reliability_harness.stall_measure import goals_missed
+from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 
 MEASURED = (
     "quiet_p50_ms",

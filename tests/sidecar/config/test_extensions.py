@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from sidecar.config.model import counter_id
 from sidecar.config.parse import MAX_REQUESTS_PER_UNIT, parse_duration
@@ -19,6 +18,7 @@ from sidecar.limiter.bounds import Bans
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check
 from sidecar.limiter.windows import Unit
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService
 
 OK = rls_pb2.RateLimitResponse.OK

@@ -11,7 +11,6 @@ import math
 from typing import Any
 
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +29,7 @@ from sidecar.limiter.algorithms import (
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check, Role
 from sidecar.limiter.windows import Unit
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService
 
 OK = rls_pb2.RateLimitResponse.OK

@@ -142,11 +142,10 @@ class Recording:
 
 
 def servicer_for(limiter: Recording) -> Any:
-    from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-    from envoy.service.ratelimit.v3 import rls_pb2
-
     from sidecar.config.load import parse_text
     from sidecar.config.model import RateLimitConfig
+    from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+    from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
     from sidecar.service.servicer import RateLimitService
 
     text = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n"

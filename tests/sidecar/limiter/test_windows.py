@@ -33,7 +33,7 @@ def test_unit_lengths():
 
 
 def test_unit_numbers_follow_the_proto():
-    from envoy.service.ratelimit.v3 import rls_pb2
+    from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 
     proto_unit = rls_pb2.RateLimitResponse.RateLimit.Unit
     for unit in Unit:

@@ -16,12 +16,12 @@ from typing import Any
 
 import grpc
 import pytest
-from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
+from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from sidecar.quota.buckets import bucket_of
 from sidecar.quota.registry import CHUNK
 from sidecar.quota.service import MAX_RESPONSE_BYTES, METHOD, SERVICE_NAME

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import structlog
-from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 
+from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from sidecar.quota.assignments import Action, Assignment, Kind, default
 from sidecar.quota.buckets import bucket_of
 from sidecar.quota.registry import QuotaRegistry, QuotaSettings, StreamCapError

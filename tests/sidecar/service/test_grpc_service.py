@@ -13,11 +13,11 @@ import uuid
 
 import grpc
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from tests.support.sidecars import (
     METHOD,
     OK,

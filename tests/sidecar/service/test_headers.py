@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from sidecar.admin import rule_json
 from sidecar.client import describe
@@ -22,6 +21,7 @@ from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.windows import Unit
 from sidecar.metrics import RULE_STATS, WARNED
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.headers import HeaderNames, header_text
 from sidecar.service.servicer import RateLimitService
 from sidecar.settings import SettingsError, add_serve_arguments, resolve

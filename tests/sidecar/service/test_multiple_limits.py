@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from sidecar.config.match import Match, match_descriptor
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.windows import Unit
 from sidecar.metrics import OVER_LIMIT, TOTAL_HITS, WARNED, WITHIN_LIMIT
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService, check_of
 
 OK = rls_pb2.RateLimitResponse.OK

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2
 
 from sidecar.config.match import match_descriptor
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.windows import Unit
+from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService
 from sidecar.service.wire import UNLIMITED_REMAINING
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.duration_pb2 import Duration
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.config.model import RateLimitRule
 from sidecar.limiter.windows import Unit
+from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.metadata import dynamic_metadata_field
 from sidecar.service.wire import (
     CODE_OK,
