@@ -37,7 +37,10 @@ def utf8_length(text: str) -> int:
 
 def id_bytes(bucket: Mapping[str, str]) -> int:
     """Serialized bytes of a bucket id's fields (what a client makes large)."""
-    return sum(utf8_length(name) + utf8_length(value) + FIELD_OVERHEAD for name, value in bucket.items())
+    size = FIELD_OVERHEAD * len(bucket)
+    for name, value in bucket.items():
+        size += utf8_length(name) + utf8_length(value)
+    return size
 
 
 def action_bytes(action: Action) -> int:

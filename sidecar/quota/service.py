@@ -25,11 +25,11 @@ from typing import Any
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 
 from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from sidecar.quota.assignments import Action, Kind
 from sidecar.quota.registry import QuotaRegistry, Stream, StreamCapError
+from sidecar.quota.reports import UsageReport
 from sidecar.quota.stats import QuotaStats
 
 log = structlog.get_logger(__name__)
@@ -46,11 +46,6 @@ MAX_RESPONSE_BYTES = 256 * 1024
 message ends the stream with ``RESOURCE_EXHAUSTED``); Envoy's Google-gRPC client
 refuses more than 4 MiB by default. A quarter of the smaller one leaves room for any
 framing and keeps one message to a few HTTP/2 flow-control windows."""
-MAX_REPORTED_REQUESTS = 2**32 - 1
-"""A usage's ``num_requests_allowed``/``denied`` (uint64 from the client) is clamped to
-this: about a million requests a second on one bucket for over an hour, more than one
-Envoy serves between two reports (5 s by default). So a hostile 2^64-1 cannot reach the
-stats, the leases or Redis arithmetic."""
 BUCKET_ACTION_TAG = b"\x0a"
 """``RateLimitQuotaResponse.bucket_action`` is field 1, length-delimited."""
 
@@ -121,24 +116,6 @@ def action_label(action: Action) -> str:
     return "abandon" if action.assignment is None else action.assignment.kind.value
 
 
-def usages(report: Any, stats: QuotaStats) -> Iterator[tuple[dict[str, str], int, int]]:
-    """The report's usages, decoded one at a time, counts clamped to :data:`MAX_REPORTED_REQUESTS`."""
-    for usage in report.bucket_quota_usages:
-        allowed, denied = usage.num_requests_allowed, usage.num_requests_denied
-        if allowed > MAX_REPORTED_REQUESTS or denied > MAX_REPORTED_REQUESTS:
-            stats.bump(stats.malformed, "count_clamped")
-            allowed, denied = min(allowed, MAX_REPORTED_REQUESTS), min(denied, MAX_REPORTED_REQUESTS)
-        yield dict(usage.bucket_id.bucket), allowed, denied
-
-
-def parse_reports(data: bytes) -> Any | None:
-    """Decode a report; None for bytes that are not one (the handler counts and skips it)."""
-    try:
-        return rlqs_pb2.RateLimitQuotaUsageReports.FromString(data)
-    except DecodeError:
-        return None
-
-
 class QuotaService:
     """Serves ``StreamRateLimitQuotas`` from a :class:`QuotaRegistry`."""
 
@@ -147,7 +124,7 @@ class QuotaService:
         self.tick = tick
 
     async def StreamRateLimitQuotas(  # noqa: N802 - name fixed by the proto
-        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         registry = self.registry
         try:
@@ -203,15 +180,12 @@ class QuotaService:
                     return False
         return True
 
-    async def _read(self, requests: AsyncIterator[Any], stream: Stream, wake: asyncio.Event) -> None:
+    async def _read(self, requests: AsyncIterator[bytes], stream: Stream, wake: asyncio.Event) -> None:
         registry = self.registry
         try:
-            async for report in requests:
-                if report is None:
-                    registry.stats.bump(registry.stats.malformed, "undecodable")
-                    registry.logs.every("quota_report_undecodable", registry.clock(), peer=stream.peer)
-                    continue
-                await registry.report_in_chunks(stream, report.domain, usages(report, registry.stats))
+            async for data in requests:
+                report = UsageReport(data, lambda kind: self._malformed(stream, kind))
+                await registry.report_in_chunks(stream, report.domain, report.usages())
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             raise
         except Exception:
@@ -219,12 +193,17 @@ class QuotaService:
         finally:
             wake.set()
 
+    def _malformed(self, stream: Stream, kind: str) -> None:
+        registry = self.registry
+        registry.stats.bump(registry.stats.malformed, kind)
+        registry.logs.every(f"quota_report_{kind}", registry.clock(), peer=stream.peer)
+
 
 def add_to_server(service: QuotaService, server: grpc.aio.Server) -> None:
-    """Register ``StreamRateLimitQuotas`` with the tolerant report parser."""
+    """Register ``StreamRateLimitQuotas``; reports arrive as bytes, read lazily by the handler."""
     method = grpc.stream_stream_rpc_method_handler(
         service.StreamRateLimitQuotas,
-        request_deserializer=parse_reports,
+        request_deserializer=None,  # the handler reads reports a chunk at a time (quota/reports.py)
         response_serializer=None,  # the handler writes serialized responses
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {METHOD: method}),))

@@ -74,9 +74,9 @@ def counted_usages(
 def counting_pushes(stream: Stream, turns: Turns, marks: list[int]) -> None:
     push = stream.push
 
-    def counted(action: Action) -> None:
+    def counted(action: Action, key: BucketKey | None = None) -> None:
         marks.append(turns.count)
-        push(action)
+        push(action, key)
 
     stream.push = counted  # type: ignore[method-assign]
 

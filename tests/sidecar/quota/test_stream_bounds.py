@@ -14,13 +14,12 @@ from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from sidecar.quota.assignments import Action, Assignment, Kind, default
 from sidecar.quota.buckets import bucket_of
 from sidecar.quota.registry import QuotaRegistry, QuotaSettings, StreamCapError
+from sidecar.quota.reports import MAX_REPORTED_REQUESTS, UsageReport
 from sidecar.quota.service import (
     MAX_ACTIONS_PER_MESSAGE,
-    MAX_REPORTED_REQUESTS,
     MAX_RESPONSE_BYTES,
     action_message,
     responses,
-    usages,
 )
 from sidecar.quota.shown import SHOWN_ID_CHARS, RateLimitedLog
 from sidecar.quota.stats import QuotaStats
@@ -73,9 +72,33 @@ def test_reported_counts_are_clamped_at_the_entry() -> None:
             Usage(bucket_id=rlqs_pb2.BucketId(bucket=bucket_of("q", [("user", "b")])), num_requests_denied=7),
         ],
     )
-    stats = QuotaStats()
-    assert [(allowed, denied) for _, allowed, denied in usages(report, stats)] == [(MAX_REPORTED_REQUESTS, 0), (0, 7)]
-    assert stats.malformed == {"count_clamped": 1}
+    malformed: list[str] = []
+    read = UsageReport(report.SerializeToString(), malformed.append)
+    assert read.domain == "q"
+    assert [(allowed, denied) for _, allowed, denied in read.usages()] == [(MAX_REPORTED_REQUESTS, 0), (0, 7)]
+    assert malformed == ["count_clamped"]
+
+
+def test_a_report_is_read_an_entry_at_a_time_and_as_protobuf_reads_it() -> None:
+    buckets = [bucket_of("q", [("user", str(index))]) for index in range(1_000)]
+    usages = [Usage(bucket_id=rlqs_pb2.BucketId(bucket=b), num_requests_allowed=i) for i, b in enumerate(buckets)]
+    data = rlqs_pb2.RateLimitQuotaUsageReports(domain="q", bucket_quota_usages=usages).SerializeToString()
+    read = UsageReport(data, [].append)
+    entries = read.usages()
+    assert next(entries) == (buckets[0], 0, 0)
+    assert list(entries) == [(bucket, index, 0) for index, bucket in enumerate(buckets)][1:]
+
+
+def test_a_broken_report_ends_where_it_breaks() -> None:
+    good = Usage(bucket_id=rlqs_pb2.BucketId(bucket=bucket_of("q", [("user", "a")])), num_requests_allowed=1)
+    data = rlqs_pb2.RateLimitQuotaUsageReports(domain="q", bucket_quota_usages=[good]).SerializeToString()
+    malformed: list[str] = []
+    read = UsageReport(data + b"\x12\x7f\x00", malformed.append)  # a usage cut short
+    assert [bucket for bucket, _, _ in read.usages()] == [good.bucket_id.bucket]
+    assert malformed == ["undecodable"]
+    garbage: list[str] = []
+    assert list(UsageReport(b"\xff\xff\xff not a protobuf", garbage.append).usages()) == []
+    assert garbage == ["undecodable"]
 
 
 def test_config_shows_a_bounded_part_of_each_id_and_of_all(h: SimpleNamespace) -> None:
