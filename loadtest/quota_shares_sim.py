@@ -197,8 +197,7 @@ async def one_second(replicas: list[Replica], watched: BucketKey, second: int, n
             for key, envoy in replica.envoys.items():
                 replica.leases.usage(key, envoy.allowed, envoy.denied)
                 envoy.allowed = envoy.denied = 0
-        if replica.leases.due(now):
-            await replica.leases.sync()
+        await replica.leases.sync()  # a tick: only the buckets ready or whose timer came due
     return admitted, sizes
 
 

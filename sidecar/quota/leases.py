@@ -5,24 +5,33 @@ denied per second, from the 5 s usage reports) and picks up a leased share of th
 computed by max-min fair share (:mod:`sidecar.quota.shares`, run in Redis by
 ``lua/share.lua``). One :class:`QuotaLeases` per process:
 
-* **One round trip per batch.** A report marks its buckets due and wakes the sync task,
-  which sends one ``share.lua`` call per due bucket, all pipelined (chunks of
-  :data:`BATCH`); between reports only buckets whose shares are still moving are polled
-  (every :data:`POLL_SECONDS`), and buckets that get less than they ask (a replica whose
-  share may grow as soon as another gives capacity back); leases are renewed by every report.
+* **Bounded work per loop turn.** A report marks its buckets ready and wakes the sync
+  task, which calls ``share.lua`` for at most :data:`CHUNK` buckets per pipeline and per
+  loop turn (building the calls, reading the replies, pushing what changed), yields to
+  the loop between chunks, and handles at most :data:`MAX_PER_TICK` buckets per tick (the
+  rest the next tick). Between reports a bucket comes back only by its timer
+  (:mod:`sidecar.quota.timers`): a poll every :data:`POLL_SECONDS` while its shares move
+  or it gets less than it asks, else its renewal, spread over half a report period by
+  the bucket's digest so buckets adopted together do not all renew in one tick.
 * **Push at once.** A share that changes is pushed to every stream holding the bucket
-  right away (the stream's loop is woken), not at the next report.
+  right away (:meth:`Stream.push`, the stream woken), not at the next report.
 * **Leases and Envoy's TTL.** A share is leased for ``ttl + LEASE_MARGIN`` seconds from the
-  call; it is pushed (and refreshed) only while at least ``ttl`` of its lease is left, so
-  Envoy stops enforcing it by the time the lease ends in Redis, when it may be handed on.
-* **Redis down.** Shares are kept while the lease allows (above), then every bucket gets
-  the safe capacity ``ceil(limit / live replicas)``, and, until the other replicas' leases
-  have surely ended (one lease after the first failed call), never more than they leave
-  (``capacity - others`` of the last reply): a dead replica's lease is not handed out
-  again. The live count is the highest seen within the last lease, so heartbeats that
-  stop (a dead replica) or arrive late (after a pause) do not raise the safe capacity
-  before the leases they stood for have ended. The next successful call rebuilds the
-  lease. Calls fail fast while Redis is known to be down (``Availability``).
+  call; Redis keeps it reserved :attr:`QuotaLeases.hold` seconds more (the replica may be
+  cut off rather than dead, and nobody can tell which).
+* **Redis away, for everybody or for this replica only (the partition rule).** A
+  replica keeps its last grant while ``ttl`` of its lease *and hold* are left (what
+  Redis still reserves for it), then assigns nothing (DENY_ALL): the survivors may have
+  taken it over by then. A bucket that never heard from Redis starts at the safe
+  capacity ``ceil(limit / live replicas)`` for as long (the live count is the highest
+  seen within the last lease). So what every Envoy enforces stays within the limit in
+  every partition (the proof: docs/quota.md). While Redis is away no call is built but
+  one probe per tick; a bucket is looked at again only when its assignment changes (its
+  hold ends) or Redis is back, when every bucket is called again (the last known demand
+  republished), a chunk at a time.
+* **Clamps.** Every client number is clamped before it reaches arithmetic or Redis
+  (:func:`sidecar.quota.shares.clamped`; the Lua clamps again). A call the script
+  refuses is dropped with what it carried, counted and logged (at most once a minute):
+  never retried forever.
 * **Windows.** A limit of a minute or more is a budget per window: the replicas' admitted
   requests are added to a per-window counter, shares are of what is left, and a share is
   assigned as ``max_tokens = share`` refilled over what is left of the window.
@@ -32,27 +41,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
-from importlib import resources
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.redis.scripts import Script
 from sidecar.quota.assignments import MAX_TOKENS, MIN_FILL_SECONDS, Action, Assignment, Kind, fill_of, nanos_after
 from sidecar.quota.buckets import BucketKey
-from sidecar.quota.shares import LEAVE, POLL, Call, Reply, safe_capacity
+from sidecar.quota.redis_shares import (
+    SHARE,
+    CallRefused,
+    RedisShares,
+    ShareBackend,
+    SharesUnavailable,
+    bucket_tag,
+    keys_of,
+    share_arguments,
+    share_keys,
+)
+from sidecar.quota.shares import LEAVE, MAX_UNITS, POLL, Call, Reply, safe_capacity
+from sidecar.quota.timers import Timers
 
 if TYPE_CHECKING:
     from sidecar.limiter.redis.replicas import Replicas
-    from sidecar.limiter.redis.store import RedisStore
     from sidecar.quota.registry import LiveBucket, Stream
+
+__all__ = [
+    "SHARE",
+    "CallRefused",
+    "QuotaLeases",
+    "RedisShares",
+    "Shape",
+    "ShareBackend",
+    "SharesUnavailable",
+    "share_arguments",
+    "share_keys",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -66,39 +96,26 @@ bucket's master holds its role this long after its last call)."""
 POLL_SECONDS = 1.0
 """Between reports, buckets whose shares are still moving are asked again this often."""
 TICK = 0.25
-BATCH = 1000
-"""Bucket calls per pipeline."""
+CHUNK = 250
+"""Buckets per pipeline and per loop turn (calls built, replies read, pushes): ~1-3 ms."""
+MAX_PER_TICK = 5000
+"""Buckets called per tick (the rest wait for the next): 20,000 a second, the 100,000
+buckets of a full process every 5 s report."""
+HOLD_LEASES = 4
+"""A lease stays reserved this many leases past its end once its replica stopped calling,
+and a replica cut off from Redis keeps its grant as long: the default (``--quota-ttl``
+60) holds 280 s. Longer rides out longer outages; shorter hands a dead replica's share on
+sooner."""
+MAX_REPORTED = 2**32
+"""Allowed or denied in one report beyond this is not physically possible (860 million
+requests a second for 5 s): clamped."""
+MAX_COUNTED = 2**40
+"""What a bucket counts between two calls is clamped to this (an outage carries it)."""
+REFUSAL_LOG_SECONDS = 60.0
 HEADROOM = 0.1
 """Demand published = measured x (1 + HEADROOM), at least 1: room to grow before the next report."""
 WINDOW_BUDGET_SECONDS = 60
 """Windows of at least this length are budgets (shares of what is left), shorter ones rates."""
-
-
-def load_share_script() -> Script:
-    source = resources.files("sidecar.quota").joinpath("lua", "share.lua").read_text(encoding="utf-8")
-    return Script("share.lua", source, hashlib.sha1(source.encode("utf-8"), usedforsecurity=False).hexdigest())
-
-
-SHARE = load_share_script()
-
-
-def bucket_digest(key: BucketKey) -> str:
-    """A fixed-length name for a bucket id (length-prefixed items, BLAKE2b 128 bits)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name, value in key:
-        for part in (name, value):
-            data = part.encode("utf-8")
-            digest.update(len(data).to_bytes(4, "big") + data)
-    return digest.hexdigest()
-
-
-def share_keys(prefix: str, key: BucketKey, window: int) -> list[str]:
-    """``KEYS`` of ``share.lua``: the replicas hash, the meta hash, the window counter.
-
-    All carry the bucket's hash tag, so one bucket's keys live in one Cluster slot."""
-    tag = f"{prefix}:quota:{{{bucket_digest(key)}}}"
-    meta = f"{tag}:meta"
-    return [f"{tag}:replicas", meta, f"{tag}:used:{window}" if window >= 0 else meta]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,98 +164,8 @@ class Shape:
         """Units wanted for ``rate`` requests per second: per fill interval, or (windowed)
         for what is left of the window."""
         span = self.seconds - int(now_wall) % self.seconds if self.windowed else self.seconds
-        wanted = max(1, math.ceil(rate * span * (1 + HEADROOM)))
-        return min(wanted, self.limit) if self.windowed else wanted
-
-
-class ShareBackend(Protocol):
-    """Runs ``share.lua`` calls: Redis (:class:`RedisShares`) or the simulation's fake."""
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    async def run(self, calls: Sequence[tuple[list[str], Call]]) -> list[Reply]: ...
-
-
-class SharesUnavailable(Exception):  # noqa: N818 - a state, as RedisUnavailable
-    """The share calls could not run (Redis down, slow or refusing)."""
-
-
-class RedisShares:
-    """``share.lua`` over a :class:`~sidecar.limiter.redis.store.RedisStore`: one pipeline per batch."""
-
-    def __init__(self, store: RedisStore, replicas: Replicas | None = None) -> None:
-        self.store = store
-        self.replicas = replicas
-        """Heartbeats of the quota replicas: the live count for the safe capacity."""
-        self.round_trips = 0
-
-    async def start(self) -> None:
-        await self.store.start()
-        if self.replicas is not None:
-            await self.replicas.start()
-
-    async def close(self) -> None:
-        if self.replicas is not None:
-            await self.replicas.close()
-        await self.store.close()
-
-    async def run(self, calls: Sequence[tuple[list[str], Call]]) -> list[Reply]:
-        from sidecar.limiter.redis.availability import FAILURES, RedisUnavailable  # noqa: PLC0415 - lazy
-
-        store = self.store
-        try:
-            store.availability.ensure_available()
-        except RedisUnavailable as error:
-            raise SharesUnavailable(str(error)) from None
-        try:
-            replies = await self._pipeline(calls, with_body=False)
-            missing = [index for index, reply in enumerate(replies) if _noscript(reply)]
-            if missing:
-                again = await self._pipeline([calls[index] for index in missing], with_body=True)
-                for index, reply in zip(missing, again, strict=True):
-                    replies[index] = reply
-        except FAILURES as error:
-            raise SharesUnavailable(str(store.availability.failed(error, request_path=False))) from error
-        store.availability.answered()
-        failure = next((reply for reply in replies if isinstance(reply, BaseException)), None)
-        if failure is not None:
-            raise SharesUnavailable(str(store.availability.failed(failure, request_path=False)))
-        return [_reply(reply) for reply in replies]
-
-    async def _pipeline(self, calls: Sequence[tuple[list[str], Call]], with_body: bool) -> list[Any]:
-        pipe = self.store.client.pipeline(transaction=False)
-        for keys, call in calls:
-            args = share_arguments(call)
-            if with_body:
-                pipe.execute_command("EVAL", SHARE.source, len(keys), *keys, *args)
-            else:
-                # execute_command: redis-py blocks pipe.evalsha on Cluster pipelines.
-                pipe.execute_command("EVALSHA", SHARE.sha, len(keys), *keys, *args)
-        self.round_trips += 1
-        async with asyncio.timeout(self.store.background_timeout):
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-        return replies
-
-
-def _noscript(reply: object) -> bool:
-    from redis.exceptions import NoScriptError  # noqa: PLC0415 - lazy
-
-    return isinstance(reply, NoScriptError)
-
-
-def share_arguments(call: Call, now_ms: int = 0) -> list[int | str]:
-    keep_ms = 2 * max(call.lease_ms, call.stale_ms, call.master_ms)
-    return [
-        call.replica, now_ms, call.demand, call.limit, call.lease_ms, call.stale_ms, call.master_ms,
-        call.threshold_pct, call.min_gap_ms, call.window, call.used_add, keep_ms, keep_ms, call.master_gap_ms,
-    ]  # fmt: skip
-
-
-def _reply(values: Sequence[Any]) -> Reply:
-    grant, replicas, unsettled, master, computed, capacity, others = (int(value) for value in values)
-    return Reply(grant, replicas, bool(unsettled), bool(master), bool(computed), capacity, others)
+        wanted = max(1, math.ceil(min(rate, MAX_COUNTED) * span * (1 + HEADROOM)))
+        return min(wanted, self.limit) if self.windowed else min(wanted, MAX_UNITS)
 
 
 @dataclass
@@ -248,27 +175,37 @@ class Shared:
     key: BucketKey
     base: Assignment
     shape: Shape
+    tag: str
+    """The common part of its Redis keys (hashed once, not per call)."""
+    spread: float
+    """In [0, 1), from its digest: where in the renewal window its renewal falls."""
     holders: dict[int, tuple[Stream, LiveBucket]] = field(default_factory=dict)
     count: int = 0
-    """Allowed + denied reported since the demand was last published."""
+    """Allowed + denied reported since the demand was last published (clamped)."""
     allowed: int = 0
     """Allowed reported since the last call (windowed: added to the window's counter)."""
     counted_since: float = 0.0
     reported: bool = True
     grant: int | None = None
+    """The units of the last grant picked up; None until Redis answered for this bucket."""
     lease_until: float = 0.0
     """Local clock: when the lease ends (the call's start + the lease)."""
+    unheard_until: float = 0.0
+    """Local clock: until when a bucket that never heard from Redis may use the safe capacity."""
     replicas: int = 0
-    heard: bool = False
-    """Redis answered for this bucket at least once (its capacity and others are known)."""
-    capacity: int = 0
-    others: int = 0
-    """From the last reply: what the other replicas' leases may hold (the safe capacity leaves it)."""
-    next_poll: float = math.inf
     demand: int = 0
-    republish: bool = False
-    """A call failed: the next one publishes the last known demand (not a poll), since the
-    record's demand may have gone stale in Redis meanwhile (it would count as 0)."""
+    outages: int = 0
+    """The outage count when Redis last answered for it: a later outage means the next call
+    publishes the last known demand (not a poll), since the record's demand may have gone
+    stale in Redis meanwhile (it would count as 0)."""
+    shown: tuple[int, int] = (0, 0)
+    """(units, demand) last added to the per-rule totals of the metrics."""
+    pushed: tuple[int, int] | None = None
+    """(units, holders) of the assignment last pushed: a renewal that changes neither
+    builds no assignment (windows excepted: theirs follows the clock)."""
+    unsent: tuple[int, float, int] | None = None
+    """(count, counted_since, demand) before the call in flight published a new demand: a
+    call that finds Redis away puts them back, so the demand is measured over the outage."""
 
 
 @dataclass
@@ -278,7 +215,12 @@ class ShareStats:
     failures: int = 0
     computed: int = 0
     pushes: int = 0
-    safe: int = 0
+    probes: int = 0
+    refused: int = 0
+    """Calls the script refused: dropped, with what they carried."""
+    dropped_used: int = 0
+    """Admitted requests those refused calls carried to a window's counter, dropped."""
+    recovered: int = 0
 
 
 class QuotaLeases:
@@ -296,33 +238,44 @@ class QuotaLeases:
         instances: int = 1,
         prefix: str = "rls",
         report_seconds: float = REPORT_SECONDS,
+        hold: float | None = None,
     ) -> None:
         self.backend = backend
         self.prefix = prefix
         self.report_seconds = report_seconds
+        """Envoy's report period (5 s); the lease margin and the staleness follow it (tests shorten it)."""
         self.poll = POLL_SECONDS * report_seconds / REPORT_SECONDS
         """Seconds between polls of a moving or hungry bucket, and between event-driven computations."""
-        """Envoy's report period (5 s); the lease margin and the staleness follow it (tests shorten it)."""
         self.replica_id = replica_id
         self.ttl = ttl
         self.lease = ttl + 2 * report_seconds
+        self.hold = HOLD_LEASES * self.lease if hold is None else hold
+        """Seconds past its end a lease stays reserved in Redis, and kept here without Redis."""
         self.clock = clock
         self.wall = wall
         self.replicas = replicas
         self.instances = instances
         self.buckets: dict[BucketKey, Shared] = {}
-        self.leaving: set[BucketKey] = set()
+        self.ready: OrderedDict[BucketKey, None] = OrderedDict()
+        """Buckets that need a call, oldest first."""
+        self.leaving: OrderedDict[BucketKey, None] = OrderedDict()
+        """Abandoned buckets whose lease is given back with the next calls."""
+        self.recheck: OrderedDict[BucketKey, None] = OrderedDict()
+        """While Redis is away: buckets whose assignment may have changed (their hold ended)."""
+        self.timers: Timers[BucketKey] = Timers(TICK, clock())
+        self.totals: dict[tuple[str, str], list[int]] = {}
+        """``(domain, stat key) -> [units, demand]`` over the buckets, kept as they change."""
         self.stats = ShareStats()
         self.redis_up = True
+        self.outages = 0
         self.down_since: float | None = None
-        """Local time of the first failed call since the last answered one: the other
-        replicas' leases, renewed at most until then, have ended one lease later."""
         self.peak_live = 1
         self.peak_seen = -math.inf
+        self.refusal_logged = -math.inf
         self.wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    # -- the registry's side ----------------------------------------------------------
+    # -- the registry's side (each O(1)) ------------------------------------------------
 
     def adopt(self, stream: Stream, key: BucketKey, live: LiveBucket, base: Assignment) -> Assignment:
         """A stream holds a bucket: share it if its rule has a limit; returns what to push now."""
@@ -332,20 +285,30 @@ class QuotaLeases:
         now = self.clock()
         shared = self.buckets.get(key)
         if shared is None:
-            shared = self.buckets[key] = Shared(key, base, shape, counted_since=now - self.report_seconds)
-            self.leaving.discard(key)
+            tag = bucket_tag(self.prefix, key)
+            spread = int(tag[-6:-1], 16) / 16**5
+            shared = Shared(key, base, shape, tag, spread, counted_since=now - self.report_seconds)
+            shared.unheard_until = now + self.lease + self.hold
+            shared.outages = self.outages
+            self.buckets[key] = shared
+            self.leaving.pop(key, None)
+            self.timers.put(key, self._changes_at(shared))  # its first call moves it, if Redis answers
         shared.holders[stream.id] = (stream, live)
         shared.reported = True
-        self.wake.set()
-        return self.assignment_of(shared, now)
+        self._make_ready(key)
+        assignment = self.assignment_of(shared, now)
+        self._show(shared, self.units_of(shared, now))
+        return assignment
 
     def usage(self, key: BucketKey, allowed: int, denied: int) -> None:
         shared = self.buckets.get(key)
         if shared is not None:
-            shared.count += allowed + denied
-            shared.allowed += allowed
+            allowed = min(max(0, allowed), MAX_REPORTED)
+            shared.count = min(shared.count + allowed + min(max(0, denied), MAX_REPORTED), MAX_COUNTED)
+            shared.allowed = min(shared.allowed + allowed, MAX_COUNTED)
             shared.reported = True
-            self.wake.set()
+            if self.redis_up:  # while Redis is away, a recovery makes every bucket ready
+                self._make_ready(key)
 
     def release(self, stream: Stream, key: BucketKey, *, give_back: bool) -> None:
         """A stream stopped holding a bucket: abandoned (``give_back``: Envoy erased it, so the
@@ -358,8 +321,12 @@ class QuotaLeases:
             return
         if not shared.holders:
             del self.buckets[key]
+            self._show(shared, 0, 0)
+            self.ready.pop(key, None)
+            self.recheck.pop(key, None)
+            self.timers.drop(key)
             if give_back:
-                self.leaving.add(key)
+                self.leaving[key] = None
                 self.wake.set()
 
     def rebase(self, key: BucketKey, base: Assignment) -> Assignment | None:
@@ -369,38 +336,58 @@ class QuotaLeases:
         shape = Shape.of(base)
         if shared is None or shape is None:
             return None
-        shared.base, shared.shape, shared.reported = base, shape, True
+        self._show(shared, 0, 0)
+        shared.base, shared.shape, shared.reported, shared.pushed = base, shape, True, None
+        self._make_ready(key)
+        now = self.clock()
+        self._show(shared, self.units_of(shared, now))
+        return self.assignment_of(shared, now)
+
+    def _make_ready(self, key: BucketKey) -> None:
+        if key not in self.ready:
+            self.ready[key] = None
         self.wake.set()
-        return self.assignment_of(shared, self.clock())
+
+    # -- what a bucket is assigned -------------------------------------------------------
 
     def assignment_of(self, shared: Shared, now: float) -> Assignment:
-        """The share while the lease allows pushing it (``ttl`` left), else the safe capacity."""
+        """This replica's units (:meth:`units_of`), split among its streams holding the bucket."""
         holders = max(1, len(shared.holders))
         return shared.shape.assignment(shared.base, self.units_of(shared, now) // holders, self.wall())
 
     def units_of(self, shared: Shared, now: float) -> int:
-        """This replica's share of the bucket's limit now (all its streams together)."""
-        if shared.grant is not None and now + self.ttl <= shared.lease_until:
-            return shared.grant
-        live = max(shared.replicas, self.live(now), self.instances)
-        units = safe_capacity(shared.shape.limit, live)
-        if shared.heard and self.down_since is not None and now < self.down_since + self.lease:
-            units = min(units, max(0, shared.capacity - shared.others))  # the others' leases may still run
-        return units
+        """This replica's share of the bucket's limit now (all its streams together).
+
+        The last grant, while ``ttl`` of its lease and hold is left: Redis reserves it that
+        long, whether this replica still reaches Redis or not. A bucket that never heard
+        from Redis: the safe capacity, as long. After that, nothing (the partition rule)."""
+        if shared.grant is not None:
+            return min(shared.grant, shared.shape.limit) if now + self.ttl <= shared.lease_until + self.hold else 0
+        if now + self.ttl <= shared.unheard_until:
+            return safe_capacity(shared.shape.limit, max(shared.replicas, self.live(now), self.instances))
+        return 0
+
+    def _changes_at(self, shared: Shared) -> float:
+        """When its assignment next changes with no news from Redis: when its hold ends."""
+        if shared.grant is not None:
+            return shared.lease_until + self.hold - self.ttl
+        return shared.unheard_until - self.ttl
 
     def by_rule(self) -> dict[tuple[str, str], tuple[int, int]]:
         """``(domain, stat key) -> (share, demand)`` summed over this replica's shared buckets of
-        each rule, in units per fill interval (for the metrics)."""
-        now = self.clock()
-        rows: dict[tuple[str, str], tuple[int, int]] = {}
-        for shared in self.buckets.values():
-            rule = shared.base.rule
-            if rule is None:
-                continue
-            key = (rule.domain, rule.stat_key)
-            share, demand = rows.get(key, (0, 0))
-            rows[key] = (share + self.units_of(shared, now), demand + shared.demand)
-        return rows
+        each rule, in units per fill interval (for the metrics): kept as buckets change, so a
+        scrape costs the rule count, not the bucket count."""
+        return {key: (units, demand) for key, (units, demand) in self.totals.items() if units or demand}
+
+    def _show(self, shared: Shared, units: int, demand: int | None = None) -> None:
+        rule = shared.base.rule
+        if rule is None:
+            return
+        demand = shared.demand if demand is None else demand
+        total = self.totals.setdefault((rule.domain, rule.stat_key), [0, 0])
+        total[0] += units - shared.shown[0]
+        total[1] += demand - shared.shown[1]
+        shared.shown = (units, demand)
 
     def live(self, now: float) -> int:
         """The live replica count for the safe capacity: the highest heartbeat count seen within
@@ -437,65 +424,168 @@ class QuotaLeases:
             except Exception:
                 log.exception("quota_share_sync_failed")
 
-    def due(self, now: float) -> list[Shared]:
-        return [
-            shared
-            for shared in self.buckets.values()
-            if shared.reported or shared.next_poll <= now or now + self.ttl + self.report_seconds > shared.lease_until
-        ]
-
     async def sync(self) -> None:
-        """One pass: every due bucket's call, in pipelines of :data:`BATCH`; then pushes."""
+        """One tick: timers that came due, a probe while Redis is away, then up to
+        :data:`MAX_PER_TICK` calls and rechecks, :data:`CHUNK` per loop turn."""
         now = self.clock()
-        self.live(now)  # sampled every tick, so the peak is known when a fallback needs it
-        wall = self.wall()
-        leaving = [(key, None) for key in self.leaving]
-        self.leaving = set()
-        due = self.due(now)
-        calls: list[tuple[list[str], Call]] = []
-        for key, _ in leaving:
-            calls.append((share_keys(self.prefix, key, -1), self._call(LEAVE, 0, -1, 0)))
-        for shared in due:
-            calls.append(
-                (share_keys(self.prefix, shared.key, shared.shape.window(wall)), self._publish(shared, now, wall))
-            )
-        if not calls:
-            return
-        replies: list[Reply] = []
-        try:
-            for start in range(0, len(calls), BATCH):
-                replies += await self.backend.run(calls[start : start + BATCH])
-                self.stats.batches += 1
-        except SharesUnavailable as error:
-            self.stats.failures += 1
-            if self.redis_up:
-                log.warning("quota_shares_unavailable", reason=str(error)[:200])
-            self.redis_up = False
-            if self.down_since is None:
-                self.down_since = now
-            for (_, call), shared in zip(calls[len(leaving) :], due, strict=True):
-                shared.allowed += call.used_add  # owed to the window's counter: sent with the next call
-            self._fallback(now)
-            return
+        self.live(now)  # sampled every tick, so the peak is known when a safe capacity needs it
+        await self._take_due(now)
         if not self.redis_up:
-            log.info("quota_shares_available")
+            await self._probe(now)
+        if self.redis_up:
+            await self._call_ready()
+        await self._recheck_fallbacks()
+        if self.ready and self.redis_up:
+            self.wake.set()  # more than a tick's worth: go on at the next turn of the loop
+
+    async def _take_due(self, now: float) -> None:
+        target = self.ready if self.redis_up else self.recheck
+        due = self.timers.due(now)
+        for start in range(0, len(due), CHUNK):
+            if start:
+                await asyncio.sleep(0)
+            for key in due[start : start + CHUNK]:
+                if key in self.buckets and key not in target:
+                    target[key] = None
+
+    async def _probe(self, now: float) -> None:
+        """Redis is away: one call a tick (it fails at once while Redis is known down), for
+        a bucket that needs one, else any; when it goes through, every bucket is called again."""
+        key = next(iter(self.leaving), None) or next(iter(self.ready), None) or next(iter(self.buckets), None)
+        if key is None:
+            return
+        self.stats.probes += 1
+        if await self._call([key]):
+            await self._recovered()
+
+    async def _recovered(self) -> None:
+        """Redis answers again: every bucket is called (its lease rebuilt, its last demand
+        republished), a chunk per loop turn, in the order they were adopted."""
+        log.info("quota_shares_available", after=round(self.clock() - (self.down_since or self.clock()), 1))
         self.redis_up = True
         self.down_since = None
-        self.stats.calls += len(calls)
-        for shared, reply in zip(due, replies[len(leaving) :], strict=True):
-            self.stats.computed += reply.computed
-            shared.grant = reply.grant
-            shared.lease_until = now + self.lease
-            shared.replicas = reply.replicas
-            shared.heard, shared.capacity, shared.others = True, reply.capacity, reply.others
-            shared.republish = False
-            # Polled again soon while shares move, or while it gets less than it asks (it may
-            # be waiting for capacity another replica gives back in a call it does not see).
-            hungry = shared.demand > reply.grant
-            shared.next_poll = now + self.poll if reply.unsettled or hungry else math.inf
-            self._push(shared, now)
+        self.stats.recovered += 1
+        keys = list(self.buckets)  # a copy of pointers; the work on them is chunked
+        for start in range(0, len(keys), CHUNK):
+            await asyncio.sleep(0)
+            for key in keys[start : start + CHUNK]:
+                if key in self.buckets and key not in self.ready:
+                    self.ready[key] = None
 
-    def _call(self, demand: int, limit: int, window: int, used_add: int) -> Call:
+    async def _call_ready(self) -> None:
+        handled = 0
+        while (self.leaving or self.ready) and handled < MAX_PER_TICK:
+            keys = self._take(self.leaving, CHUNK)
+            keys += self._take(self.ready, CHUNK - len(keys))
+            handled += len(keys)
+            if not await self._call(keys):
+                return
+            await asyncio.sleep(0)
+
+    @staticmethod
+    def _take(queue: OrderedDict[BucketKey, None], count: int) -> list[BucketKey]:
+        return [queue.popitem(last=False)[0] for _ in range(min(count, len(queue)))]
+
+    async def _call(self, keys: list[BucketKey]) -> bool:
+        """One pipeline for ``keys`` (at most :data:`CHUNK`); False when Redis is away."""
+        now, wall = self.clock(), self.wall()
+        calls: list[tuple[list[str], Call]] = []
+        targets: list[Shared | BucketKey] = []
+        for key in keys:
+            shared = self.buckets.get(key)
+            if shared is None:  # given back (a bucket released without give-back leaves no key)
+                calls.append((share_keys(self.prefix, key, -1), self._call_of(LEAVE, 0, -1, 0)))
+                targets.append(key)
+                continue
+            calls.append((keys_of(shared.tag, shared.shape.window(wall)), self._publish(shared, now, wall)))
+            targets.append(shared)
+        try:
+            replies = await self.backend.run(calls)
+        except SharesUnavailable as error:
+            self._outage(now, error, targets, calls)
+            return False
+        self.stats.batches += 1
+        self.stats.calls += len(calls)
+        self.redis_up = True
+        for target, (_, call), reply in zip(targets, calls, replies, strict=True):
+            if isinstance(reply, CallRefused):
+                self._refused(target, call, reply, now)
+            elif isinstance(target, Shared) and target.key in self.buckets:
+                self._apply(target, reply, now)
+        return True
+
+    def _apply(self, shared: Shared, reply: Reply, now: float) -> None:
+        self.stats.computed += reply.computed
+        shared.grant = reply.grant
+        shared.lease_until = now + self.lease
+        shared.replicas = reply.replicas
+        shared.outages = self.outages
+        # Polled again soon while shares move, or while it gets less than it asks (it may
+        # be waiting for capacity another replica gives back in a call it does not see);
+        # else renewed a report period after the call, spread over the next half period.
+        hungry = shared.demand > reply.grant
+        if reply.unsettled or hungry:
+            self.timers.put(shared.key, now + self.poll)
+        else:
+            self.timers.put(shared.key, now + self.report_seconds * (1 + shared.spread / 2))
+        self._push(shared, now)
+
+    def _refused(self, target: Shared | BucketKey, call: Call, reply: CallRefused, now: float) -> None:
+        """The script refused this call: it would refuse it again. What it carried is dropped
+        (not owed to the next call), the bucket goes on at its usual pace."""
+        self.stats.refused += 1
+        self.stats.dropped_used += call.used_add
+        if now - self.refusal_logged >= REFUSAL_LOG_SECONDS:
+            self.refusal_logged = now
+            log.warning("quota_share_call_refused", reason=reply.reason, refused=self.stats.refused)
+        if isinstance(target, Shared):
+            self.timers.put(target.key, now + self.report_seconds)
+
+    def _outage(
+        self, now: float, error: Exception, targets: list[Shared | BucketKey], calls: list[tuple[list[str], Call]]
+    ) -> None:
+        """A chunk found Redis away: its buckets wait for the recovery (what they carried is
+        owed to the next call, at most the limit); nothing else is built until then."""
+        self.stats.failures += 1
+        if self.redis_up:
+            log.warning("quota_shares_unavailable", reason=str(error)[:200])
+            self.redis_up = False
+            self.outages += 1
+            self.down_since = now
+        for target, (_, call) in zip(targets, calls, strict=True):
+            if isinstance(target, Shared):
+                target.allowed = min(target.allowed + call.used_add, target.shape.limit)
+                if target.unsent is not None:
+                    count, target.counted_since, target.demand = target.unsent
+                    target.count = min(target.count + count, MAX_COUNTED)
+                    target.reported, target.unsent = True, None
+                self.recheck[target.key] = None  # its next change is timed from here
+            else:
+                self.leaving[target] = None
+
+    async def _recheck_fallbacks(self) -> None:
+        """Redis is away: push what changed for the buckets whose hold ended (or that failed
+        a call, or were waiting for one: a recovery makes every bucket ready anyway), and time
+        each one's next change; a chunk per loop turn."""
+        handled = 0
+        while (self.recheck or (self.ready and not self.redis_up)) and handled < MAX_PER_TICK:
+            now = self.clock()
+            keys = self._take(self.recheck, CHUNK)
+            if not self.redis_up:
+                keys += self._take(self.ready, CHUNK - len(keys))
+            for key in keys:
+                shared = self.buckets.get(key)
+                if shared is None:
+                    continue
+                if self.redis_up:
+                    self._make_ready(key)
+                    continue
+                self._push(shared, now)
+                self.timers.put(key, self._changes_at(shared))
+                handled += 1
+            await asyncio.sleep(0)
+
+    def _call_of(self, demand: int, limit: int, window: int, used_add: int) -> Call:
         return Call(
             self.replica_id,
             demand,
@@ -507,32 +597,31 @@ class QuotaLeases:
             min_gap_ms=int(self.poll * 1000),
             window=window,
             used_add=used_add,
+            hold_ms=int(self.hold * 1000),
         )
 
     def _publish(self, shared: Shared, now: float, wall: float) -> Call:
         demand = POLL
+        shared.unsent = None
         if shared.reported:
+            shared.unsent = (shared.count, shared.counted_since, shared.demand)
             rate = shared.count / max(1.0, now - shared.counted_since)
             demand = shared.demand = shared.shape.demand(rate, wall)
             shared.count, shared.counted_since, shared.reported = 0, now, False
-        elif shared.republish:
-            demand = shared.demand
-        used, shared.allowed = shared.allowed, 0
+        elif shared.outages != self.outages:
+            demand = shared.demand  # republished: its record may have gone stale meanwhile
         shape = shared.shape
-        return self._call(demand, shape.limit, shape.window(wall), used if shape.windowed else 0)
-
-    def _fallback(self, now: float) -> None:
-        """Redis is away: keep each share while its lease allows, then the safe capacity."""
-        for shared in self.buckets.values():
-            shared.reported = False  # the demand is published again with the next report ...
-            shared.republish = True  # ... or, if none came by then, the last one with the next call
-            if shared.grant is not None and now + self.ttl > shared.lease_until:
-                shared.grant = None
-                self.stats.safe += 1
-            self._push(shared, now)
+        used = min(shared.allowed, shape.limit)  # more than the limit spends the window all the same
+        shared.allowed = 0
+        return self._call_of(demand, shape.limit, shape.window(wall), used if shape.windowed else 0)
 
     def _push(self, shared: Shared, now: float) -> None:
-
+        units = self.units_of(shared, now)
+        self._show(shared, units)
+        pushed = (units, len(shared.holders))
+        if pushed == shared.pushed and not shared.shape.windowed:
+            return  # the same assignment as last time (most renewals): nothing to build
+        shared.pushed = pushed
         new = self.assignment_of(shared, now)
         for stream, live in shared.holders.values():
             if new.envoy_fields() == live.assignment.envoy_fields():
@@ -546,14 +635,20 @@ class QuotaLeases:
             stream.notify()
 
     def describe(self) -> dict[str, object]:
+        """For ``/config``: counts only, the same size whatever the bucket count."""
         return {
             "replica_id": self.replica_id,
             "redis_up": self.redis_up,
             "shared_buckets": len(self.buckets),
+            "ready": len(self.ready),
+            "timed": len(self.timers),
+            "leaving": len(self.leaving),
             "lease_seconds": self.lease,
+            "hold_seconds": self.hold,
             "calls": self.stats.calls,
             "batches": self.stats.batches,
             "failures": self.stats.failures,
+            "refused": self.stats.refused,
             "computed": self.stats.computed,
             "pushes": self.stats.pushes,
         }

@@ -14,15 +14,23 @@ this module is its reference (a test runs both on the same inputs and compares).
   grant or its lease expires. So at any moment ``sum(max(held, grant)) <= capacity``:
   whatever subset of replicas picks up, the leases in force never add up to more than
   the limit (no double allocation), including across a dead replica's lease running out.
-* **Safe capacity** (:func:`safe_capacity`): without Redis, after its lease expired, a
-  replica enforces ``ceil(limit / live replicas)`` (the failure mode ``local`` rule), but
-  never what the other replicas' leases may still hold (:attr:`Reply.others`).
+* **Hold** (:attr:`Call.hold_ms`): a replica that stops calling may be dead or cut off
+  from Redis, and nobody can tell which. Its last lease stays reserved ``hold_ms`` past
+  its end, while the replica itself, if it is alive without Redis, enforces no more
+  than that lease until then, and nothing after (``sidecar/quota/leases.py``). So the
+  sum holds in every partition (docs/quota.md, "Across replicas").
+* **Safe capacity** (:func:`safe_capacity`): a bucket that never heard from Redis
+  starts at ``ceil(limit / live replicas)`` (the failure mode ``local`` rule).
+* **Clamps** (:func:`clamped`): every number of a call is cut to what is physically
+  possible before any arithmetic (demand and admitted at most the limit, the limit at
+  most :data:`MAX_UNITS`), here and in the Lua alike: a client's report of 2^64-1 must
+  not overflow a counter, nor ask for more than the whole limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sidecar.limiter.memory import share_of_limit
 
@@ -30,6 +38,10 @@ LEAVE = -2
 """``demand`` of a call that gives the lease back (the bucket was abandoned)."""
 POLL = -1
 """``demand`` of a call that only picks up (no new report since the last call)."""
+MAX_UNITS = 2**48
+"""The largest limit a call carries: far above any rule, exact in Lua's doubles (2^53)."""
+MAX_MS = 2**45
+"""The largest time or duration in milliseconds a call carries (about 1,100 years)."""
 
 
 def fair_shares(demands: Mapping[str, int], capacity: int) -> dict[str, int]:
@@ -155,6 +167,45 @@ class Call:
     """Window start (windowed buckets: shares of what is left in the window), or -1."""
     used_add: int = 0
     """Requests this replica's Envoy admitted since its last call (windowed buckets)."""
+    hold_ms: int = 0
+    """How long past its end a lease stays reserved once its replica stopped calling."""
+
+
+def clamped(call: Call) -> Call:
+    """``call`` with every number cut to what is physically possible (``share.lua`` does the
+    same): the limit to [0, :data:`MAX_UNITS`], a demand to at most the limit (asking more
+    than all of it gets the same share), admitted requests to [0, limit] (more than the
+    limit spends the window all the same), durations to [0, :data:`MAX_MS`]."""
+    limit = min(max(0, call.limit), MAX_UNITS)
+    demand = call.demand if call.demand in (POLL, LEAVE) else min(max(0, call.demand), limit)
+    times = (call.lease_ms, call.stale_ms, call.master_ms, call.min_gap_ms, call.master_gap_ms, call.hold_ms)
+    if (
+        limit == call.limit
+        and demand == call.demand
+        and 0 <= call.used_add <= limit
+        and all(0 <= value <= MAX_MS for value in times)
+        and 0 <= call.threshold_pct <= 1000
+        and -1 <= call.window <= MAX_MS
+    ):
+        return call  # the usual case: nothing to cut, no copy
+
+    def ms(value: int) -> int:
+        return min(max(0, value), MAX_MS)
+
+    return replace(
+        call,
+        limit=limit,
+        demand=demand,
+        used_add=min(max(0, call.used_add), limit),
+        lease_ms=ms(call.lease_ms),
+        stale_ms=ms(call.stale_ms),
+        master_ms=ms(call.master_ms),
+        min_gap_ms=ms(call.min_gap_ms),
+        master_gap_ms=ms(call.master_gap_ms),
+        hold_ms=ms(call.hold_ms),
+        threshold_pct=min(max(0, call.threshold_pct), 1000),
+        window=min(max(-1, call.window), MAX_MS),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,16 +224,18 @@ class Reply:
     leases have ended."""
 
 
-def _recompute(bucket: Bucket, capacity: int, now: int, stale_ms: int) -> None:
+def _recompute(bucket: Bucket, capacity: int, now: int, stale_ms: int, hold_ms: int) -> None:
     demands: dict[str, int] = {}
     reserved: dict[str, int] = {}
     for replica, entry in list(bucket.entries.items()):
         fresh = entry.seen > now - stale_ms
-        live = entry.held_until > now
+        live = entry.held_until + hold_ms > now  # dead or cut off: held for the hold too
         if not fresh and not live:
-            del bucket.entries[replica]  # dead: no demand for a while and its lease has run out
+            del bucket.entries[replica]  # no demand for a while, its lease and hold have run out
             continue
-        demands[replica] = entry.demand if fresh else 0
+        # A silent replica (no demand for a while) asks for what it holds until its hold ends:
+        # nobody else may have it meanwhile, and it picks it up again if it comes back.
+        demands[replica] = entry.demand if fresh else (entry.held if live else 0)
         reserved[replica] = entry.held if live else 0
     targets = fair_shares(demands, capacity)
     offers = grants(targets, reserved, capacity)
@@ -212,7 +265,11 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
     3. The caller picks up its grant: it holds it until ``now + lease_ms``. If that gave
        capacity back while others wait for it, the grants are computed again (at once if this
        call computed already, else as the gap allows).
+
+    A lease stays reserved ``hold_ms`` past its end (a replica that stopped calling may be
+    cut off, not dead). Every number is :func:`clamped` first.
     """
+    call = clamped(call)
     if call.demand == LEAVE:
         if bucket.entries.pop(call.replica, None) is not None:
             bucket.unsettled = True
@@ -228,7 +285,7 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
         entry.seen = now
     capacity = call.limit
     if call.window >= 0:
-        used = bucket.used.get(call.window, 0) + call.used_add
+        used = min(call.limit, bucket.used.get(call.window, 0) + call.used_add)
         bucket.used = {call.window: used}  # older windows expire
         capacity = max(0, call.limit - used)
         entry.held = max(0, entry.held - call.used_add)
@@ -238,7 +295,7 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
     age = now - bucket.computed_at
     computed = (master and age >= call.master_gap_ms) or (age >= call.min_gap_ms and (new or moved or bucket.unsettled))
     if computed:
-        _recompute(bucket, capacity, now, call.stale_ms)
+        _recompute(bucket, capacity, now, call.stale_ms, call.hold_ms)
         if call.replica not in bucket.entries:  # a poll from a record gone stale and unleased
             entry.grant = 0
             bucket.entries[call.replica] = entry
@@ -248,10 +305,10 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
         bucket.unsettled = True
     elif moved:
         bucket.unsettled = True
-    held = entry.held if entry.held_until > now else 0
+    held = entry.held if entry.held_until + call.hold_ms > now else 0
     entry.held, entry.held_until = entry.grant, now + call.lease_ms
     if entry.grant < held and bucket.unsettled and (computed or now - bucket.computed_at >= call.min_gap_ms):
-        _recompute(bucket, capacity, now, call.stale_ms)  # what it gave back goes to those waiting
+        _recompute(bucket, capacity, now, call.stale_ms, call.hold_ms)  # what it gave back goes to those waiting
         computed = True
     others = max(0, capacity - bucket.slack - entry.held)
     return Reply(entry.held, len(bucket.entries), bucket.unsettled, master, computed, capacity, others)

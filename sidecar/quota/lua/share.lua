@@ -10,7 +10,11 @@
 -- ARGV: replica, now_ms (0: Redis TIME), demand (-1 poll, -2 leave), limit, lease_ms,
 --       stale_ms, master_ms, threshold_pct, min_gap_ms, window (-1: not windowed),
 --       used_add, keep_ms (how long the hashes outlive the last call), used_keep_ms,
---       master_gap_ms
+--       master_gap_ms, hold_ms (how long past its end a lease stays reserved once its
+--       replica stopped calling: it may be cut off from Redis, not dead)
+-- Every number is clamped first (shares.clamped does the same): the limit to [0, 2^48],
+-- a demand to at most the limit, admitted requests to [0, limit], durations to [0, 2^45].
+-- The window's counter never exceeds the limit (a client's 2^64-1 cannot overflow it).
 -- Reply: {grant, replicas, unsettled, master, computed, capacity, others}
 -- (others: an upper bound of what the other replicas' leases and grants hold, capacity -
 -- slack - the caller's lease; the caller's safe capacity leaves it to them while Redis is away)
@@ -19,24 +23,47 @@
 -- by the bucket's master once per master_gap_ms, and by a caller that is new, whose demand
 -- moved, or while shares move, at most once per min_gap_ms.
 
+local MAX_UNITS = 281474976710656 -- 2^48
+local MAX_MS = 35184372088832 -- 2^45
+
+-- A whole number in [low, high] (garbage and NaN read as low).
+local function clamp(text, low, high)
+  local x = tonumber(text)
+  if not x or x ~= x then
+    return low
+  end
+  x = math.floor(x)
+  if x < low then
+    return low
+  end
+  if x > high then
+    return high
+  end
+  return x
+end
+
 local me = ARGV[1]
-local now = tonumber(ARGV[2])
+local now = clamp(ARGV[2], 0, MAX_MS)
 if now == 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+local limit = clamp(ARGV[4], 0, MAX_UNITS)
 local demand = tonumber(ARGV[3])
-local limit = tonumber(ARGV[4])
-local lease_ms = tonumber(ARGV[5])
-local stale_ms = tonumber(ARGV[6])
-local master_ms = tonumber(ARGV[7])
-local threshold = tonumber(ARGV[8])
-local min_gap = tonumber(ARGV[9])
-local window = tonumber(ARGV[10])
-local used_add = tonumber(ARGV[11])
-local keep_ms = tonumber(ARGV[12])
-local used_keep_ms = tonumber(ARGV[13])
-local master_gap = tonumber(ARGV[14])
+if demand ~= -1 and demand ~= -2 then -- not a poll nor a leave: units wanted
+  demand = clamp(ARGV[3], 0, limit)
+end
+local lease_ms = clamp(ARGV[5], 0, MAX_MS)
+local stale_ms = clamp(ARGV[6], 0, MAX_MS)
+local master_ms = clamp(ARGV[7], 0, MAX_MS)
+local threshold = clamp(ARGV[8], 0, 1000)
+local min_gap = clamp(ARGV[9], 0, MAX_MS)
+local window = clamp(ARGV[10], -1, MAX_MS)
+local used_add = clamp(ARGV[11], 0, limit)
+local keep_ms = clamp(ARGV[12], 1, MAX_MS)
+local used_keep_ms = clamp(ARGV[13], 1, MAX_MS)
+local master_gap = clamp(ARGV[14], 0, MAX_MS)
+local hold_ms = clamp(ARGV[15], 0, MAX_MS)
 
 local function int(x)
   return string.format('%.0f', x)
@@ -144,13 +171,20 @@ local function recompute(capacity)
   for i = 1, #all, 2 do
     local r, e = all[i], decode(all[i + 1])
     local fresh = e.seen > now - stale_ms
-    local live = e.until_ > now
+    local live = e.until_ + hold_ms > now -- dead or cut off: held for the hold too
     if not fresh and not live then
       redis.call('HDEL', KEYS[1], r)
     else
       ids[#ids + 1] = r
       entries[r] = e
-      demands[r] = fresh and e.demand or 0
+      -- A silent replica asks for what it holds until its hold ends (see shares._recompute).
+      if fresh then
+        demands[r] = e.demand
+      elseif live then
+        demands[r] = e.held
+      else
+        demands[r] = 0
+      end
       reserved[r] = live and e.held or 0
     end
   end
@@ -198,8 +232,9 @@ if demand >= 0 then
 end
 local capacity = limit
 if window >= 0 then
-  local used = redis.call('INCRBY', KEYS[3], int(used_add))
-  redis.call('PEXPIRE', KEYS[3], used_keep_ms)
+  -- Never past the limit: a spent window is spent, and the counter cannot overflow.
+  local used = math.min(limit, (tonumber(redis.call('GET', KEYS[3])) or 0) + used_add)
+  redis.call('SET', KEYS[3], int(used), 'PX', used_keep_ms)
   capacity = math.max(0, limit - used)
   entry.held = math.max(0, entry.held - used_add)
 end
@@ -228,7 +263,7 @@ elseif new then
 elseif moved then
   unsettled = true
 end
-local held = (entry.until_ > now) and entry.held or 0
+local held = (entry.until_ + hold_ms > now) and entry.held or 0
 entry.held, entry.until_ = entry.grant, now + lease_ms
 redis.call('HSET', KEYS[1], me, encode(entry))
 if entry.grant < held and unsettled and (computed or now - computed_at >= min_gap) then

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.quota.shares import LEAVE, POLL, Bucket, Call, fair_shares, grants, safe_capacity, step
+from sidecar.quota.shares import LEAVE, POLL, Bucket, Call, clamped, fair_shares, grants, safe_capacity, step
 
 replica_ids = st.text(alphabet="abcdefgh", min_size=1, max_size=3)
 demands_st = st.dictionaries(replica_ids, st.integers(0, 10_000), max_size=12)
@@ -155,3 +155,39 @@ def test_windowed_shares_are_of_what_is_left() -> None:
     assert reply.capacity == 60
     reply = step(bucket, call("a", 60, window=60, used_add=0), 60_000)  # a new window: all of it again
     assert reply.capacity == 100
+
+
+def test_every_number_of_a_call_is_clamped_before_any_arithmetic() -> None:
+    """Issue 25, defect 5: a report of 2^64-1 must not overflow a window's counter nor ask for
+    more than the whole limit; what the reference does, share.lua does (test_shares_redis)."""
+    huge = 2**64 - 1
+    poisoned = call("a", huge, window=0, used_add=huge)
+    cut = clamped(poisoned)
+    assert (cut.demand, cut.used_add, cut.limit) == (100, 100, 100)
+    assert clamped(call("a", 50)) is not None and clamped(call("a", POLL)).demand == POLL
+    assert clamped(call("a", -7)).demand == 0  # neither a poll nor a leave: no units
+    bucket = Bucket()
+    reply = step(bucket, poisoned, 0)
+    assert reply.capacity == 0 and bucket.used == {0: 100}  # the window is spent, no more
+    assert step(bucket, call("b", 10, window=0, used_add=huge), 10).capacity == 0
+
+
+def test_a_silent_replicas_lease_stays_reserved_for_the_hold() -> None:
+    """Issue 25, defect 9: a replica that stops calling may be cut off from Redis, not dead.
+    Its lease stays reserved ``hold_ms`` past its end; only then is it handed on."""
+    bucket = Bucket()
+    hold = {"hold_ms": 20_000}
+    step(bucket, call("a", 100, **hold), 0)
+    step(bucket, call("b", 100, **hold), 10)
+    for now in range(1_000, 4_000, 1_000):  # both settle at 50 each
+        step(bucket, call("a", 100, **hold), now)
+        step(bucket, call("b", 100, **hold), now + 10)
+    held_by_b = bucket.entries["b"].held
+    assert held_by_b == 50
+    ends = bucket.entries["b"].held_until
+    for now in range(4_000, ends + 20_000, 1_000):  # b is silent: a asks for everything
+        reply = step(bucket, call("a", 100, **hold), now)
+        assert reply.grant + held_by_b <= 100
+    for now in range(ends + 20_000, ends + 28_000, 1_000):  # the master's next computation
+        reply = step(bucket, call("a", 100, **hold), now)
+    assert reply.grant == 100 and "b" not in bucket.entries  # handed on once the hold ended
