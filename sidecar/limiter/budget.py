@@ -61,19 +61,19 @@ NO_DEADLINE_LIMIT = 0.25
 stretches Redis's budget (the wait charged to Redis is ``--redis-timeout`` still)."""
 
 
-def redis_wait(bound: float, budget: float | None) -> tuple[float, float, bool]:
+def redis_wait(redis_timeout: float, budget: float | None) -> tuple[float, float, bool]:
     """``(seconds Redis may take, seconds the caller waits at most, whether the caller's
     deadline set the first)``.
 
-    Redis may take the caller's ``budget`` (:func:`caller_budget`), at most ``bound``
-    (``--redis-timeout``); time our own event loop lags is not charged to it, up to
-    the caller's budget (:data:`NO_DEADLINE_LIMIT` without a deadline), so an answer
-    read late because this process was busy is still taken while the caller waits.
+    Redis may take the caller's ``budget`` (:func:`caller_budget`), at most
+    ``redis_timeout`` (``--redis-timeout``); time our own event loop lags is not charged
+    to it, up to the caller's budget (:data:`NO_DEADLINE_LIMIT` without a deadline), so
+    an answer read late because this process was busy is still taken while the caller waits.
     """
     if budget is None:
-        return bound, max(bound, NO_DEADLINE_LIMIT), False
-    if budget >= bound:
-        return bound, budget, False
+        return redis_timeout, max(redis_timeout, NO_DEADLINE_LIMIT), False
+    if budget >= redis_timeout:
+        return redis_timeout, budget, False
     budget = max(0.0, budget)
     return budget, budget, True
 
