@@ -2,6 +2,8 @@
 
     python -m loadtest.http_listeners                      # ~1 minute
     python -m loadtest.http_listeners --seconds 10 --connections 4
+    python -m loadtest.http_listeners --config-rules 14000  # GET /config's cost to the event loop
+
 
 Starts ``ratelimit-sidecar serve`` (memory backend, examples/config) three times: with no
 HTTP listener (``RLS_METRICS_ADDRESS=""``), with the admin endpoint alone (the default),
@@ -16,6 +18,7 @@ and the RSS after the load. Every child is stopped when it ends.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import shutil
@@ -24,6 +27,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from loadtest.footprint import CONFIG, child, cpu_seconds, free_port, memory_mib, wait_serving
 
@@ -76,12 +81,85 @@ def wrk_latency(port: int, seconds: float, connections: int) -> dict[str, str]:
     return found
 
 
+def write_rules(directory: Path, count: int) -> None:
+    rules = "".join(
+        f"  - key: k{index}\n    rate_limit: {{unit: minute, requests_per_unit: {index + 1}}}\n"
+        for index in range(count)
+    )
+    (directory / "big.yaml").write_text(f"domain: big\ndescriptors:\n{rules}")
+
+
+async def config_stall(rules: int, seconds: float) -> dict[str, float]:
+    """In this process: one client looping ``GET /config`` of ``rules`` rules for ``seconds``,
+    while a ticker measures how late the event loop runs (every 1 ms)."""
+    from sidecar.admin import AdminEndpoint, config_json
+    from sidecar.config import load_config
+
+    with tempfile.TemporaryDirectory() as directory:
+        write_rules(Path(directory), rules)
+        config = load_config(Path(directory))
+    document = {**config_json(config, 0.0), "quota": {}}
+    admin: Any = AdminEndpoint
+    if hasattr(admin, "config_body"):  # the snapshot API: a builder run in a thread
+        endpoint = admin(None, lambda: lambda: document, lambda: True)
+    else:  # the code before issue 25: the document itself, built on the loop
+        endpoint = admin(None, lambda: document, lambda: True)
+    await endpoint.start("127.0.0.1:0")
+    loop = asyncio.get_running_loop()
+    lags: list[float] = []
+    gets: list[float] = []
+    size = 0
+    stop = loop.time() + seconds
+
+    async def ticker() -> None:
+        while loop.time() < stop:
+            before = loop.time()
+            await asyncio.sleep(0.001)
+            lags.append(loop.time() - before - 0.001)
+
+    async def reader() -> None:
+        nonlocal size
+        while loop.time() < stop:
+            started = loop.time()
+            stream, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+            writer.write(b"GET /config HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            size = len(await stream.read())
+            writer.close()
+            gets.append(loop.time() - started)
+
+    try:
+        await asyncio.gather(ticker(), reader())
+    finally:
+        await endpoint.close()
+    lags.sort()
+    gets.sort()
+    return {
+        "bytes": size,
+        "gets": len(gets),
+        "get_p50_ms": gets[len(gets) // 2] * 1000,
+        "lag_p99_ms": lags[int(len(lags) * 0.99)] * 1000,
+        "lag_max_ms": lags[-1] * 1000,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="length of the wrk run")
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--settle", type=float, default=3.0, help="seconds after SERVING before RSS is read")
+    parser.add_argument("--config-rules", type=int, default=0, help="measure GET /config of this many rules instead")
     arguments = parser.parse_args(argv)
+    if arguments.config_rules:
+        import uvloop
+
+        row = uvloop.run(config_stall(arguments.config_rules, arguments.seconds))
+        print(
+            f"python -m loadtest.http_listeners --config-rules {arguments.config_rules}"
+            f" --seconds {arguments.seconds:g}\n"
+            f"GET /config: {row['bytes']:,} bytes, {row['gets']:.0f} GETs, p50 {row['get_p50_ms']:.0f} ms; "
+            f"event loop late by p99 {row['lag_p99_ms']:.1f} ms, max {row['lag_max_ms']:.1f} ms"
+        )
+        return 0
     print(
         f"python -m loadtest.http_listeners --seconds {arguments.seconds:g} --connections {arguments.connections}"
         f" --settle {arguments.settle:g}\n{os.cpu_count()} cores, Python {sys.version.split()[0]}"

@@ -286,6 +286,8 @@ class Exchange:
         """Write and wait for the client to read, at most ``write_timeout``; a client that
         does not read would pin the buffer, so it is dropped."""
         self.writer.write(data)
+        if not self.writer.transport.get_write_buffer_size():
+            return  # all sent already (the usual case for a small answer): nothing to wait for
         try:
             async with asyncio.timeout(self.bounds.write_timeout):
                 await self.writer.drain()
