@@ -185,9 +185,10 @@ class LimiterSpans:
 def proto_problem() -> str | None:
     """Why the installed OTLP protos cannot carry spans, or None.
 
-    xds-protos (our Envoy API types) ships an old copy of the OpenTelemetry protos at the
-    same paths as opentelemetry-proto; when pip installed it last, ``ResourceSpans`` has no
-    ``scope_spans`` and every export would be dropped by collectors. Checked once, at
+    xds-protos ships an old copy of the OpenTelemetry protos at the same paths as
+    opentelemetry-proto. The sidecar no longer depends on it (sidecar/protos/), but an
+    application may install it beside the sidecar; when pip installed it last,
+    ``ResourceSpans`` has no ``scope_spans`` and every export would be dropped by collectors. Checked once, at
     startup, only when tracing is asked for.
     """
     try:
