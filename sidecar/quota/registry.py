@@ -160,6 +160,9 @@ class QuotaRegistry:
         self.stats = stats or QuotaStats()
         self.clock = clock
         self.streams: dict[int, Stream] = {}
+        self.finishing = 0
+        """Streams this side ended whose gRPC call is not finished: a client that does not
+        read holds gRPC's buffers for it until it reads or goes, so they count to the cap."""
         self.live = 0
         self.logs = RateLimitedLog()
         self._ids = count(1)
@@ -170,13 +173,17 @@ class QuotaRegistry:
 
     def open(self, peer: str) -> Stream:
         """A new stream; :class:`StreamCapError` past ``max_streams``."""
-        if len(self.streams) >= self.settings.max_streams:
+        if len(self.streams) + self.finishing >= self.settings.max_streams:
             self.stats.bump(self.stats.streams_ended, "max_streams")
             raise StreamCapError(self.settings.max_streams)
         stream = Stream(next(self._ids), peer, self.clock(), pending=Outbox(self.settings.max_queued_bytes))
         self.streams[stream.id] = stream
         self.stats.streams_opened += 1
         return stream
+
+    def call_finished(self, _call: object = None) -> None:
+        """A call counted in :attr:`finishing` is over (a gRPC done callback)."""
+        self.finishing -= 1
 
     def close(self, stream: Stream) -> None:
         """Forget a stream's buckets: Envoy reports them all again when it reconnects.

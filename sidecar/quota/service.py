@@ -174,6 +174,8 @@ class QuotaService:
                     await asyncio.wait_for(context.write(message), timeout)
                 except TimeoutError:
                     registry.stats.bump(registry.stats.streams_ended, "write_timeout")
+                    registry.finishing += 1  # until gRPC has finished the call
+                    context.add_done_callback(registry.call_finished)
                     registry.logs.every("quota_stream_not_reading", registry.clock(), peer=stream.peer)
                     context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
                     context.set_details(f"the client did not read a response for {timeout:g} s")

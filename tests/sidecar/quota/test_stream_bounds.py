@@ -121,6 +121,10 @@ def test_streams_past_the_cap_are_refused_naming_it(h: SimpleNamespace) -> None:
         registry.open("c")
     assert registry.stats.streams_ended == {"max_streams": 1}
     registry.close(first)
+    registry.finishing += 1  # ended for not reading, its gRPC call not over yet
+    with pytest.raises(StreamCapError):
+        registry.open("c")
+    registry.call_finished()
     registry.open("c")
 
 
