@@ -171,7 +171,7 @@ def stalled(port: int) -> socket.socket:
     raw = socket.socket()
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     raw.connect(("127.0.0.1", port))
-    raw.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+    raw.sendall(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
     return raw
 
 

@@ -66,6 +66,7 @@ from loadtest.reliability_harness.support import (
     start_sidecar,
 )
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
+from sidecar.service.validate import MAX_DESCRIPTORS, MAX_ENTRIES
 
 AREA = "bad input"
 SCENARIO = "hostile bodies to POST /json"
@@ -174,14 +175,16 @@ def body_problem(body: bytes, status: int | str, answer: bytes) -> str | None:
         return "connection reset"
     request = parsed(body)
     if status == 400:
-        return refusal_problem(request, answer)
+        return refusal_problem(request, answer, body)
     if request is None or bound_broken(request):
         return f"{status} for a body that is no valid RateLimitRequest"
     return answer_problem(request, status, answer)
 
 
-def refusal_problem(request: Any | None, answer: bytes) -> str | None:
-    """A 400 must be ``INVALID_ARGUMENT``: ``request: ...`` for no request, else naming a broken bound."""
+def refusal_problem(request: Any | None, answer: bytes, body: bytes = b"") -> str | None:
+    """A 400 must be ``INVALID_ARGUMENT``: ``request: ...`` for no request, else naming a broken bound.
+    A body too large to parse (over the descriptor or entry count) is refused from its JSON
+    before protobuf parses it (issue 25), so it may name that bound even if it is no request."""
     try:
         error = json.loads(answer)
     except ValueError:
@@ -190,10 +193,24 @@ def refusal_problem(request: Any | None, answer: bytes) -> str | None:
     if not isinstance(error, dict) or error.get("code") != "INVALID_ARGUMENT" or not REFUSAL_DETAILS.match(message):
         problem: str | None = f"400 {error}"
     elif request is None:
-        problem = None if message.startswith("request: ") else f"no request, refused as {error}"
+        accepted = message.startswith("request: ") or too_large_to_parse(body)
+        problem = None if accepted else f"no request, refused as {error}"
     else:
         problem = None if bound_broken(request) else f"a valid request was refused: {message}"
     return problem
+
+
+def too_large_to_parse(body: bytes) -> bool:
+    """Whether ``body`` decodes to more descriptors, or entries in one, than a request may have."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    descriptors = value.get("descriptors") if isinstance(value, dict) else None
+    if not isinstance(descriptors, list):
+        return False
+    entries = [d.get("entries") for d in descriptors if isinstance(d, dict)]
+    return len(descriptors) > MAX_DESCRIPTORS or any(isinstance(e, list) and len(e) > MAX_ENTRIES for e in entries)
 
 
 def answer_problem(request: Any, status: int | str, answer: bytes) -> str | None:

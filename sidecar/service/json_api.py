@@ -14,12 +14,12 @@ answers a bare ``400 Bad Request``, this endpoint answers ``{"code": "INVALID_AR
 must not be empty``); a body that is not a ``RateLimitRequest`` in JSON is 400 with the
 parser's reason, an internal fault is 500 ``INTERNAL``.
 
-Before protobuf parses anything, the request bounds of :mod:`sidecar.service.validate` are
-checked on the decoded JSON, in the order the gRPC path checks them and with its messages:
-the domain, the number of descriptors, then per descriptor its entries (count, key and
-value sizes), that descriptor parsed alone (at most 32 entries) and its own checks. So a
-body of 21,000 empty descriptors is refused from a list length, never handed to
-``json_format.ParseDict``, and a request within the bounds (up to 64 x 32 entries) is parsed
+What makes protobuf's JSON parser costly is refused before it runs: the number of
+descriptors and of entries per descriptor (:mod:`sidecar.service.validate`'s bounds) are
+checked on the decoded JSON, with the gRPC path's messages, in its order. So a body of
+21,000 empty descriptors is refused from a list length, never handed to
+``json_format.ParseDict``; a request within them (up to 64 x 32 entries) is parsed whole
+as before (so a body that is no request still gets the parser's reason first), a large one
 a descriptor at a time, yielding to the event loop every :data:`PARSE_CHUNK_ENTRIES`.
 
 HTTP is :mod:`sidecar.http_server`'s (h11 under asyncio streams, on the sidecar's event
@@ -45,14 +45,7 @@ from google.protobuf import json_format
 from sidecar.http_server import MAX_HEAD_BYTES, Answer, Bounds, HttpServer, Request
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService, Refusal
-from sidecar.service.validate import (
-    MAX_DESCRIPTORS,
-    MAX_DOMAIN_LENGTH,
-    MAX_ENTRIES,
-    MAX_KEY_LENGTH,
-    MAX_VALUE_LENGTH,
-    descriptor_problem,
-)
+from sidecar.service.validate import MAX_DESCRIPTORS, MAX_DOMAIN_LENGTH, MAX_ENTRIES, descriptor_problem
 
 __all__ = ["MAX_HEAD_BYTES", "Answer", "JsonEndpoint", "decide_json"]
 
@@ -111,68 +104,49 @@ def domain_problem(value: dict[str, Any]) -> str | None:
     return None
 
 
-def entries_problem(descriptor: Any) -> str | None:
-    """``descriptor_problem``'s checks of the entries, on the JSON, before protobuf sees them.
-    Values of the wrong JSON type are left for the parser to name."""
-    entries = descriptor.get("entries", []) if isinstance(descriptor, dict) else None
-    if not isinstance(entries, list):
-        return None
-    if not entries:
-        return "entries: a descriptor needs at least one entry"
-    if len(entries) > MAX_ENTRIES:
-        return f"entries: more than {MAX_ENTRIES} entries"
-    for index, entry in enumerate(entries):
-        problem = entry_problem(entry) if isinstance(entry, dict) else None
-        if problem is not None:
-            return f"entries[{index}].{problem}"
-    return None
-
-
-def entry_problem(entry: dict[str, Any]) -> str | None:
-    """``validate.entry_problem`` on one JSON entry (wrong types are the parser's to name)."""
-    key, value = entry.get("key", ""), entry.get("value", "")
-    if isinstance(key, str) and not key:
-        return "key: must not be empty"
-    if isinstance(key, str) and len(key) > MAX_KEY_LENGTH:
-        return f"key: longer than {MAX_KEY_LENGTH} characters"
-    if isinstance(value, str) and len(value) > MAX_VALUE_LENGTH:
-        return f"value: longer than {MAX_VALUE_LENGTH} characters"
-    return None
+def too_many_entries(descriptor: Any) -> bool:
+    """Whether a JSON descriptor has more entries than a request may (what makes parsing it costly)."""
+    entries = descriptor.get("entries") if isinstance(descriptor, dict) else None
+    return isinstance(entries, list) and len(entries) > MAX_ENTRIES
 
 
 async def parse_request(value: dict[str, Any]) -> Any:
-    """``value`` as a ``RateLimitRequest``, the bounds checked before protobuf parses what they bound.
+    """``value`` as a ``RateLimitRequest``; what makes parsing costly is refused before protobuf sees it.
 
-    Raises :class:`OutOfBoundsError` with the gRPC path's message, or the parser's error."""
+    The bounds on sizes (descriptors per request, entries per descriptor) are checked on the
+    JSON first; a request within them (at most 64 x 32 entries) is parsed whole, so a body
+    that is no request gets the parser's reason and every other bound is checked afterwards by
+    ``RateLimitService.handle``, all as on the gRPC path. Raises :class:`OutOfBoundsError` with
+    the gRPC path's message for the first bound broken, or the parser's error."""
     request = rls_pb2.RateLimitRequest()
     descriptors = value.get("descriptors", [])
-    problem = domain_problem(value)
-    if problem is None and isinstance(descriptors, list):
-        if not descriptors:
-            problem = "descriptors: at least one descriptor is required"
-        elif len(descriptors) > MAX_DESCRIPTORS:
-            problem = f"descriptors: more than {MAX_DESCRIPTORS} descriptors"
-    if problem is not None:
-        json_format.ParseDict({name: part for name, part in value.items() if name != "descriptors"}, request)
-        raise OutOfBoundsError(problem)  # unless the rest of the request is not one: the parser's error first
     if not isinstance(descriptors, list):
         json_format.ParseDict(value, request)  # the parser names the wrong type
         return request
-    bad = next((index for index, descriptor in enumerate(descriptors) if entries_problem(descriptor)), None)
-    if bad is None and entry_count(descriptors) <= PARSE_CHUNK_ENTRIES:
-        json_format.ParseDict(value, request)  # small and within the bounds: one call
+    over = next((index for index, descriptor in enumerate(descriptors) if too_many_entries(descriptor)), None)
+    if len(descriptors) <= MAX_DESCRIPTORS and over is None:
+        if entry_count(descriptors) <= PARSE_CHUNK_ENTRIES:
+            json_format.ParseDict(value, request)  # small: one call
+        else:
+            json_format.ParseDict({name: part for name, part in value.items() if name != "descriptors"}, request)
+            await parse_descriptors(descriptors, request)
         return request
+    # Too large to parse: name the first bound broken, in the gRPC path's order.
     json_format.ParseDict({name: part for name, part in value.items() if name != "descriptors"}, request)
-    await parse_descriptors(descriptors[:bad], request)
-    if bad is not None:
-        raise OutOfBoundsError(f"descriptors[{bad}].{entries_problem(descriptors[bad])}")
-    return request
+    problem = domain_problem(value)
+    if problem is None and len(descriptors) > MAX_DESCRIPTORS:
+        problem = f"descriptors: more than {MAX_DESCRIPTORS} descriptors"
+    if problem is not None:
+        raise OutOfBoundsError(problem)
+    assert over is not None
+    await parse_descriptors(descriptors[:over], request)  # each within the entry bound
+    raise OutOfBoundsError(f"descriptors[{over}].entries: more than {MAX_ENTRIES} entries")
 
 
 def entry_count(descriptors: list[Any]) -> int:
-    return sum(
-        len(entries) for d in descriptors if isinstance(d, dict) and isinstance(entries := d.get("entries"), list)
-    )
+    """Entries in ``descriptors`` (each already within :data:`MAX_ENTRIES`)."""
+    lists = (descriptor.get("entries") for descriptor in descriptors if isinstance(descriptor, dict))
+    return sum(len(entries) for entries in lists if isinstance(entries, list))
 
 
 async def parse_descriptors(descriptors: list[Any], request: Any) -> None:
