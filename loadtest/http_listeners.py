@@ -3,6 +3,7 @@
     python -m loadtest.http_listeners                      # ~1 minute
     python -m loadtest.http_listeners --seconds 10 --connections 4
     python -m loadtest.http_listeners --config-rules 14000  # GET /config's cost to the event loop
+    python -m loadtest.http_listeners --json-flood          # POST /json of 21,000 empty descriptors
 
 
 Starts ``ratelimit-sidecar serve`` (memory backend, examples/config) three times: with no
@@ -142,13 +143,43 @@ async def config_stall(rules: int, seconds: float) -> dict[str, float]:
     }
 
 
+async def json_flood(requests: int = 20) -> tuple[int, str, float]:
+    """In this process: ``decide_json`` of a 63 KB body of 21,000 empty descriptors, ``requests``
+    times; the status, the message and the median time of one (all of it on the event loop)."""
+    import json
+
+    from sidecar.config import load_config
+    from sidecar.limiter.memory import MemoryLimiter
+    from sidecar.service.json_api import decide_json
+    from sidecar.service.servicer import RateLimitService
+
+    body = json.dumps({"domain": "api", "descriptors": [{}] * 21_000}, separators=(",", ":")).encode()
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "api.yaml").write_text(
+            "domain: api\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1}\n"
+        )
+        service = RateLimitService(load_config(Path(directory)), MemoryLimiter())
+    times = []
+    for _ in range(requests):
+        started = time.perf_counter()
+        answer = await decide_json(service, body)
+        times.append(time.perf_counter() - started)
+    return answer.status, json.loads(answer.body)["message"], sorted(times)[requests // 2]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="length of the wrk run")
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--settle", type=float, default=3.0, help="seconds after SERVING before RSS is read")
     parser.add_argument("--config-rules", type=int, default=0, help="measure GET /config of this many rules instead")
+    parser.add_argument("--json-flood", action="store_true", help="time POST /json of 21,000 descriptors instead")
     arguments = parser.parse_args(argv)
+    if arguments.json_flood:
+        status, message, median = asyncio.run(json_flood())
+        print(f"python -m loadtest.http_listeners --json-flood\n63,032-byte body: {status} {message!r}; ", end="")
+        print(f"median {median * 1000:.1f} ms per request")
+        return 0
     if arguments.config_rules:
         import uvloop
 

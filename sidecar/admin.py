@@ -24,11 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar.config.model import DomainConfig, Level, RateLimitConfig, RateLimitRule
-from sidecar.http_server import MAX_HEAD_BYTES, Answer, Bounds, HttpServer, Request
+from sidecar.http_server import Answer, Bounds, HttpServer, Request
 from sidecar.limiter.algorithms import Algorithm
 from sidecar.metrics import render
 
-MAX_REQUEST_HEAD = MAX_HEAD_BYTES
 READ_TIMEOUT = 5.0
 IDLE_TIMEOUT = 5.0
 """Seconds a kept-alive admin connection may idle between requests (Prometheus reuses one)."""

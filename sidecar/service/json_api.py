@@ -42,12 +42,10 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from sidecar.http_server import MAX_HEAD_BYTES, Answer, Bounds, HttpServer, Request
+from sidecar.http_server import Answer, Bounds, HttpServer, Request
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService, Refusal
 from sidecar.service.validate import MAX_DESCRIPTORS, MAX_DOMAIN_LENGTH, MAX_ENTRIES, descriptor_problem
-
-__all__ = ["MAX_HEAD_BYTES", "Answer", "JsonEndpoint", "decide_json"]
 
 PATH = "/json"
 HEALTH_PATH = "/healthcheck"
@@ -123,8 +121,9 @@ async def parse_request(value: dict[str, Any]) -> Any:
     if not isinstance(descriptors, list):
         json_format.ParseDict(value, request)  # the parser names the wrong type
         return request
-    over = next((index for index, descriptor in enumerate(descriptors) if too_many_entries(descriptor)), None)
-    if len(descriptors) <= MAX_DESCRIPTORS and over is None:
+    too_many = len(descriptors) > MAX_DESCRIPTORS  # then their entries are not even looked at
+    over = None if too_many else next((i for i, d in enumerate(descriptors) if too_many_entries(d)), None)
+    if not too_many and over is None:
         if entry_count(descriptors) <= PARSE_CHUNK_ENTRIES:
             json_format.ParseDict(value, request)  # small: one call
         else:
@@ -134,7 +133,7 @@ async def parse_request(value: dict[str, Any]) -> Any:
     # Too large to parse: name the first bound broken, in the gRPC path's order.
     json_format.ParseDict({name: part for name, part in value.items() if name != "descriptors"}, request)
     problem = domain_problem(value)
-    if problem is None and len(descriptors) > MAX_DESCRIPTORS:
+    if problem is None and too_many:
         problem = f"descriptors: more than {MAX_DESCRIPTORS} descriptors"
     if problem is not None:
         raise OutOfBoundsError(problem)

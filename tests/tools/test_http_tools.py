@@ -1,4 +1,4 @@
-"""loadtest.http_stacks and loadtest.http_listeners' /config mode, run small."""
+"""loadtest.http_stacks and loadtest.http_listeners' /config and --json-flood modes, run small."""
 
 from __future__ import annotations
 
@@ -22,3 +22,9 @@ def test_config_mode_reads_a_capped_config_while_timing_the_loop(capsys: pytest.
     out = capsys.readouterr().out
     assert "python -m loadtest.http_listeners --config-rules 200 --seconds 0.5" in out
     assert re.search(r"GET /config: [\d,]+ bytes, \d+ GETs, p50 \d+ ms; event loop late by p99", out), out
+
+
+def test_json_flood_mode_times_the_refusal_of_21000_descriptors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert http_listeners.main(["--json-flood"]) == 0
+    out = capsys.readouterr().out
+    assert "63,032-byte body: 400 'descriptors: more than 64 descriptors'; median" in out
