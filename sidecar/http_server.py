@@ -189,6 +189,8 @@ class Exchange:
         self.writer = writer
         self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.loop = asyncio.get_running_loop()
+        self.deadline = 0.0
+        """When the request being read must have arrived (``loop.time()``)."""
 
     async def run(self) -> None:
         wait = self.bounds.read_timeout  # a new connection is expected to ask at once
@@ -197,7 +199,7 @@ class Exchange:
             try:
                 request = await self._receive(wait)
                 method = request.method
-                answer = await self.server.handler(request)
+                answer = await self._answer(request)
             except RequestError as refused:
                 answer = self._close(self.server.error(refused.status, refused.reason))
             await self._send(answer, method)
@@ -206,14 +208,22 @@ class Exchange:
             self.http.start_next_cycle()
             wait = self.bounds.idle_timeout
 
+    async def _answer(self, request: Request) -> Answer:
+        """The handler's answer; a fault of ours is a 500 (logged) and the connection closes."""
+        try:
+            return await self.server.handler(request)
+        except Exception:
+            log.exception("http_request_failed", listener=self.server.name, path=request.path[:100])
+            return self._close(self.server.error(500, "internal error; see the sidecar's logs"))
+
     @staticmethod
     def _close(answer: Answer) -> Answer:
         return Answer(answer.status, answer.body, answer.content_type, True, answer.allow)
 
     async def _receive(self, idle: float) -> Request:
         """The next whole request: the first byte within ``idle``, the rest within ``read_timeout``."""
-        deadline = self.loop.time() + idle
-        event = await self._next_event(deadline, first=True)
+        self.deadline = self.loop.time() + idle
+        event = await self._next_event(first=True)
         if not isinstance(event, h11.Request):  # ConnectionClosed: the client left between requests
             raise ClientGoneError
         method = event.method.decode("ascii")
@@ -223,8 +233,7 @@ class Exchange:
             go_on = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
             await self._write(self.http.send(go_on), 0)  # curl waits for this before a large body
         body = bytearray()
-        deadline = self.loop.time() + self.bounds.read_timeout
-        while not isinstance(event := await self._next_event(deadline), h11.EndOfMessage):
+        while not isinstance(event := await self._next_event(), h11.EndOfMessage):
             if isinstance(event, h11.Data):
                 body += event.data
             else:
@@ -247,9 +256,9 @@ class Exchange:
             raise RequestError(413, f"body over {self.bounds.max_body} bytes")
         return length
 
-    async def _next_event(self, deadline: float, first: bool = False) -> h11.Event | type[h11.PAUSED]:
-        """h11's next event, reading as it needs; ``first``: until the request's first byte,
-        then ``read_timeout`` from it."""
+    async def _next_event(self, first: bool = False) -> h11.Event | type[h11.PAUSED]:
+        """h11's next event, reading as it needs until :attr:`deadline`; ``first``: waiting for
+        a request's first byte, after which the whole request has ``read_timeout``."""
         while True:
             try:
                 event = self.http.next_event()
@@ -258,7 +267,7 @@ class Exchange:
             if event is not h11.NEED_DATA:
                 return event  # type: ignore[return-value]  # h11's sentinels are classes
             try:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(self.deadline):
                     data = await self.reader.read(READ_CHUNK)
             except TimeoutError:
                 if first:
@@ -266,7 +275,7 @@ class Exchange:
                 raise RequestError(408, "request not received in time") from None
             if first and data:
                 first = False
-                deadline = self.loop.time() + self.bounds.read_timeout
+                self.deadline = self.loop.time() + self.bounds.read_timeout
             self.http.receive_data(data)
 
     async def _send(self, answer: Answer, method: str) -> None:

@@ -226,3 +226,20 @@ async def test_a_client_that_never_reads_a_large_config_is_dropped(tmp_path: Pat
         assert not endpoint.http.writers, "the connection and its buffer were let go"
     finally:
         await endpoint.close()
+
+
+async def test_a_fault_in_a_handler_is_a_500_and_the_listener_goes_on() -> None:
+    class Broken:
+        def collect(self) -> Any:
+            raise RuntimeError("collector broke")
+
+    endpoint = AdminEndpoint(registry=Broken(), config=document, serving=lambda: True)
+    await endpoint.start("127.0.0.1:0")
+    try:
+        got = await exchange(endpoint.port, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 500"), got[:80]
+        assert b"connection: close" in got.lower()
+        healthy = await exchange(endpoint.port, b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert healthy.startswith(b"HTTP/1.1 200")
+    finally:
+        await endpoint.close()
