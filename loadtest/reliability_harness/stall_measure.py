@@ -230,13 +230,21 @@ def measure(sidecar: SidecarProcess, probe_request: bytes, hostile: Hostile, tim
     return figures
 
 
-def goals_missed(figures: Figures) -> list[str]:
-    """The goals of issue 25 this row missed, each with its figures."""
-    missed = []
+def problems(figures: Figures) -> list[str]:
+    """What must hold whatever the machine: every probe call answered, the sidecar serving after."""
+    found = []
     if figures["errors"] or figures["quiet_errors"]:
-        missed.append(f"{figures['errors'] + figures['quiet_errors']:.0f} probe calls failed")
+        found.append(f"{figures['errors'] + figures['quiet_errors']:.0f} probe calls failed")
     if not figures["calls"]:
-        missed.append("no probe call during the input")
+        found.append("no probe call during the input")
+    if not figures["serving_after"]:
+        found.append("not serving after the input")
+    return found
+
+
+def goals_missed(figures: Figures) -> list[str]:
+    """The measured goals of issue 25 this row missed, each with its figures (reported, not a failure)."""
+    missed = []
     if figures["p99_ms"] > P99_FACTOR * figures["quiet_p99_ms"]:
         missed.append(f"p99 {figures['p99_ms']:g} ms over {P99_FACTOR:g}x the quiet {figures['quiet_p99_ms']:g} ms")
     if not figures["stall_ms"] <= ms(STALL_GOAL):  # NaN (no detector) misses it too
@@ -245,8 +253,6 @@ def goals_missed(figures: Figures) -> list[str]:
         missed.append(
             f"RSS {figures['rss_after_mib']:g} MiB not back within {RSS_BACK:.0%} of {figures['rss_before_mib']:g}"
         )
-    if not figures["serving_after"]:
-        missed.append("not serving after the input")
     return missed
 
 
@@ -257,7 +263,7 @@ def verdict(area: str, scenario: str, figures: Figures, about_input: str) -> Row
         f"probe {PROBE_RATE:.0f}/s: p50/p99/max {f['quiet_p50_ms']:g}/{f['quiet_p99_ms']:g}/{f['quiet_max_ms']:g}"
         f" → {f['p50_ms']:g}/{f['p99_ms']:g}/{f['max_ms']:g} ms"
     )
-    missed = goals_missed(figures)
+    failed = problems(figures)
     busy = max(f["other_cores_quiet"], f["other_cores_input"])
     notes = (
         f"worst loop stall {f['quiet_stall_ms']:g} → {f['stall_ms']:g} ms; "
@@ -265,6 +271,7 @@ def verdict(area: str, scenario: str, figures: Figures, about_input: str) -> Row
         f"{f['calls']:,.0f} of {f['scheduled']:,.0f} scheduled probe calls sent in {f['input_seconds']:g} s "
         f"(quiet: {f['quiet_calls']:,.0f} of {f['quiet_scheduled']:,.0f}), {f['errors']:.0f} failed; {about_input}"
         + (f"; other processes used {busy:.1f} cores" if busy >= 0.3 else "")
-        + ("; goals missed: " + ", ".join(missed) if missed else "; goals met")
     )
-    return Row(area, scenario, load=load, ok=not missed, notes=notes, figures=figures)
+    if failed:
+        notes = "; ".join(failed) + " | " + notes
+    return Row(area, scenario, load=load, ok=not failed, notes=notes, figures=figures, goals_missed=goals_missed(f))
