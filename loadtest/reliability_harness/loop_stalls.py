@@ -148,12 +148,8 @@ Setup = Callable[[ProcessGroup, Context, Sizes, list[QuotaStream]], tuple[Sideca
 """Starts what a row needs; returns its sidecar, its input and what to say about the input afterwards."""
 
 
-def big_report(
-    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
-) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
-    config = write_config(context.directory / "stalls-big")
-    sidecar = start_sidecar(group, context, "stalls-big", sidecar_args(config))
-    reports = tiny_ids_reports(DOMAIN, sizes.tiny_ids)
+def on_a_new_stream(sidecar: SidecarProcess, reports: list[bytes], streams: list[QuotaStream], tail: float) -> Hostile:
+    """The input of a stream's first reports: open a stream, send them all, wait for the answers."""
 
     def hostile() -> Figures:
         stream = QuotaStream(sidecar.address)
@@ -161,7 +157,19 @@ def big_report(
         since = time.perf_counter()
         for report in reports:
             stream.send(report)
-        return answered(stream, since, sizes.tail)
+        return answered(stream, since, tail)
+
+    return hostile
+
+
+def big_report(
+    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
+) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+    config = write_config(context.directory / "stalls-big")
+    sidecar = start_sidecar(group, context, "stalls-big", sidecar_args(config))
+    reports = tiny_ids_reports(DOMAIN, sizes.tiny_ids)
+
+    hostile = on_a_new_stream(sidecar, reports, streams, sizes.tail)
 
     def about() -> str:
         stream = streams[-1]
@@ -180,13 +188,7 @@ def reconnect(
     sidecar = start_sidecar(group, context, "stalls-reconnect", sidecar_args(config))
     reports = bucket_reports(DOMAIN, "user", sizes.buckets)
 
-    def hostile() -> Figures:
-        stream = QuotaStream(sidecar.address)
-        streams.append(stream)
-        since = time.perf_counter()
-        for report in reports:
-            stream.send(report)
-        return answered(stream, since, sizes.tail)
+    hostile = on_a_new_stream(sidecar, reports, streams, sizes.tail)
 
     def about() -> str:
         stream = streams[-1]
