@@ -20,11 +20,14 @@ computed by max-min fair share (:mod:`sidecar.quota.shares`, run in Redis by
   cut off rather than dead, and nobody can tell which).
 * **Redis away, for everybody or for this replica only (the partition rule).** A
   replica keeps its last grant while ``ttl`` of its lease *and hold* are left (what
-  Redis still reserves for it), then assigns nothing (DENY_ALL): the survivors may have
-  taken it over by then. A bucket that never heard from Redis starts at the safe
-  capacity ``ceil(limit / live replicas)`` for as long (the live count is the highest
-  seen within the last lease). So what every Envoy enforces stays within the limit in
-  every partition (the proof: docs/quota.md). While Redis is away no call is built but
+  Redis still reserves for it), then follows ``--quota-after-hold``
+  (:mod:`sidecar.quota.partition`): ``deny`` assigns nothing (DENY_ALL), since the
+  survivors may have taken it over by then; ``share`` enforces the safe capacity. A
+  bucket that never heard from Redis starts at the safe capacity ``ceil(limit / live
+  replicas)`` for as long (the live count is the highest seen within the last lease). So
+  with ``deny`` what every Envoy enforces stays within the limit in every partition, with
+  ``share`` within it plus the safe capacity per cut replica (the proof: docs/quota.md).
+  While Redis is away no call is built but
   one probe per tick; a bucket is looked at again only when its assignment changes (its
   hold ends) or Redis is back, when every bucket is called again (the last known demand
   republished), a chunk at a time.
@@ -32,6 +35,10 @@ computed by max-min fair share (:mod:`sidecar.quota.shares`, run in Redis by
   (:func:`sidecar.quota.shares.clamped`; the Lua clamps again). A call the script
   refuses is dropped with what it carried, counted and logged (at most once a minute):
   never retried forever.
+* **A clean stop hands on.** :meth:`QuotaLeases.close` gives every lease back (a LEAVE
+  call per bucket, a chunk per pipeline, within the drain's deadline), those of buckets
+  whose streams already closed included: the others need not wait for the hold. A crash
+  gives nothing back: the hold runs.
 * **Windows.** A limit of a minute or more is a budget per window: the replicas' admitted
   requests are added to a per-window counter, shares are of what is left, and a share is
   assigned as ``max_tokens = share`` refilled over what is left of the window.
@@ -46,14 +53,22 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import structlog
 
-from sidecar.limiter.algorithms import Algorithm
-from sidecar.quota.assignments import MAX_TOKENS, MIN_FILL_SECONDS, Action, Assignment, Kind, fill_of, nanos_after
+from sidecar.quota.assignments import Action, Assignment, nanos_after
 from sidecar.quota.buckets import BucketKey
+from sidecar.quota.partition import (
+    HOLD_LEASES,
+    LEASE_MARGIN,
+    REPORT_SECONDS,
+    AfterHold,
+    PartitionCounts,
+    PartitionWatch,
+    hold_seconds,
+    lease_seconds,
+)
 from sidecar.quota.redis_shares import (
     SHARE,
     CallRefused,
@@ -65,7 +80,8 @@ from sidecar.quota.redis_shares import (
     share_arguments,
     share_keys,
 )
-from sidecar.quota.shares import LEAVE, MAX_UNITS, POLL, Call, Reply, safe_capacity
+from sidecar.quota.shape import HEADROOM, MAX_COUNTED, WINDOW_BUDGET_SECONDS, Shape
+from sidecar.quota.shares import LEAVE, POLL, Call, Reply, safe_capacity
 from sidecar.quota.timers import Timers
 
 if TYPE_CHECKING:
@@ -73,7 +89,12 @@ if TYPE_CHECKING:
     from sidecar.quota.registry import LiveBucket, Stream
 
 __all__ = [
+    "HEADROOM",
+    "HOLD_LEASES",
+    "LEASE_MARGIN",
+    "REPORT_SECONDS",
     "SHARE",
+    "WINDOW_BUDGET_SECONDS",
     "CallRefused",
     "QuotaLeases",
     "RedisShares",
@@ -86,10 +107,6 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-REPORT_SECONDS = 5.0
-"""Envoy 1.40 reports every 5 s whatever ``reporting_interval`` says."""
-LEASE_MARGIN = 2 * REPORT_SECONDS
-"""A lease outlives Envoy's assignment TTL by two reports: the reports renew it in time."""
 STALE_SECONDS = 3 * REPORT_SECONDS
 """A replica whose demand was not published for this long asks for nothing (and the
 bucket's master holds its role this long after its last call)."""
@@ -101,71 +118,10 @@ CHUNK = 250
 MAX_PER_TICK = 5000
 """Buckets called per tick (the rest wait for the next): 20,000 a second, the 100,000
 buckets of a full process every 5 s report."""
-HOLD_LEASES = 4
-"""A lease stays reserved this many leases past its end once its replica stopped calling,
-and a replica cut off from Redis keeps its grant as long: the default (``--quota-ttl``
-60) holds 280 s. Longer rides out longer outages; shorter hands a dead replica's share on
-sooner."""
 MAX_REPORTED = 2**32
 """Allowed or denied in one report beyond this is not physically possible (860 million
 requests a second for 5 s): clamped."""
-MAX_COUNTED = 2**40
-"""What a bucket counts between two calls is clamped to this (an outage carries it)."""
 REFUSAL_LOG_SECONDS = 60.0
-HEADROOM = 0.1
-"""Demand published = measured x (1 + HEADROOM), at least 1: room to grow before the next report."""
-WINDOW_BUDGET_SECONDS = 60
-"""Windows of at least this length are budgets (shares of what is left), shorter ones rates."""
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """How a rule's assignment is shared: ``limit`` units per ``seconds``."""
-
-    limit: int
-    seconds: int
-    burst: int
-    windowed: bool
-    token_bucket: bool
-
-    @classmethod
-    def of(cls, base: Assignment) -> Shape | None:
-        """The shape of a full-limit token-bucket assignment; None when it is not shared."""
-        if base.kind is not Kind.TOKEN_BUCKET or base.rule is None:
-            return None
-        token_bucket = base.rule.algorithm is Algorithm.TOKEN_BUCKET and base.why != "several_limits"
-        seconds = base.fill_seconds
-        return cls(
-            limit=base.tokens_per_fill,
-            seconds=seconds,
-            burst=base.max_tokens,
-            windowed=not token_bucket and seconds >= WINDOW_BUDGET_SECONDS,
-            token_bucket=token_bucket,
-        )
-
-    def assignment(self, base: Assignment, units: int, now_wall: float) -> Assignment:
-        """The assignment of a share of ``units``."""
-        if units <= 0:
-            return Assignment(Kind.DENY_ALL, "shared_zero", base.rule)
-        units = min(units, MAX_TOKENS)
-        if self.windowed:
-            left = self.seconds - int(now_wall) % self.seconds
-            return Assignment(Kind.TOKEN_BUCKET, "shared_window", base.rule, units, units, max(MIN_FILL_SECONDS, left))
-        if self.token_bucket:
-            burst = max(1, self.burst * units // max(1, self.limit))
-            tokens, seconds = fill_of(Fraction(units, self.seconds))
-            return Assignment(Kind.TOKEN_BUCKET, "shared", base.rule, min(burst, MAX_TOKENS), tokens, seconds)
-        return Assignment(Kind.TOKEN_BUCKET, "shared", base.rule, units, units, max(MIN_FILL_SECONDS, self.seconds))
-
-    def window(self, now_wall: float) -> int:
-        return int(now_wall) // self.seconds * self.seconds if self.windowed else -1
-
-    def demand(self, rate: float, now_wall: float) -> int:
-        """Units wanted for ``rate`` requests per second: per fill interval, or (windowed)
-        for what is left of the window."""
-        span = self.seconds - int(now_wall) % self.seconds if self.windowed else self.seconds
-        wanted = max(1, math.ceil(min(rate, MAX_COUNTED) * span * (1 + HEADROOM)))
-        return min(wanted, self.limit) if self.windowed else min(wanted, MAX_UNITS)
 
 
 @dataclass
@@ -206,6 +162,10 @@ class Shared:
     unsent: tuple[int, float, int] | None = None
     """(count, counted_since, demand) before the call in flight published a new demand: a
     call that finds Redis away puts them back, so the demand is measured over the outage."""
+    held: bool = False
+    """Redis keeps a silent replica's lease reserved in it (its last reply said so)."""
+    past_hold: bool = False
+    """Cut from Redis past its hold: enforcing ``--quota-after-hold``."""
 
 
 @dataclass
@@ -239,6 +199,7 @@ class QuotaLeases:
         prefix: str = "rls",
         report_seconds: float = REPORT_SECONDS,
         hold: float | None = None,
+        after_hold: AfterHold = "deny",
     ) -> None:
         self.backend = backend
         self.prefix = prefix
@@ -248,9 +209,11 @@ class QuotaLeases:
         """Seconds between polls of a moving or hungry bucket, and between event-driven computations."""
         self.replica_id = replica_id
         self.ttl = ttl
-        self.lease = ttl + 2 * report_seconds
-        self.hold = HOLD_LEASES * self.lease if hold is None else hold
+        self.lease = lease_seconds(ttl, report_seconds)
+        self.hold = hold_seconds(ttl, hold, report_seconds)
         """Seconds past its end a lease stays reserved in Redis, and kept here without Redis."""
+        self.after_hold = after_hold
+        """What a bucket cut from Redis enforces once its hold ended: nothing, or the safe capacity."""
         self.clock = clock
         self.wall = wall
         self.replicas = replicas
@@ -262,6 +225,9 @@ class QuotaLeases:
         """Abandoned buckets whose lease is given back with the next calls."""
         self.recheck: OrderedDict[BucketKey, None] = OrderedDict()
         """While Redis is away: buckets whose assignment may have changed (their hold ended)."""
+        self.kept: OrderedDict[BucketKey, float] = OrderedDict()
+        """Buckets dropped with their lease left in Redis (their streams closed) -> when that
+        lease and its hold end: a clean stop gives them back too."""
         self.timers: Timers[BucketKey] = Timers(TICK, clock())
         self.totals: dict[tuple[str, str], list[int]] = {}
         """``(domain, stat key) -> [units, demand]`` over the buckets, kept as they change."""
@@ -272,6 +238,7 @@ class QuotaLeases:
         self.peak_live = 1
         self.peak_seen = -math.inf
         self.refusal_logged = -math.inf
+        self.partition = PartitionWatch(after_hold, clock)
         self.wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -292,7 +259,8 @@ class QuotaLeases:
             shared.outages = self.outages
             self.buckets[key] = shared
             self.leaving.pop(key, None)
-            self.timers.put(key, self._changes_at(shared))  # its first call moves it, if Redis answers
+            self.kept.pop(key, None)
+            self.timers.put(key, self._changes_at(shared, now))  # its first call moves it, if Redis answers
         shared.holders[stream.id] = (stream, live)
         shared.reported = True
         self._make_ready(key)
@@ -322,12 +290,15 @@ class QuotaLeases:
         if not shared.holders:
             del self.buckets[key]
             self._show(shared, 0, 0)
+            self._mark(shared, held=False, past_hold=False)
             self.ready.pop(key, None)
             self.recheck.pop(key, None)
             self.timers.drop(key)
             if give_back:
                 self.leaving[key] = None
                 self.wake.set()
+            else:
+                self.kept[key] = self.clock() + self.lease + self.hold
 
     def rebase(self, key: BucketKey, base: Assignment) -> Assignment | None:
         """A reload changed the bucket's full assignment: the share to push, or None when the
@@ -360,18 +331,43 @@ class QuotaLeases:
 
         The last grant, while ``ttl`` of its lease and hold is left: Redis reserves it that
         long, whether this replica still reaches Redis or not. A bucket that never heard
-        from Redis: the safe capacity, as long. After that, nothing (the partition rule)."""
-        if shared.grant is not None:
-            return min(shared.grant, shared.shape.limit) if now + self.ttl <= shared.lease_until + self.hold else 0
-        if now + self.ttl <= shared.unheard_until:
-            return safe_capacity(shared.shape.limit, max(shared.replicas, self.live(now), self.instances))
-        return 0
+        from Redis: the safe capacity, as long. After that, ``--quota-after-hold``: nothing
+        (``deny``), or the safe capacity (``share``)."""
+        if now <= self._hold_ends(shared):
+            if shared.grant is not None:
+                return min(shared.grant, shared.shape.limit)
+        elif self.after_hold == "deny":
+            return 0
+        return safe_capacity(shared.shape.limit, max(shared.replicas, self.live(now), self.instances))
 
-    def _changes_at(self, shared: Shared) -> float:
-        """When its assignment next changes with no news from Redis: when its hold ends."""
+    def _hold_ends(self, shared: Shared) -> float:
+        """When, with no news from Redis, its hold ends: less ``ttl``, so that an assignment
+        pushed just before never outlives what Redis reserves."""
         if shared.grant is not None:
             return shared.lease_until + self.hold - self.ttl
         return shared.unheard_until - self.ttl
+
+    def _changes_at(self, shared: Shared, now: float) -> float:
+        """When its assignment next changes with no news from Redis: when its hold ends;
+        never again once it ended (a past time would bring it back every tick)."""
+        ends = self._hold_ends(shared)
+        return ends if now <= ends else math.inf
+
+    def _mark(self, shared: Shared, *, held: bool, past_hold: bool) -> None:
+        """Keep the partition counts: held for a silent replica, past its own hold."""
+        if held != shared.held:
+            shared.held = held
+            self.partition.held(held)
+        if past_hold != shared.past_hold:
+            shared.past_hold = past_hold
+            if past_hold:
+                self.partition.hold_ended()
+            else:
+                self.partition.hold_over()
+
+    def partition_counts(self) -> PartitionCounts:
+        """The partition rule's counts now (for the metrics)."""
+        return self.partition.counts()
 
     def by_rule(self) -> dict[tuple[str, str], tuple[int, int]]:
         """``(domain, stat key) -> (share, demand)`` summed over this replica's shared buckets of
@@ -406,13 +402,49 @@ class QuotaLeases:
         await self.backend.start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="quota-leases")
 
-    async def close(self) -> None:
-        """Stop syncing. Leases are not given back: Envoy enforces them until their TTL."""
+    async def close(self, deadline: float | None = None) -> None:
+        """Stop syncing, hand every lease on (:meth:`hand_on`, by ``deadline`` on this clock),
+        and close the connections."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self.backend.close()
+        try:
+            await self.hand_on(deadline)
+        finally:
+            await self.backend.close()
+
+    async def hand_on(self, deadline: float | None = None) -> int:
+        """A clean stop: give back the lease of every bucket, those whose streams closed
+        already included, so the other replicas get the capacity on their next call instead
+        of after the hold. A LEAVE call per bucket, :data:`CHUNK` per pipeline, yielding
+        between; it stops at ``deadline`` (or when Redis is away: what is left waits for the
+        hold, as after a crash). Returns the records given back.
+
+        Its Envoy may still enforce the last assignment until its TTL (``--quota-ttl``) if
+        it outlives this sidecar: docs/quota.md says what that costs."""
+        keys = [*self.buckets, *self.kept, *self.leaving]
+        self.buckets.clear()
+        self.kept.clear()
+        self.leaving.clear()
+        given = 0
+        for start in range(0, len(keys), CHUNK):
+            if deadline is not None and self.clock() >= deadline:
+                break
+            chunk = dict.fromkeys(keys[start : start + CHUNK])  # a key may be live and kept
+            calls = [(share_keys(self.prefix, key, -1), self._call_of(LEAVE, 0, -1, 0)) for key in chunk]
+            try:
+                async with asyncio.timeout(None if deadline is None else max(0.0, deadline - self.clock())):
+                    await self.backend.run(calls)
+            except (SharesUnavailable, TimeoutError) as error:
+                log.warning("quota_hand_on_stopped", given_back=given, left=len(keys) - start, reason=str(error)[:200])
+                break
+            given += len(chunk)
+            await asyncio.sleep(0)
+        self.partition.handed_on += given
+        if given:
+            log.info("quota_leases_handed_on", buckets=given)
+        return given
 
     async def _run(self) -> None:
         while True:
@@ -429,6 +461,7 @@ class QuotaLeases:
         :data:`MAX_PER_TICK` calls and rechecks, :data:`CHUNK` per loop turn."""
         now = self.clock()
         self.live(now)  # sampled every tick, so the peak is known when a safe capacity needs it
+        self._forget_kept(now)
         await self._take_due(now)
         if not self.redis_up:
             await self._probe(now)
@@ -437,6 +470,15 @@ class QuotaLeases:
         await self._recheck_fallbacks()
         if self.ready and self.redis_up:
             self.wake.set()  # more than a tick's worth: go on at the next turn of the loop
+
+    def _forget_kept(self, now: float) -> None:
+        """Drop, oldest first and at most a chunk a tick, the kept buckets whose lease and
+        hold ended: Redis has let them go already."""
+        for _ in range(min(CHUNK, len(self.kept))):
+            key, ends = next(iter(self.kept.items()))
+            if ends > now:
+                return
+            del self.kept[key]
 
     async def _take_due(self, now: float) -> None:
         target = self.ready if self.redis_up else self.recheck
@@ -516,6 +558,7 @@ class QuotaLeases:
 
     def _apply(self, shared: Shared, reply: Reply, now: float) -> None:
         self.stats.computed += reply.computed
+        self._mark(shared, held=reply.silent > 0, past_hold=False)
         shared.grant = reply.grant
         shared.lease_until = now + self.lease
         shared.replicas = reply.replicas
@@ -581,7 +624,9 @@ class QuotaLeases:
                     self._make_ready(key)
                     continue
                 self._push(shared, now)
-                self.timers.put(key, self._changes_at(shared))
+                changes_at = self._changes_at(shared, now)
+                self._mark(shared, held=shared.held, past_hold=math.isinf(changes_at))
+                self.timers.put(key, changes_at)
                 handled += 1
             await asyncio.sleep(0)
 
@@ -645,6 +690,10 @@ class QuotaLeases:
             "leaving": len(self.leaving),
             "lease_seconds": self.lease,
             "hold_seconds": self.hold,
+            "after_hold": self.after_hold,
+            "kept": len(self.kept),
+            "held_for_silent": self.partition.held_buckets,
+            "past_hold": self.partition.past_hold_buckets,
             "calls": self.stats.calls,
             "batches": self.stats.batches,
             "failures": self.stats.failures,

@@ -179,5 +179,5 @@ def _redis_away(reply: object) -> bool:
 
 
 def _reply(values: Sequence[Any]) -> Reply:
-    grant, replicas, unsettled, master, computed, capacity, others = (int(value) for value in values)
-    return Reply(grant, replicas, bool(unsettled), bool(master), bool(computed), capacity, others)
+    grant, replicas, unsettled, master, computed, capacity, others, silent = (int(value) for value in values)
+    return Reply(grant, replicas, bool(unsettled), bool(master), bool(computed), capacity, others, silent)

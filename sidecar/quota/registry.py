@@ -235,7 +235,8 @@ class QuotaRegistry:
         now = self.clock()
         lags = [now - (stream.last_report_at or stream.opened_at) for stream in self.streams.values()]
         shares = self.leases.by_rule() if self.leases is not None else {}
-        return Gauges(self.live, len(self.streams), max(lags, default=0.0), shares)
+        partition = self.leases.partition_counts() if self.leases is not None else None
+        return Gauges(self.live, len(self.streams), max(lags, default=0.0), shares, partition)
 
     # -- reports -------------------------------------------------------------------------
 

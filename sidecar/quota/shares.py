@@ -142,6 +142,10 @@ class Bucket:
     """Capacity no lease and no grant holds after the last computation: a new replica's first share."""
     used: dict[int, int] = field(default_factory=dict)
     """Window start -> admitted so far in that window (windowed buckets only)."""
+    silent: int = 0
+    """Units the last computation kept reserved for silent replicas (no demand for a while,
+    lease and hold not over: dead or cut off). Reported to every caller: the metric an SRE
+    alerts on while a replica is held."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,11 +226,14 @@ class Reply:
     """An upper bound of what the other replicas' leases and grants hold (``capacity - slack -
     held``): while Redis is away, a replica's safe capacity leaves it to them until their
     leases have ended."""
+    silent: int = 0
+    """Units the bucket keeps reserved for silent replicas (:attr:`Bucket.silent`)."""
 
 
 def _recompute(bucket: Bucket, capacity: int, now: int, stale_ms: int, hold_ms: int) -> None:
     demands: dict[str, int] = {}
     reserved: dict[str, int] = {}
+    silent = 0
     for replica, entry in list(bucket.entries.items()):
         fresh = entry.seen > now - stale_ms
         live = entry.held_until + hold_ms > now  # dead or cut off: held for the hold too
@@ -237,6 +244,7 @@ def _recompute(bucket: Bucket, capacity: int, now: int, stale_ms: int, hold_ms: 
         # nobody else may have it meanwhile, and it picks it up again if it comes back.
         demands[replica] = entry.demand if fresh else (entry.held if live else 0)
         reserved[replica] = entry.held if live else 0
+        silent += 0 if fresh else reserved[replica]
     targets = fair_shares(demands, capacity)
     offers = grants(targets, reserved, capacity)
     unsettled = False
@@ -249,6 +257,7 @@ def _recompute(bucket: Bucket, capacity: int, now: int, stale_ms: int, hold_ms: 
     bucket.unsettled = unsettled
     bucket.computed_at = now
     bucket.slack = max(0, capacity - taken)
+    bucket.silent = silent
 
 
 def step(bucket: Bucket, call: Call, now: int) -> Reply:
@@ -273,7 +282,7 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
     if call.demand == LEAVE:
         if bucket.entries.pop(call.replica, None) is not None:
             bucket.unsettled = True
-        return Reply(0, len(bucket.entries), bucket.unsettled, False, False, 0, 0)
+        return Reply(0, len(bucket.entries), bucket.unsettled, False, False, 0, 0, bucket.silent)
     entry = bucket.entries.get(call.replica)
     new = entry is None
     if entry is None:
@@ -311,4 +320,4 @@ def step(bucket: Bucket, call: Call, now: int) -> Reply:
         _recompute(bucket, capacity, now, call.stale_ms, call.hold_ms)  # what it gave back goes to those waiting
         computed = True
     others = max(0, capacity - bucket.slack - entry.held)
-    return Reply(entry.held, len(bucket.entries), bucket.unsettled, master, computed, capacity, others)
+    return Reply(entry.held, len(bucket.entries), bucket.unsettled, master, computed, capacity, others, bucket.silent)

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sidecar.config.model import RateLimitRule
 from sidecar.metrics import MAX_RULE_SERIES
+
+if TYPE_CHECKING:
+    from sidecar.quota.partition import PartitionCounts
 
 PREFIX = "ratelimit_sidecar_quota_"
 
@@ -27,6 +31,8 @@ class Gauges:
     report_lag_seconds: float
     shares: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     """Across replicas (``--backend redis``): ``(domain, stat key) -> (share, demand)``."""
+    partition: PartitionCounts | None = None
+    """Across replicas: what the partition rule is doing (holds, holds ended, leases handed on)."""
 
 
 @dataclass
@@ -105,6 +111,8 @@ class QuotaStats:
             value=now.report_lag_seconds,
         )
         yield from _share_families(now.shares)
+        if now.partition is not None:
+            yield from _partition_families(now.partition)
         yield CounterMetricFamily(PREFIX + "streams_opened", "Streams opened", value=self.streams_opened)
         yield CounterMetricFamily(PREFIX + "reports", "Usage report messages received", value=self.reports)
         yield _labelled(PREFIX + "malformed", "Messages or report entries refused, by kind", "kind", self.malformed)
@@ -153,6 +161,39 @@ def _share_families(shares: dict[tuple[str, str], tuple[int, int]]) -> Iterator[
         for (domain, stat_key), row in sorted(shares.items())[:MAX_RULE_SERIES]:
             family.add_metric((domain, stat_key.removeprefix(domain + ".")), row[index])
         yield family
+
+
+def _partition_families(counts: PartitionCounts) -> Iterator[Metric]:
+    """The partition rule at work (``--backend redis``): what an SRE alerts on."""
+    yield GaugeMetricFamily(
+        PREFIX + "held_buckets",
+        "Shared buckets in which Redis keeps a silent replica's last lease reserved for the hold "
+        "(the replica is dead or cut from Redis), as of this replica's last call",
+        value=counts.held_buckets,
+    )
+    yield CounterMetricFamily(
+        PREFIX + "holds_started", "Times a shared bucket started being held for a silent replica",
+        value=counts.holds_started,
+    )  # fmt: skip
+    past = GaugeMetricFamily(
+        PREFIX + "past_hold_buckets",
+        "Shared buckets of this replica, cut from Redis past their hold, enforcing --quota-after-hold "
+        "(deny: nothing; share: ceil(limit / replicas))",
+        labels=("policy",),
+    )
+    past.add_metric((counts.policy,), counts.past_hold_buckets)
+    yield past
+    ended = CounterMetricFamily(
+        PREFIX + "holds_ended",
+        "Times a shared bucket's hold ended while this replica was cut from Redis",
+        labels=("policy",),
+    )
+    ended.add_metric((counts.policy,), counts.holds_ended)
+    yield ended
+    yield CounterMetricFamily(
+        PREFIX + "leases_handed_on", "Leases given back at a clean stop (the others need not wait for the hold)",
+        value=counts.handed_on,
+    )  # fmt: skip
 
 
 def _labelled(name: str, documentation: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:

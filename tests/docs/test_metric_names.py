@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.quota.partition import PartitionCounts
 from sidecar.quota.stats import Gauges, QuotaStats
 from tests.docs.docs_support import pages
 
@@ -17,7 +18,10 @@ QUOTA_METRIC = re.compile(r"\bratelimit_sidecar_quota_[a-z0-9_]+")
 def exposed_quota_metrics() -> set[str]:
     """The sample names the quota service's families expose: ``name_total`` for a counter."""
     names = set()
-    for family in QuotaStats().families(lambda: Gauges(live_buckets=0, open_streams=0, report_lag_seconds=0.0)):
+    gauges = Gauges(
+        live_buckets=0, open_streams=0, report_lag_seconds=0.0, partition=PartitionCounts("deny", 0, 0, 0, 0, 0)
+    )
+    for family in QuotaStats().families(lambda: gauges):
         names.add(family.name + "_total" if family.type == "counter" else family.name)
     return names
 

@@ -15,9 +15,10 @@
 -- Every number is clamped first (shares.clamped does the same): the limit to [0, 2^48],
 -- a demand to at most the limit, admitted requests to [0, limit], durations to [0, 2^45].
 -- The window's counter never exceeds the limit (a client's 2^64-1 cannot overflow it).
--- Reply: {grant, replicas, unsettled, master, computed, capacity, others}
+-- Reply: {grant, replicas, unsettled, master, computed, capacity, others, silent}
 -- (others: an upper bound of what the other replicas' leases and grants hold, capacity -
--- slack - the caller's lease; the caller's safe capacity leaves it to them while Redis is away)
+-- slack - the caller's lease; the caller's safe capacity leaves it to them while Redis is away;
+-- silent: what the last computation kept reserved for silent replicas, dead or cut off)
 --
 -- Cost: O(1) for a replica that only publishes and picks up; O(R log R) for a computation:
 -- by the bucket's master once per master_gap_ms, and by a caller that is new, whose demand
@@ -164,10 +165,12 @@ local master_until = tonumber(meta['master_until'] or '0')
 local unsettled = meta['unsettled'] == '1'
 local computed_at = tonumber(meta['computed_at'] or '-4503599627370496')
 local slack = tonumber(meta['slack'] or '0')
+local silent = tonumber(meta['silent'] or '0')
 
 local function recompute(capacity)
   local all = redis.call('HGETALL', KEYS[1])
   local ids, entries, demands, reserved = {}, {}, {}, {}
+  local held_silent = 0
   for i = 1, #all, 2 do
     local r, e = all[i], decode(all[i + 1])
     local fresh = e.seen > now - stale_ms
@@ -186,6 +189,9 @@ local function recompute(capacity)
         demands[r] = 0
       end
       reserved[r] = live and e.held or 0
+      if not fresh then
+        held_silent = held_silent + reserved[r]
+      end
     end
   end
   local targets = fair(ids, demands, capacity)
@@ -205,11 +211,13 @@ local function recompute(capacity)
   unsettled = moving
   computed_at = now
   slack = math.max(0, capacity - taken)
+  silent = held_silent
 end
 
 local function save_meta()
   redis.call('HSET', KEYS[2], 'master', master_id, 'master_until', int(master_until),
-    'unsettled', unsettled and '1' or '0', 'computed_at', int(computed_at), 'slack', int(slack))
+    'unsettled', unsettled and '1' or '0', 'computed_at', int(computed_at), 'slack', int(slack),
+    'silent', int(silent))
   redis.call('PEXPIRE', KEYS[2], keep_ms)
 end
 
@@ -218,7 +226,7 @@ if demand == -2 then
     unsettled = true
     save_meta()
   end
-  return {0, redis.call('HLEN', KEYS[1]), unsettled and 1 or 0, 0, 0, 0, 0}
+  return {0, redis.call('HLEN', KEYS[1]), unsettled and 1 or 0, 0, 0, 0, 0, silent}
 end
 
 local text = redis.call('HGET', KEYS[1], me)
@@ -273,4 +281,4 @@ end
 save_meta()
 local others = math.max(0, capacity - slack - entry.held)
 return {entry.held, redis.call('HLEN', KEYS[1]), unsettled and 1 or 0, master and 1 or 0, computed and 1 or 0, capacity,
-  others}
+  others, silent}

@@ -56,8 +56,8 @@ def raw_arguments(call: Call, now: int) -> list[int | str]:
 
 def run_lua(client: object, keys: list[str], call: Call, now: int) -> Reply:
     values = client.evalsha(SHARE.sha, len(keys), *keys, *raw_arguments(call, now))  # type: ignore[attr-defined]
-    grant, replicas, unsettled, master, computed, capacity, others = (int(value) for value in values)
-    return Reply(grant, replicas, bool(unsettled), bool(master), bool(computed), capacity, others)
+    grant, replicas, unsettled, master, computed, capacity, others, silent = (int(value) for value in values)
+    return Reply(grant, replicas, bool(unsettled), bool(master), bool(computed), capacity, others, silent)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -369,3 +369,28 @@ async def test_one_replica_partitioned_from_redis_keeps_the_sum_within_the_limit
     assert max(sums) <= 100, sums
     assert c_tokens[-1] == 0  # c's hold ended: it assigns nothing
     assert replicas[0].tokens() + replicas[1].tokens() >= 99  # a and b took c's share over, after
+
+
+async def test_a_clean_stop_hands_the_share_on_without_waiting_for_the_hold(
+    make: SimpleNamespace, redis_server: RedisServer
+) -> None:
+    """Two replicas; b stops cleanly (its stream closes, then its leases close, as the drain
+    does): its record is given back, and a gets the whole limit on its next call, long
+    before b's lease and hold (5 s + 30 s) would have ended."""
+    a = await make.replica("a", redis_server.url, hold=30.0)
+    b = await make.replica("b", redis_server.url, hold=30.0)
+    await rounds([a, b], make.clock, [150, 150], 4)
+    assert a.tokens() <= 60 and b.tokens() >= 40  # shared
+    stopped = time.monotonic()
+    b.registry.close(b.stream)
+    await settled(b.registry.settled())
+    await b.leases.close(deadline=b.leases.clock() + 5.0)
+    assert b.leases.partition_counts().handed_on == 1
+    records = await a.store.client.hgetall(share_keys(make.prefix, bucket_key(BUCKET), -1)[0])
+    assert set(records) == {b"a"}
+    for _ in range(3):  # a's polls (it is hungry) at most a second apart; Redis's 0.2 s gap
+        await rounds([a], make.clock, [150], 1)
+        if a.tokens() >= 99:
+            break
+    assert a.tokens() >= 99
+    assert time.monotonic() - stopped < 5.0  # not after the hold: on the next computation
