@@ -1,6 +1,6 @@
 """How evenly waiting consumers spend a window's budget: sidecar.consumer against plain retry-on-429.
 
-Starts its own redis-server and two sync-mode sidecar replicas on free 127.0.0.1 ports
+Starts its own redis-server and two sync-mode sidecar replicas on free 127.0.0.1 ports (stack/)
 (``--clock-source local``, so this host's clock cuts the same windows), with one limit of
 ``--limit`` per second, then runs ``--waiters`` callers for ``--seconds`` per strategy,
 each calling again once served and done with its provider call (``--work``, 10 ms):
@@ -28,48 +28,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from sidecar.consumer import Consumer, RateLimitExceeded, refusal, request_payload
+from sidecar.consumer import Consumer, RateLimitExceeded, request_payload
+from sidecar.consumer_pace import refusal
+from stack import redis as stack_redis
+from stack.processes import process_group
+from stack.redis import RedisProcess
+from stack.sidecar import SidecarProcess
 
 STRATEGIES = ("retry-after", "boundary", "jitter", "consumer")
 SLICES = 10
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}")
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on {port} within {timeout:.0f} s")
-
-
 @contextmanager
 def replicas(limit: int, directory: Path) -> Iterator[list[str]]:
-    """redis-server and two sync-mode sidecars; yields their gRPC addresses; stops them all."""
-    redis_binary = shutil.which("redis-server")
-    if redis_binary is None:
+    """redis-server and two sync-mode sidecars (stack/ launchers); yields their gRPC addresses; stops them all."""
+    if not stack_redis.available():
         raise SystemExit("redis-server is not on PATH")
     config = directory / "config"
     config.mkdir()
@@ -77,36 +59,17 @@ def replicas(limit: int, directory: Path) -> Iterator[list[str]]:
         f"domain: spread\ndescriptors:\n  - key: provider\n    rate_limit:\n      unit: second\n"
         f"      requests_per_unit: {limit}\n"
     )
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
-        redis_port = free_port()
-        argv = [redis_binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        processes.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=directory))
-        wait_for_port(redis_port, processes[-1], "redis-server")
-        addresses = []
-        env = {name: value for name, value in os.environ.items() if not name.startswith("RLS_")}
-        env["RLS_METRICS_ADDRESS"] = ""
-        for _ in range(2):
-            port = free_port()
-            argv = [
-                sys.executable, "-m", "sidecar", "serve", "--config", str(config), "--grpc-address",
-                f"127.0.0.1:{port}", "--backend", "redis", "--mode", "sync", "--redis-url",
-                f"redis://127.0.0.1:{redis_port}", "--clock-source", "local", "--heartbeat-interval", "0.2",
-                "--log-level", "warning",
-            ]  # fmt: skip
-            processes.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
-            wait_for_port(port, processes[-1], "sidecar")
-            addresses.append(f"127.0.0.1:{port}")
+    with process_group() as group:
+        redis = group.start_ready(lambda: RedisProcess(directory))
+        serve_args = [
+            "--config", str(config), "--backend", "redis", "--mode", "sync", "--redis-url", redis.url,
+            "--clock-source", "local", "--heartbeat-interval", "0.2", "--log-level", "warning",
+        ]  # fmt: skip
+        sidecars = [
+            group.start_ready(partial(SidecarProcess, f"sidecar-{index}", serve_args, directory)) for index in range(2)
+        ]
         time.sleep(1.0)  # heartbeats: each replica counts the other
-        yield addresses
-    finally:
-        for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        yield [sidecar.address for sidecar in sidecars]
 
 
 async def run_strategy(strategy: str, addresses: list[str], waiters: int, seconds: float, work: float) -> list[float]:

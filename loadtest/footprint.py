@@ -5,7 +5,7 @@ in Kubernetes (docs/deployment.md, per overlay).
     python -m loadtest.footprint --rate 500 --load-seconds 20 --backends memory
 
 For each backend it starts ``ratelimit-sidecar serve`` on loopback with examples/config
-(sync and strict on a redis-server it starts itself, as the overlays run), and reads
+(sync and strict on a redis-server it starts itself, as the overlays run; both through stack/), and reads
 ``/proc/<pid>``: resident memory (VmRSS, and VmHWM for the peak) and CPU time
 (utime + stime, all threads) over an idle period and over ``--load-seconds`` of
 ``ShouldRateLimit`` calls at ``--rate`` per second (Envoy's descriptors for ``/api`` with an
@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,15 +27,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from stack import redis as stack_redis
+from stack.processes import free_port, process_group, spawn
+from stack.redis import RedisProcess
+from stack.sidecar import serve_argv
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "config"
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -58,7 +55,9 @@ def memory_mib(pid: int) -> tuple[float, float]:
 
 @contextmanager
 def child(argv: Sequence[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    """``argv`` started through :func:`stack.processes.spawn` (it dies with this process), its
+    output dropped; stopped on exit."""
+    process = spawn(argv, stdout=subprocess.DEVNULL, env=env)
     try:
         yield process
     finally:
@@ -72,21 +71,11 @@ def child(argv: Sequence[str], env: dict[str, str] | None = None) -> Iterator[su
 
 @contextmanager
 def redis_server() -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
+    """A redis-server on a free loopback port (:class:`stack.redis.RedisProcess`); yields its URL."""
+    if not stack_redis.available():
         raise SystemExit("redis-server not found (scripts/bootstrap installs it)")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as directory, child([
-        binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", directory
-    ]):  # fmt: skip
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as directory, process_group() as group:
+        yield group.start_ready(lambda: RedisProcess(Path(directory))).url
 
 
 def requests(clients: int) -> list[Any]:
@@ -169,7 +158,7 @@ def measure(backend: str, arguments: argparse.Namespace, redis_url: str) -> dict
     env.update(RLS_LOG_LEVEL="warning", RLS_METRICS_ADDRESS="", RLS_CONFIG=str(CONFIG), RLS_GRPC_ADDRESS=address)
     if backend != "memory":
         env.update(RLS_BACKEND="redis", RLS_MODE=backend, RLS_REDIS_URL=redis_url)
-    with child([sys.executable, "-m", "sidecar", "serve"], env) as process:
+    with child(serve_argv(()), env) as process:
         wait_serving(address, process)
         time.sleep(2)  # the config watcher and the first heartbeats settle
         rss_start, _ = memory_mib(process.pid)

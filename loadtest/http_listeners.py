@@ -31,7 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.footprint import CONFIG, child, cpu_seconds, free_port, memory_mib, wait_serving
+from loadtest.footprint import CONFIG, child, cpu_seconds, memory_mib, wait_serving
+from stack.processes import free_port
+from stack.sidecar import serve_argv
 
 BODY = (
     '{"domain": "demo", "descriptors": [{"entries": [{"key": "remote_address", "value": "198.51.100.7"}]},'
@@ -57,7 +59,7 @@ def start_env(grpc: str, metrics: str, json_address: str) -> dict[str, str]:
 
 
 def settled_rss(grpc: str, env: dict[str, str], settle: float) -> float:
-    with child([sys.executable, "-m", "sidecar", "serve"], env) as process:
+    with child(serve_argv(()), env) as process:
         wait_serving(grpc, process)
         time.sleep(settle)
         return memory_mib(process.pid)[0]
@@ -200,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     admin_only = settled_rss(grpc, start_env(grpc, f"127.0.0.1:{free_port()}", ""), arguments.settle)
     json_port = free_port()
     env = start_env(grpc, f"127.0.0.1:{free_port()}", f"127.0.0.1:{json_port}")
-    with child([sys.executable, "-m", "sidecar", "serve"], env) as process:
+    with child(serve_argv(()), env) as process:
         wait_serving(grpc, process)
         time.sleep(arguments.settle)
         both = memory_mib(process.pid)[0]

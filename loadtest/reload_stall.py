@@ -42,6 +42,8 @@ import grpc
 from loadtest.common import positive_int
 from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
+from stack.processes import free_port, spawn
+from stack.sidecar import serve_argv
 
 VARIANT_ENV = "RELOAD_STALL_VARIANT"
 VARIANTS = ("before", "after")
@@ -133,14 +135,6 @@ def events(stderr: Path, name: str) -> list[dict[str, Any]]:
     return found
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def run_variant(variant: str, rules: int, reloads: int, gap: float, workdir: Path) -> dict[str, Any]:
     """Start the sidecar under ``variant``, reload ``reloads`` times under steady calls."""
     config = workdir / "stall.yaml"
@@ -149,10 +143,13 @@ def run_variant(variant: str, rules: int, reloads: int, gap: float, workdir: Pat
     stderr = workdir / f"{variant}.stderr"
     env = {name: value for name, value in os.environ.items() if not name.startswith("RLS_")}
     env.update({VARIANT_ENV: variant, "RLS_METRICS_ADDRESS": "", "RLS_WATCH_CONFIG": "false"})
-    command = [sys.executable, "-c", "from loadtest.reload_stall import child; child()"]
-    command += ["serve", "--config", str(config), "--grpc-address", f"127.0.0.1:{port}", "--log-format", "json"]
+    command = serve_argv(
+        ["--config", str(config), "--log-format", "json"],
+        grpc_address=f"127.0.0.1:{port}",
+        program=[sys.executable, "-c", "from loadtest.reload_stall import child; child()"],
+    )
     with stderr.open("wb") as err:
-        process = subprocess.Popen(command, stderr=err, stdout=subprocess.DEVNULL, env=env)
+        process = spawn(command, stdout=subprocess.DEVNULL, stderr=err, env=env)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         grpc.channel_ready_future(channel).result(timeout=120)
