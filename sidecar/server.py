@@ -462,7 +462,7 @@ class Sidecar:
         await self.server.stop(0)
         await self.json.close()
         if self.leases is not None:
-            await self.leases.close()
+            await self.leases.close(deadline)  # a clean stop hands its shares on at once
         await self.service.limiter.close(deadline)  # the flush may use what the grace left
         await self.admin.close()
 
@@ -571,6 +571,8 @@ def build_quota_leases(settings: Settings, clock: SharedClock) -> QuotaLeases:
         replicas=replicas,
         instances=settings.instances,
         prefix=settings.redis_prefix,
+        hold=settings.quota_partition_hold or None,  # 0: four leases, following --quota-ttl
+        after_hold=settings.quota_after_hold,
     )
 
 

@@ -23,6 +23,7 @@ from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT
 from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.redis.connect import SCHEME, RedisUrlError, SentinelUrlError, check_url, is_sentinel_url
+from sidecar.quota.partition import HOLD_LEASES, AfterHold, lease_seconds
 from sidecar.reference_env import Note, ReferenceEnvError, reference_aliases
 
 ENV_PREFIX = "RLS_"
@@ -399,6 +400,20 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         _positive_int,
         "quota mode: cap on open StreamRateLimitQuotas streams in this process; more are refused RESOURCE_EXHAUSTED",
     ),
+    Option(
+        "quota_partition_hold",
+        _non_negative_float,
+        "quota mode, --backend redis: seconds a silent replica's last lease stays reserved in Redis, and a replica "
+        f"cut from Redis keeps its last grant; at least one lease (--quota-ttl + 10 s); 0: {HOLD_LEASES} leases, "
+        "280 s at --quota-ttl 60",
+    ),
+    Option(
+        "quota_after_hold",
+        _choice(AfterHold),
+        "quota mode, --backend redis: what a replica cut from Redis enforces once the hold ended: deny (nothing: "
+        "within the limit in every partition) or share (ceil(limit / live replicas): a full Redis outage stays "
+        "available, a longer partition may exceed the limit by that much per cut replica)",
+    ),
     Option("log_level", _choice(LogLevel), "log level"),
     Option(
         "log_format",
@@ -454,6 +469,8 @@ class Settings:
     quota_max_buckets: int = 100_000
     quota_max_buckets_per_stream: int = 20_000
     quota_max_streams: int = 100
+    quota_partition_hold: float = 0.0
+    quota_after_hold: AfterHold = "deny"
     log_level: LogLevel = "info"
     log_format: LogFormat = "auto"
 
@@ -535,6 +552,12 @@ def check_together(settings: Settings) -> None:
         raise SettingsError(
             f"--quota-max-buckets-per-stream ({settings.quota_max_buckets_per_stream}) must not exceed "
             f"--quota-max-buckets ({settings.quota_max_buckets})"
+        )
+    lease = lease_seconds(settings.quota_ttl)
+    if 0 < settings.quota_partition_hold < lease:
+        raise SettingsError(
+            f"--quota-partition-hold ({settings.quota_partition_hold:g}) must be at least one lease, "
+            f"--quota-ttl + 10 s = {lease:g} s (or 0 for {HOLD_LEASES} leases)"
         )
     if settings.backend == "redis" and not settings.redis_url:
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")

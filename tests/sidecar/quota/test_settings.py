@@ -6,7 +6,9 @@ import argparse
 
 import pytest
 
-from sidecar.server import quota_settings
+from sidecar.limiter.redis.clock import SharedClock
+from sidecar.quota.partition import hold_seconds
+from sidecar.server import build_quota_leases, quota_settings
 from sidecar.settings import Settings, SettingsError, add_serve_arguments, resolve
 
 
@@ -44,6 +46,14 @@ def test_flags_and_environment() -> None:
         (["--quota-idle-abandon", "5"], "at least 10 (Envoy reports usage every 5 s)"),
         (["--quota-max-buckets", "0"], "--quota-max-buckets='0': must be at least 1"),
         (["--quota-max-buckets", "10", "--quota-max-buckets-per-stream", "11"], "must not exceed --quota-max-buckets"),
+        (["--quota-partition-hold", "-1"], "--quota-partition-hold='-1': must not be negative"),
+        (["--quota-partition-hold", "nan"], "--quota-partition-hold='nan': must be a finite number"),
+        (
+            ["--quota-partition-hold", "69"],
+            "--quota-partition-hold (69) must be at least one lease, --quota-ttl + 10 s = 70 s",
+        ),
+        (["--quota-ttl", "30", "--quota-partition-hold", "39.5"], "--quota-partition-hold (39.5) must be at least one"),
+        (["--quota-after-hold", "open"], "--quota-after-hold='open': must be one of deny, share"),
     ],
 )
 def test_bad_values_are_refused_in_one_line(flags: list[str], message: str) -> None:
@@ -51,3 +61,26 @@ def test_bad_values_are_refused_in_one_line(flags: list[str], message: str) -> N
         settings_from(flags)
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_the_partition_hold_follows_the_ttl_unless_set() -> None:
+    """Default 0: four leases of the TTL in force (280 s at 60, 120 s at 20); a value is
+    taken as it is, from the flag or RLS_QUOTA_PARTITION_HOLD; the policy likewise."""
+    default = settings_from([])
+    assert (default.quota_partition_hold, default.quota_after_hold) == (0.0, "deny")
+    assert hold_seconds(default.quota_ttl, default.quota_partition_hold or None) == 280
+    shorter = settings_from(["--quota-ttl", "20"])
+    assert hold_seconds(shorter.quota_ttl, shorter.quota_partition_hold or None) == 120
+    chosen = settings_from(["--quota-after-hold", "SHARE"], {"RLS_QUOTA_PARTITION_HOLD": "70"})
+    assert (chosen.quota_partition_hold, chosen.quota_after_hold) == (70.0, "share")
+    from_env = settings_from([], {"RLS_QUOTA_AFTER_HOLD": "share"})
+    assert from_env.quota_after_hold == "share"
+
+
+def test_the_builder_hands_the_partition_settings_to_the_leases() -> None:
+    redis = ["--backend", "redis", "--redis-url", "redis://127.0.0.1:1"]
+    chosen = build_quota_leases(
+        settings_from([*redis, "--quota-partition-hold", "100", "--quota-after-hold", "share"]), SharedClock(0.0)
+    )
+    default = build_quota_leases(settings_from(redis), SharedClock(0.0))
+    assert (chosen.hold, chosen.after_hold, default.hold, default.after_hold) == (100.0, "share", 280.0, "deny")
