@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
+
 from sidecar.quota.buckets import bucket_key, bucket_of
 from sidecar.quota.leases import CHUNK, QuotaLeases
 from sidecar.quota.partition import AfterHold
@@ -36,7 +38,9 @@ HOLD = 2 * LEASE
 """A shorter hold than the default (4 leases): ``--quota-partition-hold``."""
 
 
-def group_of(h: SimpleNamespace, redis: SimRedis, clock: object, after_hold: AfterHold) -> list[Replica]:
+def group_of(
+    h: SimpleNamespace, redis: SimRedis, clock: object, after_hold: AfterHold, hold: float | None = HOLD
+) -> list[Replica]:
     made = []
     heartbeats = SimpleNamespace(live=3)
     for name in "abc":
@@ -47,7 +51,7 @@ def group_of(h: SimpleNamespace, redis: SimRedis, clock: object, after_hold: Aft
             clock=clock,  # type: ignore[arg-type]
             wall=clock,  # type: ignore[arg-type]
             replicas=heartbeats,  # type: ignore[arg-type]
-            hold=HOLD,
+            hold=hold,
             after_hold=after_hold,
         )
         registry = QuotaRegistry(h.config_of(RULES), QuotaSettings(ttl=TTL), clock=clock, leases=leases)  # type: ignore[arg-type]
@@ -204,3 +208,51 @@ async def test_the_hand_on_is_chunked_and_stops_at_its_deadline(h: SimpleNamespa
     given = await leases.hand_on(deadline=clock() + 1.5)
     assert sizes == [CHUNK, CHUNK]  # a chunk per pipeline; the third would start past the deadline
     assert given == 2 * CHUNK
+
+
+TRACES = [
+    # (policy, cut, offered a/b/c): tokens before the cut, then (second after the cut, tokens) at each change
+    ("deny", "c", (150, 150, 150), [67, 67, 66], [(75, [67, 67, 0]), (81, [100, 100, 0])]),
+    ("share", "c", (150, 150, 150), [67, 67, 66], [(75, [67, 67, 67]), (81, [100, 100, 67])]),
+    (
+        "deny",
+        "ac",
+        (240, 30, 30),
+        [134, 33, 33],
+        [(71, [134, 33, 0]), (75, [0, 33, 0]), (76, [0, 44, 0]), (81, [0, 116, 0])],
+    ),
+    (
+        "share",
+        "ac",
+        (240, 30, 30),
+        [134, 33, 33],
+        [(71, [134, 33, 67]), (75, [67, 33, 67]), (76, [67, 44, 67]), (81, [67, 116, 67])],
+    ),
+    ("deny", "abc", (240, 30, 30), [134, 33, 33], [(71, [134, 0, 0]), (75, [0, 0, 0])]),
+    ("share", "abc", (240, 30, 30), [134, 33, 33], [(71, [134, 67, 67]), (75, [67, 67, 67])]),
+]
+
+
+@pytest.mark.parametrize("case", TRACES, ids=lambda case: f"{case[0]}-{case[1]}")
+async def test_the_traces_docs_quota_md_shows(
+    h: SimpleNamespace, case: tuple[AfterHold, str, tuple[int, int, int], list[int], list[tuple[int, list[int]]]]
+) -> None:
+    """docs/quota.md's table of what each replica enforces after a cut, with the default hold
+    (4 leases: 64 s at --quota-ttl 6), for both policies (``pytest -s`` prints each trace)."""
+    policy, cut, offered, before, changes = case
+    clock = h.FakeClock(1000.0)
+    redis = SimRedis(clock)
+    group = group_of(h, redis, clock, policy, hold=None)
+    load = dict(zip("abc", offered, strict=True))
+    await settle(group, clock, load, 20)
+    assert [r.tokens() for r in group] == before
+    redis.cut = set(cut)
+    seen, last = [], before
+    for tick in range(1, 301):
+        await second(group, clock, load, report=(tick - 1) % 5 == 0)
+        now = [r.tokens() for r in group]
+        if now != last:
+            seen.append((tick, now))
+            last = now
+    print(policy, cut, before, seen)
+    assert seen == changes
