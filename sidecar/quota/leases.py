@@ -283,7 +283,8 @@ class QuotaLeases:
         lease is given back at once), or the stream closed. A closed stream proves nothing
         about its Envoy, which enforces the last assignment until its TTL (the sidecar may
         have been killed, or the connection dropped): the lease is then left to run out in
-        Redis, never handed on before that."""
+        Redis (the bucket is remembered in :attr:`kept`), handed on only by a clean stop of
+        this sidecar (:meth:`hand_on`)."""
         shared = self.buckets.get(key)
         if shared is None or shared.holders.pop(stream.id, None) is None:
             return
