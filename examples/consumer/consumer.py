@@ -20,13 +20,9 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # run from a checkout: the sidecar package is the client
-
-from sidecar.consumer import Consumer, RateLimitExceeded  # noqa: E402
+from sidecar.consumer import Consumer, RateLimitExceeded
 
 DOMAIN = "partner"
 DESCRIPTOR = {"provider": "acme"}

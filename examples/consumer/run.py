@@ -1,8 +1,10 @@
 """Run the example end to end: redis-server, two sync-mode sidecars, the provider, the consumer service.
 
-    .venv/bin/python examples/consumer/run.py                 # 4 replicas x 10 callers, 5 s
-    .venv/bin/python examples/consumer/run.py --replicas 6 --workers 20 --max-wait 2
+    .venv/bin/python -m examples.consumer.run                 # 4 replicas x 10 callers, 5 s
+    .venv/bin/python -m examples.consumer.run --replicas 6 --workers 20 --max-wait 2
 
+Run from the repository root, as a module: the stack's launchers (``stack/``, not installed)
+come from the checkout, the sidecar from the installed package, as a user's code gets it.
 Everything is started with the stack's launchers (``stack.redis.RedisProcess``,
 ``stack.sidecar.SidecarProcess``, one ``stack.processes.ProcessGroup``) on free 127.0.0.1
 ports and stopped at the end. While the consumer service runs, Redis's window keys are read
@@ -27,16 +29,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import redis
+
+from sidecar.consumer import ANSWER_SLACK
+from stack.processes import Child, free_port, process_group, tcp_answers
+from stack.redis import RedisProcess
+from stack.sidecar import SidecarProcess
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO))
-
-import redis  # noqa: E402
-
-from sidecar.consumer import ANSWER_SLACK  # noqa: E402
-from stack.processes import Child, free_port, process_group, tcp_answers  # noqa: E402
-from stack.redis import RedisProcess  # noqa: E402
-from stack.sidecar import SidecarProcess  # noqa: E402
 
 LIMIT = 20
 BOUND = 1
