@@ -16,7 +16,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Collection, Coroutine, Sequence
@@ -145,13 +144,6 @@ def percentile(ordered: Sequence[float], fraction: float) -> float:
 # ---------------------------------------------------------------------------------
 # Server children (sidecars, redis-server, bare servicers)
 # ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def start_child(

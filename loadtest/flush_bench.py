@@ -25,10 +25,10 @@ import time
 
 from redis.asyncio import Redis
 
-from loadtest.common import free_port, positive_int
+from loadtest.common import positive_int
 from sidecar.limiter.redis.store import RedisStore
 from stack import redis as stack_redis
-from stack.processes import spawn
+from stack.processes import free_port, spawn
 
 WAYS = ("batch", "per-counter")
 

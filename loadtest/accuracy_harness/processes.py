@@ -16,10 +16,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import free_port, health_serving, start_child
+from loadtest.common import health_serving, start_child
 from stack import redis
 from stack import sidecar as stack_sidecar
 from stack.processes import Child as StackChild
+from stack.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_SERVER = redis.REDIS_SERVER

@@ -12,7 +12,6 @@ import math
 import multiprocessing.connection
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from loadtest.accuracy_harness.redis_watch import CounterWatch, command_calls, d
 from loadtest.accuracy_harness.scenarios import Scenario
 from loadtest.common import Worker, cpu_seconds, start_worker, stop_workers, worker_answer
 from stack.processes import ProcessGroup
+from stack.sidecar import cli_argv
 
 MODES = ("local", "sync", "strict")
 START_MARGIN = 0.3
@@ -410,7 +410,7 @@ def sidecar_verdict(scenario: Scenario, mode: str, workdir: Path) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "accuracy.yaml").write_text(scenarios.config_yaml(scenario))
     done = subprocess.run(
-        [sys.executable, "-m", "sidecar", "check-config", str(directory), "--mode", mode],
+        cli_argv("check-config", str(directory), "--mode", mode),
         capture_output=True,
         text=True,
         timeout=60,

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from stack.haproxy import FLAVOURS, SHIPPED_CONFIG, HAProxyPorts, check_config, splice
 from stack.processes import REPO
+from stack.sidecar import cli_argv
 
 CLIENT_FETCH = "req.hdr_ip(x-forwarded-for,-1)"
 """HAProxy sample for the client address Envoy uses with ``xff_num_trusted_hops: 1``."""
@@ -47,7 +47,7 @@ class ComparisonConfig:
 def exported(flavour: str) -> tuple[str, str]:
     """The exporter's output (fragment, notes) for ``flavour``; RuntimeError when it fails."""
     completed = subprocess.run(
-        [sys.executable, "-m", "sidecar", "export-haproxy", *export_args(flavour)],
+        cli_argv("export-haproxy", *export_args(flavour)),
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -10,8 +10,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.common import free_port, health_serving, start_child
+from loadtest.common import health_serving, start_child
 from loadtest.grpc_bench.mix import REPO
+from stack.processes import free_port
 
 # ---------------------------------------------------------------------------------
 # Servers started by "compare"

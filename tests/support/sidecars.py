@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import textwrap
 import time
@@ -29,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from stack.processes import spawn
+from stack.processes import free_port, spawn
 from stack.sidecar import cli_argv, serve_argv
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
@@ -81,13 +80,6 @@ CONFIG = textwrap.dedent(
           unlimited: true
     """
 )
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (bind port 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:
