@@ -16,8 +16,8 @@ So (see ``python -m loadtest.reload_stall``):
   still run; the load's objects are either kept, as the config, or freed by reference
   counting: the config holds no cycles);
 * after every load (the startup one too) everything alive is moved to the permanent
-  generation (``gc.freeze``), so later full collections skip the config and the
-  process's other long-lived objects;
+  generation (``gc.freeze``, by :mod:`sidecar.heap`), so later full collections skip
+  the config and the process's other long-lived objects;
 * a reload first compares the digest of the files' bytes with the active config's and
   stops there when they are equal, so the look the watcher takes right after SERVING
   (and any spurious watch event) costs a read of the files, not a parse.
@@ -35,6 +35,7 @@ from pathlib import Path
 
 import structlog
 
+from sidecar import heap
 from sidecar.config.errors import ConfigError
 from sidecar.config.load import DEFAULT_OPTIONS, LoadOptions, config_files, load_config
 from sidecar.config.model import RateLimitConfig
@@ -79,10 +80,10 @@ def full_collections_paused() -> Iterator[None]:
 
 
 def settle_after_load() -> None:
-    """Move every live object to the permanent generation, so full collections skip them."""
+    """Move every live object to the permanent generation, so full collections skip them
+    (:func:`sidecar.heap.settle`: the one policy, shared with the quota buckets)."""
     if FREEZE_AFTER_LOAD:
-        gc.collect(1)  # young garbage first (cheap): frozen cycles would never be freed
-        gc.freeze()
+        heap.settle()
 
 
 def load_quietly(
