@@ -432,7 +432,7 @@ class QuotaLeases:
         for start in range(0, len(keys), CHUNK):
             if deadline is not None and self.clock() >= deadline:
                 break
-            chunk = dict.fromkeys(keys[start : start + CHUNK])  # a key may be live and kept
+            chunk = keys[start : start + CHUNK]  # live, kept and leaving are disjoint: no key twice
             calls = [(share_keys(self.prefix, key, -1), self._call_of(LEAVE, 0, -1, 0)) for key in chunk]
             try:
                 async with asyncio.timeout(None if deadline is None else max(0.0, deadline - self.clock())):
