@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from sidecar import heap
 from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, LoadOptions, RateLimitConfig
 from sidecar.config.reload import ConfigReloader, load_quietly, rule_count, settle_after_load
@@ -310,7 +311,13 @@ class Sidecar:
             dynamic_metadata=settings.response_dynamic_metadata,
         )
         self.quota = quota.QuotaService(
-            QuotaRegistry(config, quota_settings(settings, shared=leases is not None), QuotaStats(), leases=leases)
+            QuotaRegistry(
+                config,
+                quota_settings(settings, shared=leases is not None),
+                QuotaStats(),
+                leases=leases,
+                settle=heap.settle,  # buckets adopted in bursts leave the heap full collections walk
+            )
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -322,7 +329,7 @@ class Sidecar:
         process = ProcessCollector(registry=self.registry)
         self.admin = AdminEndpoint(
             # Called on the event loop: copies the numbers; the text is made in a thread.
-            lambda: Scrape(self.collector.frozen(), process),
+            lambda: Scrape(self.collector.frozen(), process, heap.PAUSES.frozen()),
             self._config_json,
             lambda: self.serving,
             write_timeout=settings.admin_write_timeout,
@@ -368,6 +375,7 @@ class Sidecar:
 
     async def start(self) -> None:
         """Bind, start serving, and only then report SERVING."""
+        heap.PAUSES.install()  # ratelimit_sidecar_gc_pause_max_seconds
         add_to_server(self.service, self.server)
         quota.add_to_server(self.quota, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

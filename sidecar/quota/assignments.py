@@ -25,10 +25,11 @@ rate ``R / N`` for token buckets), as the memory backend divides its limits.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from fractions import Fraction
+from typing import Generic, TypeVar
 
 from sidecar.config.match import match_descriptor
 from sidecar.config.model import RateLimitConfig, RateLimitRule
@@ -40,6 +41,10 @@ MAX_TOKENS = 2**32 - 1
 """``max_tokens`` and ``tokens_per_fill`` are uint32 in Envoy's ``TokenBucket``."""
 MIN_FILL_SECONDS = 1
 """Envoy 1.40: a ``fill_interval`` under one second means no limit at all."""
+MAX_POOLED = 4096
+"""Distinct values a :class:`Pool` keeps; past it, it starts over (correct, a little less shared)."""
+
+T = TypeVar("T")
 
 
 class Kind(Enum):
@@ -75,6 +80,53 @@ class Assignment:
             shown["tokens_per_fill"] = self.tokens_per_fill
             shown["fill_interval_seconds"] = self.fill_seconds
         return shown
+
+
+def assignment_identity(assignment: Assignment) -> Hashable:
+    """What makes two assignments interchangeable: their fields, the rule by identity
+    (hashing a rule would hash all its fields; the pooled assignment holds the rule, so
+    its id is not reused while the entry lives)."""
+    return (
+        assignment.kind,
+        assignment.why,
+        id(assignment.rule),
+        assignment.max_tokens,
+        assignment.tokens_per_fill,
+        assignment.fill_seconds,
+    )
+
+
+class Pool(Generic[T]):
+    """One object per distinct immutable value, shared by every bucket that has it.
+
+    Each object a live bucket keeps that the cyclic collector tracks (a slotted dataclass
+    is tracked; a dict or tuple of strings and ints is not) is walked by every full
+    collection, which holds the GIL: 20,000 buckets each with their own
+    :class:`Assignment` doubled what a full collection walks. Buckets of one rule share
+    one. At most :data:`MAX_POOLED` values are kept (then the pool starts over), so ids
+    from clients cannot grow it."""
+
+    def __init__(self, identity: Callable[[T], Hashable], max_size: int = MAX_POOLED) -> None:
+        self.identity = identity
+        self.max_size = max_size
+        self._values: dict[Hashable, T] = {}
+
+    def shared(self, value: T) -> T:
+        """The pooled object equal to ``value`` (``value`` itself the first time)."""
+        key = self.identity(value)
+        pooled = self._values.get(key)
+        if pooled is None:
+            if len(self._values) >= self.max_size:
+                self._values.clear()
+            pooled = self._values[key] = value
+        return pooled
+
+    def clear(self) -> None:
+        """Forget every value (a reload: the old rules are let go)."""
+        self._values.clear()
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 def default(why: str) -> Assignment:

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from sidecar.quota.assignments import Action, Assignment, nanos_after
+from sidecar.quota.assignments import Action, Assignment, Pool, assignment_identity, nanos_after
 from sidecar.quota.buckets import BucketKey
 from sidecar.quota.partition import (
     HOLD_LEASES,
@@ -229,6 +229,10 @@ class QuotaLeases:
         """Buckets dropped with their lease left in Redis (their streams closed) -> when that
         lease and its hold end: a clean stop gives them back too."""
         self.timers: Timers[BucketKey] = Timers(TICK, clock())
+        self.shapes: Pool[Shape] = Pool(lambda shape: shape)
+        self.assignments: Pool[Assignment] = Pool(assignment_identity)
+        """Shapes and shares shared by the buckets that have them: each object a bucket
+        keeps alone is one more for every full collection to walk."""
         self.totals: dict[tuple[str, str], list[int]] = {}
         """``(domain, stat key) -> [units, demand]`` over the buckets, kept as they change."""
         self.stats = ShareStats()
@@ -246,7 +250,7 @@ class QuotaLeases:
 
     def adopt(self, stream: Stream, key: BucketKey, live: LiveBucket, base: Assignment) -> Assignment:
         """A stream holds a bucket: share it if its rule has a limit; returns what to push now."""
-        shape = Shape.of(base)
+        shape = self._shape_of(base)
         if shape is None:
             return base
         now = self.clock()
@@ -305,7 +309,7 @@ class QuotaLeases:
         """A reload changed the bucket's full assignment: the share to push, or None when the
         bucket is no longer shared (the caller pushes ``base``)."""
         shared = self.buckets.get(key)
-        shape = Shape.of(base)
+        shape = self._shape_of(base)
         if shared is None or shape is None:
             return None
         self._show(shared, 0, 0)
@@ -314,6 +318,10 @@ class QuotaLeases:
         now = self.clock()
         self._show(shared, self.units_of(shared, now))
         return self.assignment_of(shared, now)
+
+    def _shape_of(self, base: Assignment) -> Shape | None:
+        shape = Shape.of(base)
+        return None if shape is None else self.shapes.shared(shape)
 
     def _make_ready(self, key: BucketKey) -> None:
         if key not in self.ready:
@@ -325,7 +333,8 @@ class QuotaLeases:
     def assignment_of(self, shared: Shared, now: float) -> Assignment:
         """This replica's units (:meth:`units_of`), split among its streams holding the bucket."""
         holders = max(1, len(shared.holders))
-        return shared.shape.assignment(shared.base, self.units_of(shared, now) // holders, self.wall())
+        units = self.units_of(shared, now) // holders
+        return self.assignments.shared(shared.shape.assignment(shared.base, units, self.wall()))
 
     def units_of(self, shared: Shared, now: float) -> int:
         """This replica's share of the bucket's limit now (all its streams together).

@@ -38,7 +38,8 @@ from itertools import count, islice
 from typing import TYPE_CHECKING
 
 from sidecar.config.model import RateLimitConfig
-from sidecar.quota.assignments import Action, Assignment, assign, default, nanos_after
+from sidecar.heap import SETTLE_EVERY
+from sidecar.quota.assignments import Action, Assignment, Pool, assign, assignment_identity, default, nanos_after
 from sidecar.quota.buckets import BucketIdError, BucketKey, bucket_key, parse_bucket
 from sidecar.quota.outbox import MAX_QUEUED_BYTES, Outbox
 from sidecar.quota.shown import RateLimitedLog, shown_id
@@ -151,8 +152,16 @@ class QuotaRegistry:
         stats: QuotaStats | None = None,
         clock: Callable[[], float] = time.monotonic,
         leases: QuotaLeases | None = None,
+        *,
+        settle: Callable[[], object] = lambda: None,
     ) -> None:
         self.config = config
+        self.settle = settle
+        """Called after every :data:`~sidecar.heap.SETTLE_EVERY` adoptions, between two chunks:
+        the server's :func:`sidecar.heap.settle` freezes the buckets made so far, so full
+        collections do not walk them again."""
+        self.unsettled = 0
+        """Buckets adopted since the last settle."""
         self.generation = 0
         self.leases = leases
         """Shares of each limit across replicas through Redis (``--backend redis``), else None."""
@@ -170,6 +179,9 @@ class QuotaRegistry:
         self._seq = count()
         self._reassigning: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self.assignments: Pool[Assignment] = Pool(assignment_identity)
+        """One :class:`Assignment` object per rule and reason, shared by its buckets (what a
+        full collection walks per bucket is then its :class:`LiveBucket` alone)."""
 
     def open(self, peer: str) -> Stream:
         """A new stream; :class:`StreamCapError` past ``max_streams``."""
@@ -268,6 +280,9 @@ class QuotaRegistry:
         while chunk := list(islice(usages, CHUNK)):
             for bucket, allowed, denied in chunk:
                 self._usage(stream, bucket, allowed, denied, now)
+            if self.unsettled >= SETTLE_EVERY:
+                self.unsettled = 0
+                self.settle()
             yield
             if stream.id not in self.streams:
                 return
@@ -319,6 +334,7 @@ class QuotaRegistry:
         stream.buckets[key] = live
         stream.abandoned.pop(key, None)
         self.live += 1
+        self.unsettled += 1
         self._schedule(stream, key, live)
         stream.push(Action(bucket, assignment), key)
         return live
@@ -345,12 +361,12 @@ class QuotaRegistry:
         except BucketIdError as error:
             self.stats.bump(self.stats.unmatched, error.reason)
             self.logs.once("quota_bucket_id_refused", error.reason, detail=error.detail)
-            return default("bad_id:" + error.reason)
+            return self.assignments.shared(default("bad_id:" + error.reason))
         assignment = assign(self.config, parsed, self.settings.instances, self.settings.admit_all)
         if assignment.rule is None:
             self.stats.bump(self.stats.unmatched, assignment.why)
             self.logs.once("quota_bucket_unmatched", assignment.why, domain=parsed.domain[:64])
-        return assignment
+        return self.assignments.shared(assignment)
 
     # -- refreshes and idle buckets ------------------------------------------------------
 
@@ -427,6 +443,7 @@ class QuotaRegistry:
         under it (adopted meanwhile) is not matched again."""
         self.config = config
         self.generation += 1
+        self.assignments.clear()
         if self._reassigning is not None:
             self._reassigning.cancel()
         self._reassigning = asyncio.get_running_loop().create_task(self._rematch(self.generation))
