@@ -20,6 +20,9 @@ reference counting when a reload, an abandon or a closed stream lets it go. So:
   at most about the live heap; the full pass is paid only when the frozen heap doubles
   (``log2`` times while a process grows), not for buckets that come and go at a steady
   count (each freed by reference counting, it leaves the frozen heap as it goes).
+  Counting the frozen heap (``gc.get_freeze_count``) walks all of it, 7 ms for 240,000
+  objects, so it is counted only when what was frozen since the last count could have
+  taken it past the bar; a settle otherwise costs ~0.2-0.3 ms.
 * **seen**: :class:`PauseRecorder` (``gc.callbacks``) keeps the longest collection per
   generation for the ``ratelimit_sidecar_gc_pause_max_seconds`` gauge.
 """
@@ -67,6 +70,8 @@ class Collector(Protocol):
 
     def get_freeze_count(self) -> int: ...
 
+    def get_objects(self, generation: int | None = None) -> list[object]: ...
+
 
 class HeapSettler:
     """Decides, at each settle, between a young collection and a full pass, then freezes."""
@@ -77,6 +82,11 @@ class HeapSettler:
         self.floor = floor
         self.baseline = 0
         """Frozen objects right after the last full pass (0 before the first)."""
+        self.known = 0
+        """The frozen heap when last counted: ``gc.get_freeze_count`` walks all of it (7 ms
+        for 240,000 objects), so it is counted only when it may have passed the bar."""
+        self.unchecked = 0
+        """Objects frozen since (an upper bound of the growth: some may be freed already)."""
         self.settles = 0
         self.full_passes = 0
 
@@ -91,13 +101,17 @@ class HeapSettler:
         self.settles += 1
         collector = self.collector
         collector.collect(1)  # young garbage first: frozen cycles would never be freed
+        self.unchecked += len(collector.get_objects(2))  # all that is unfrozen, after a young collection
         collector.freeze()
-        if collector.get_freeze_count() <= self.threshold:
+        if self.known + self.unchecked <= self.threshold:
+            return False  # even if nothing frozen since the last count was freed
+        self.known, self.unchecked = collector.get_freeze_count(), 0
+        if self.known <= self.threshold:
             return False
         collector.unfreeze()
         collector.collect(2)
         collector.freeze()
-        self.baseline = collector.get_freeze_count()
+        self.baseline = self.known = collector.get_freeze_count()
         self.full_passes += 1
         return True
 
@@ -114,8 +128,9 @@ def settle() -> None:
 class PauseRecorder:
     """The longest collection seen per generation, from ``gc.callbacks``.
 
-    Two calls of a few Python operations per collection (a young one every ~700 tracked
-    allocations): ~0.5 us each, nothing on the request path beyond that."""
+    Two calls per collection: +3 us a collection (``gc.collect(0)`` in a loop). An
+    in-process ``ShouldRateLimit`` starts no collection on average (its objects are freed
+    as fast as they are made), so the request path pays nothing measurable."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
