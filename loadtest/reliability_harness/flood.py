@@ -72,7 +72,7 @@ UNIT_SECONDS = 86_400
 LIMIT = 1000
 """Per value and day: every flood value is hit once, so every request is admitted."""
 PER_REQUEST = 64
-"""Descriptors per request: the validation bound (``sidecar.service.validate.MAX_DESCRIPTORS``)."""
+"""Descriptors per request: the validation bound (``sidecar.config.model.MAX_DESCRIPTORS``)."""
 IN_FLIGHT = 8
 CALL_TIMEOUT = 30.0
 BUDGET_BYTES_PER_COUNTER = 1024

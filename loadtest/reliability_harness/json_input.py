@@ -65,8 +65,8 @@ from loadtest.reliability_harness.support import (
     rss,
     start_sidecar,
 )
+from sidecar.config.model import MAX_DESCRIPTORS, MAX_ENTRIES
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
-from sidecar.service.validate import MAX_DESCRIPTORS, MAX_ENTRIES
 
 AREA = "bad input"
 SCENARIO = "hostile bodies to POST /json"

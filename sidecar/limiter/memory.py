@@ -16,14 +16,11 @@ import structlog
 
 from sidecar.limiter.algorithms import Algorithm, bucket_after, now_us, previous_weight, sliding_part
 from sidecar.limiter.bounds import BUCKET_SWEEP_MIN, DEFAULT_MAX_COUNTERS, Bans, EvictionLog
+from sidecar.limiter.loop_lag import LoopLag
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
-from sidecar.limiter.redis.loop_lag import LoopLag
 from sidecar.limiter.shares import share_of_limit
 from sidecar.limiter.windows import window_start
 from sidecar.metrics import LimiterSnapshot
-
-__all__ = ["MemoryLimiter", "share_of_limit"]
-"""``share_of_limit`` lives in :mod:`sidecar.limiter.shares`; quota/ still imports it from here."""
 
 log = structlog.get_logger(__name__)
 

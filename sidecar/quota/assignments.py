@@ -34,7 +34,7 @@ from typing import Generic, TypeVar
 from sidecar.config.match import match_descriptor
 from sidecar.config.model import RateLimitConfig, RateLimitRule
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.memory import share_of_limit
+from sidecar.limiter.shares import share_of_limit
 from sidecar.quota.buckets import ParsedBucket
 
 MAX_TOKENS = 2**32 - 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from sidecar.service.validate import MAX_DOMAIN_LENGTH, MAX_ENTRIES, MAX_KEY_LENGTH, MAX_VALUE_LENGTH
+from sidecar.config.model import MAX_DOMAIN_LENGTH, MAX_ENTRIES, MAX_KEY_LENGTH, MAX_VALUE_LENGTH
 
 DOMAIN_KEY = "domain"
 ENTRY_PREFIX = "entry."

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from sidecar.limiter.memory import share_of_limit
+from sidecar.limiter.shares import share_of_limit
 
 LEAVE = -2
 """``demand`` of a call that gives the lease back (the bucket was abandoned)."""

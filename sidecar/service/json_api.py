@@ -42,10 +42,11 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from sidecar.config.model import MAX_DESCRIPTORS, MAX_DOMAIN_LENGTH, MAX_ENTRIES
 from sidecar.http_server import Answer, Bounds, HttpServer, Request
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.servicer import RateLimitService, Refusal
-from sidecar.service.validate import MAX_DESCRIPTORS, MAX_DOMAIN_LENGTH, MAX_ENTRIES, descriptor_problem
+from sidecar.service.validate import descriptor_problem
 
 PATH = "/json"
 HEALTH_PATH = "/healthcheck"

@@ -20,20 +20,6 @@ from sidecar.config.model import (
 )
 from sidecar.limiter.windows import Unit
 
-__all__ = [
-    "MAX_DESCRIPTORS",
-    "MAX_DOMAIN_LENGTH",
-    "MAX_ENTRIES",
-    "MAX_HITS",
-    "MAX_KEY_LENGTH",
-    "MAX_VALUE_LENGTH",
-    "descriptor_problem",
-    "entry_problem",
-    "request_problem",
-]
-"""The bounds live beside the descriptor model (:mod:`sidecar.config.model`); the JSON API and
-quota bucket ids still import them from here."""
-
 KNOWN_UNITS = frozenset(int(unit) for unit in Unit)
 
 

@@ -10,7 +10,7 @@ available, telling the listeners (the failure policy logs it, limiters reconcile
 Redis down is a fact about Redis (issue 17): a refused or broken connection marks it
 down at once; a timeout does only when Redis has been silent for well beyond any
 request's budget (:func:`silence_before_down`) *while this process's event loop was
-free to read its answer*. The loop's own lag (:class:`~sidecar.limiter.redis.loop_lag.LoopLag`)
+free to read its answer*. The loop's own lag (:class:`~sidecar.limiter.loop_lag.LoopLag`)
 is subtracted from the silence: an answer that arrived in time but waited in the
 socket while the loop ran other work (a burst, a CPU-throttled container) is not
 charged to Redis. The request that waited still gets its failure-mode answer.
@@ -25,8 +25,8 @@ from typing import Any
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
+from sidecar.limiter.loop_lag import LoopLag
 from sidecar.limiter.redis.connect import scrub
-from sidecar.limiter.redis.loop_lag import LoopLag
 
 FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 """What a Redis call can raise when Redis is away or refuses; ``TimeoutError`` is an ``OSError``."""

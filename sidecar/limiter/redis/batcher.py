@@ -7,7 +7,7 @@ later, the request has been answered otherwise (the failure mode) and the late
 answer is handed to a callback, so the caller can count what Redis really did.
 
 The budget is Redis's time, not ours (issue 17): time this process's event loop
-could not run (its lag, :class:`~sidecar.limiter.redis.loop_lag.LoopLag`) is not
+could not run (its lag, :class:`~sidecar.limiter.loop_lag.LoopLag`) is not
 charged to it, so an answer that arrived in time but waited in the socket while the
 loop ran other requests is still taken. The wait never goes past ``limit``, the
 caller's deadline (less the margin its answer needs).
@@ -20,9 +20,9 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from sidecar.limiter.loop_lag import LoopLag
 from sidecar.limiter.protocol import Check
 from sidecar.limiter.redis.availability import RedisUnavailable
-from sidecar.limiter.redis.loop_lag import LoopLag
 from sidecar.limiter.redis.store import RedisStore
 
 LateAnswer = Callable[[list[int]], None]

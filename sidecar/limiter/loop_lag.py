@@ -2,7 +2,7 @@
 
 A Redis answer that arrives in time but sits in the socket while the loop runs other
 work (a burst of requests, a CPU-throttled container) is read late; that lateness is
-ours, not Redis's. :class:`LoopLag` measures it so :mod:`availability` charges to
+ours, not Redis's. :class:`LoopLag` measures it so :mod:`~sidecar.limiter.redis.availability` charges to
 Redis only the silence during which this loop was free to read an answer.
 
 Each tick records ``lateness = fired - due``: the loop could not run a callback for

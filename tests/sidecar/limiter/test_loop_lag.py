@@ -16,8 +16,8 @@ import time
 
 import pytest
 
+from sidecar.limiter.loop_lag import LoopLag
 from sidecar.limiter.redis.availability import SILENCE_BEFORE_DOWN, Availability, silence_before_down
-from sidecar.limiter.redis.loop_lag import LoopLag
 from sidecar.limiter.redis.store import RedisStore
 from sidecar.metrics import limiter_families
 from tests.support.redis_servers import RedisServer, fresh_prefix
