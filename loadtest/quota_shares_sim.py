@@ -44,8 +44,10 @@ from sidecar.config.match import match_descriptor
 from sidecar.config.model import RateLimitRule
 from sidecar.quota.assignments import Assignment, Kind
 from sidecar.quota.buckets import BucketKey, DescriptorEntry, bucket_key, bucket_of
-from sidecar.quota.leases import HEADROOM, SHARE, QuotaLeases, share_arguments, share_keys
+from sidecar.quota.leases import QuotaLeases
+from sidecar.quota.redis_shares import SHARE, share_arguments, share_keys
 from sidecar.quota.registry import LiveBucket, Stream
+from sidecar.quota.shape import HEADROOM
 from sidecar.quota.shares import Bucket, Call, Reply, fair_shares, step
 
 REPORT = 5

@@ -565,7 +565,8 @@ def build_quota_leases(settings: Settings, clock: SharedClock) -> QuotaLeases:
     ``<prefix>:quota:replicas``, so the limiter's live count is not doubled."""
     from sidecar.limiter.redis.keys import replicas_key  # noqa: PLC0415 - lazy, see build_redis_limiter
     from sidecar.limiter.redis.replicas import Replicas  # noqa: PLC0415
-    from sidecar.quota.leases import QuotaLeases, RedisShares  # noqa: PLC0415
+    from sidecar.quota.leases import QuotaLeases  # noqa: PLC0415
+    from sidecar.quota.redis_shares import RedisShares  # noqa: PLC0415
 
     store = build_redis_store(settings)
     store.replicas_key = replicas_key(settings.redis_prefix + ":quota")

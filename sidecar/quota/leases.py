@@ -59,8 +59,6 @@ import structlog
 from sidecar.quota.assignments import Action, Assignment, Pool, assignment_identity, nanos_after
 from sidecar.quota.buckets import BucketKey
 from sidecar.quota.partition import (
-    HOLD_LEASES,
-    LEASE_MARGIN,
     REPORT_SECONDS,
     AfterHold,
     PartitionCounts,
@@ -69,17 +67,14 @@ from sidecar.quota.partition import (
     lease_seconds,
 )
 from sidecar.quota.redis_shares import (
-    SHARE,
     CallRefused,
-    RedisShares,
     ShareBackend,
     SharesUnavailable,
     bucket_tag,
     keys_of,
-    share_arguments,
     share_keys,
 )
-from sidecar.quota.shape import HEADROOM, MAX_COUNTED, WINDOW_BUDGET_SECONDS, Shape
+from sidecar.quota.shape import MAX_COUNTED, Shape
 from sidecar.quota.shared_bucket import Shared, ShareStats
 from sidecar.quota.shares import LEAVE, POLL, Call, Reply, safe_capacity
 from sidecar.quota.timers import Timers
@@ -88,22 +83,6 @@ if TYPE_CHECKING:
     from sidecar.limiter.redis.replicas import Replicas
     from sidecar.quota.registry import LiveBucket, Stream
 
-__all__ = [
-    "HEADROOM",
-    "HOLD_LEASES",
-    "LEASE_MARGIN",
-    "REPORT_SECONDS",
-    "SHARE",
-    "WINDOW_BUDGET_SECONDS",
-    "CallRefused",
-    "QuotaLeases",
-    "RedisShares",
-    "Shape",
-    "ShareBackend",
-    "SharesUnavailable",
-    "share_arguments",
-    "share_keys",
-]
 
 log = structlog.get_logger(__name__)
 

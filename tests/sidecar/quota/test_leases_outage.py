@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from sidecar.quota.buckets import bucket_of
-from sidecar.quota.leases import TICK, QuotaLeases, SharesUnavailable
+from sidecar.quota.leases import TICK, QuotaLeases
+from sidecar.quota.redis_shares import SharesUnavailable
 from sidecar.quota.registry import QuotaRegistry, QuotaSettings, Stream
 from sidecar.quota.shares import Bucket, Call, Reply, step
 

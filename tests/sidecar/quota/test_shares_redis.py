@@ -19,14 +19,8 @@ from hypothesis import strategies as st
 from sidecar.limiter.redis.store import RedisStore
 from sidecar.quota.assignments import Kind
 from sidecar.quota.buckets import bucket_key, bucket_of
-from sidecar.quota.leases import (
-    SHARE,
-    CallRefused,
-    QuotaLeases,
-    RedisShares,
-    SharesUnavailable,
-    share_keys,
-)
+from sidecar.quota.leases import QuotaLeases
+from sidecar.quota.redis_shares import SHARE, CallRefused, RedisShares, SharesUnavailable, share_keys
 from sidecar.quota.registry import QuotaRegistry, QuotaSettings, Stream
 from sidecar.quota.shares import LEAVE, POLL, Bucket, Call, Reply, step
 from tests.support.redis_servers import RedisCluster, RedisServer
