@@ -143,7 +143,7 @@ def build_redis_store(settings: Settings) -> RedisStore:
             settings.redis_url,
             cluster=settings.redis_cluster,
             prefix=settings.redis_prefix,
-            request_timeout=settings.redis_timeout,
+            redis_timeout=settings.redis_timeout,
         )
     except (ValueError, TypeError, RedisError, RedisClusterException) as error:
         # Settings checked the URL; what redis-py still refuses is told in one line, and its

@@ -169,7 +169,7 @@ class StrictLimiter:
         available = self.store.available
         if available and (refused := self.full.refusal(checks, keys, self.admit_all)) is not None:
             return refused  # Redis would refuse it too, recording nothing
-        wait, limit, deadline = redis_wait(self.store.request_timeout, budget)
+        wait, limit, deadline = redis_wait(self.store.redis_timeout, budget)
         reason: Reason = "redis_down"
         if available and wait <= 0:
             reason = "deadline"  # nothing left to wait with: the answer is due now
@@ -249,7 +249,7 @@ class StrictLimiter:
                 raise
             known.in_doubt(call.checks, call.keys, -1)
         except TimeoutError:
-            self.store.note_request_timeout()
+            self.store.note_redis_timeout()
             raise
         except RedisUnavailable:
             call.abandoned = False  # the batch failed: nothing more will come of it

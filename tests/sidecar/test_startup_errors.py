@@ -114,7 +114,7 @@ async def test_an_outage_reason_never_carries_the_password() -> None:
     from sidecar.limiter.redis.store import RedisStore
 
     url = f"redis://user:{SECRET}@127.0.0.1:1/0"
-    store = RedisStore.for_url(url, request_timeout=0.05)
+    store = RedisStore.for_url(url, redis_timeout=0.05)
     reasons: list[str] = []
     store.add_listener(lambda available, reason: reasons.append(reason))
     store.availability.mark_down(f"ConnectionError: cannot reach {url} as user:{SECRET}")

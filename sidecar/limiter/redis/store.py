@@ -95,7 +95,7 @@ class RedisStore:
         client: Redis | RedisCluster,
         *,
         prefix: str = "rls",
-        request_timeout: float = DEFAULT_REDIS_TIMEOUT,
+        redis_timeout: float = DEFAULT_REDIS_TIMEOUT,
         background_timeout: float = MIN_BACKGROUND_TIMEOUT,
         secrets: tuple[str, ...] = (),
     ) -> None:
@@ -103,10 +103,10 @@ class RedisStore:
         self.prefix = prefix
         self.replicas_key = replicas_key(prefix)
         """The sorted set of live replicas (heartbeats)."""
-        self.request_timeout = request_timeout
+        self.redis_timeout = redis_timeout
         self.background_timeout = background_timeout
         self.cluster = isinstance(client, RedisCluster)
-        self.availability = Availability(self._probe_once, request_timeout, secrets)
+        self.availability = Availability(self._probe_once, redis_timeout, secrets)
         """Up/down state and the probe back; its listeners hear of every change."""
         self.round_trips_request_path = 0
         self.round_trips_background = 0
@@ -117,15 +117,15 @@ class RedisStore:
 
     @classmethod
     def for_url(
-        cls, url: str, *, cluster: bool = False, prefix: str = "rls", request_timeout: float = DEFAULT_REDIS_TIMEOUT
+        cls, url: str, *, cluster: bool = False, prefix: str = "rls", redis_timeout: float = DEFAULT_REDIS_TIMEOUT
     ) -> RedisStore:
         """A store for ``url`` (any scheme :func:`~sidecar.limiter.redis.connect.connect` takes);
         connects lazily (call :meth:`start`)."""
         return cls(
-            connect(url, cluster, request_timeout),
+            connect(url, cluster, redis_timeout),
             prefix=prefix,
-            request_timeout=request_timeout,
-            background_timeout=background_timeout(request_timeout),
+            redis_timeout=redis_timeout,
+            background_timeout=background_timeout(redis_timeout),
             secrets=secrets_of(url),
         )
 
@@ -179,7 +179,7 @@ class RedisStore:
         """Return once Redis is available (at once if it already is)."""
         await self.availability.wait_available()
 
-    def note_request_timeout(self) -> None:
+    def note_redis_timeout(self) -> None:
         """A caller stopped waiting for a call still on the wire (its budget ran out).
 
         Counts as a request-path timeout of :meth:`decide` does: once Redis has been
@@ -223,7 +223,7 @@ class RedisStore:
         if not keys and not pending:
             return True, [], {}
         try:
-            async with asyncio.timeout(self.request_timeout if request_path else self.background_timeout):
+            async with asyncio.timeout(self.redis_timeout if request_path else self.background_timeout):
                 if self.cluster and not same_slot([*keys, *pending]):
                     result = await self._decide_per_check(
                         keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path

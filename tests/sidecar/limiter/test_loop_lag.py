@@ -142,7 +142,7 @@ def test_background_timeouts_follow_the_same_rule() -> None:
 
 @pytest.mark.redis
 async def test_a_busy_loop_does_not_mark_a_healthy_redis_down(redis_server: RedisServer) -> None:
-    store = RedisStore.for_url(redis_server.url, prefix=fresh_prefix(), request_timeout=0.005)
+    store = RedisStore.for_url(redis_server.url, prefix=fresh_prefix(), redis_timeout=0.005)
     await store.start()
     try:
         assert store.available
@@ -151,7 +151,7 @@ async def test_a_busy_loop_does_not_mark_a_healthy_redis_down(redis_server: Redi
             store.availability.sent()
             await asyncio.sleep(0)
             time.sleep(0.15)  # the loop is blocked far past the budget and the silence allowance
-            store.note_request_timeout()
+            store.note_redis_timeout()
             assert store.available, store.last_error
             await call
             store.availability.answered()
@@ -162,7 +162,7 @@ async def test_a_busy_loop_does_not_mark_a_healthy_redis_down(redis_server: Redi
 
 @pytest.mark.redis
 async def test_a_paused_redis_is_marked_down_once_silent_with_our_loop_responsive(own_redis: RedisServer) -> None:
-    store = RedisStore.for_url(own_redis.url, prefix=fresh_prefix(), request_timeout=0.005)
+    store = RedisStore.for_url(own_redis.url, prefix=fresh_prefix(), redis_timeout=0.005)
     await store.start()
     assert own_redis.process is not None
     pid = own_redis.process.pid
@@ -173,7 +173,7 @@ async def test_a_paused_redis_is_marked_down_once_silent_with_our_loop_responsiv
         began = time.monotonic()
         while store.available and time.monotonic() - began < 2.0:
             await asyncio.sleep(0.01)
-            store.note_request_timeout()
+            store.note_redis_timeout()
         waited = time.monotonic() - began
         assert not store.available
         assert SILENCE_BEFORE_DOWN <= waited < SILENCE_BEFORE_DOWN + 0.3

@@ -123,7 +123,7 @@ async def make(h: SimpleNamespace) -> AsyncIterator[object]:
     prefix = "qs" + uuid.uuid4().hex[:8]
 
     async def replica(name: str, url: str, cluster: bool = False, hold: float = 1.0) -> Replica:
-        store = RedisStore.for_url(url, cluster=cluster, prefix=prefix, request_timeout=0.5)
+        store = RedisStore.for_url(url, cluster=cluster, prefix=prefix, redis_timeout=0.5)
         shares = RedisShares(store)
         leases = QuotaLeases(shares, name, ttl=3, clock=clock, prefix=prefix, report_seconds=1.0, hold=hold)
         registry = QuotaRegistry(h.config_of(RULES), QuotaSettings(ttl=3), clock=clock, leases=leases)
@@ -332,7 +332,7 @@ async def test_one_replica_partitioned_from_redis_keeps_the_sum_within_the_limit
     prefix = "qp" + uuid.uuid4().hex[:8]
     group: list[tuple[Replica, Cuttable]] = []
     for name in ("a", "b", "c"):
-        store = RedisStore.for_url(redis_server.url, prefix=prefix, request_timeout=0.5)
+        store = RedisStore.for_url(redis_server.url, prefix=prefix, redis_timeout=0.5)
         await store.start()
         backend = Cuttable(RedisShares(store))
         leases = QuotaLeases(backend, name, ttl=3, prefix=prefix, report_seconds=1.0, hold=2.0)  # type: ignore[arg-type]
