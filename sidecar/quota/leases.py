@@ -78,6 +78,7 @@ from sidecar.quota.shape import MAX_COUNTED, Shape
 from sidecar.quota.shared_bucket import Shared, ShareStats
 from sidecar.quota.shares import LEAVE, POLL, Call, Reply, safe_capacity
 from sidecar.quota.timers import Timers
+from sidecar.turns import GiveWay
 
 if TYPE_CHECKING:
     from sidecar.limiter.redis.replicas import Replicas
@@ -370,7 +371,7 @@ class QuotaLeases:
                 log.warning("quota_hand_on_stopped", given_back=given, left=len(keys) - start, reason=str(error)[:200])
                 break
             given += len(chunk)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # the gRPC server has stopped: nothing to give way to
         self.partition.handed_on += given
         if given:
             log.info("quota_leases_handed_on", buckets=given)
@@ -413,9 +414,10 @@ class QuotaLeases:
     async def _take_due(self, now: float) -> None:
         target = self.ready if self.redis_up else self.recheck
         due = self.timers.due(now)
+        give_way = GiveWay()
         for start in range(0, len(due), CHUNK):
             if start:
-                await asyncio.sleep(0)
+                await give_way()
             for key in due[start : start + CHUNK]:
                 if key in self.buckets and key not in target:
                     target[key] = None
@@ -438,21 +440,23 @@ class QuotaLeases:
         self.down_since = None
         self.stats.recovered += 1
         keys = list(self.buckets)  # a copy of pointers; the work on them is chunked
+        give_way = GiveWay()
         for start in range(0, len(keys), CHUNK):
-            await asyncio.sleep(0)
+            await give_way()
             for key in keys[start : start + CHUNK]:
                 if key in self.buckets and key not in self.ready:
                     self.ready[key] = None
 
     async def _call_ready(self) -> None:
         handled = 0
+        give_way = GiveWay()
         while (self.leaving or self.ready) and handled < MAX_PER_TICK:
             keys = self._take(self.leaving, CHUNK)
             keys += self._take(self.ready, CHUNK - len(keys))
             handled += len(keys)
             if not await self._call(keys):
                 return
-            await asyncio.sleep(0)
+            await give_way()
 
     @staticmethod
     def _take(queue: OrderedDict[BucketKey, None], count: int) -> list[BucketKey]:
@@ -541,6 +545,7 @@ class QuotaLeases:
         a call, or were waiting for one: a recovery makes every bucket ready anyway), and time
         each one's next change; a chunk per loop turn."""
         handled = 0
+        give_way = GiveWay()
         while (self.recheck or (self.ready and not self.redis_up)) and handled < MAX_PER_TICK:
             now = self.clock()
             keys = self._take(self.recheck, CHUNK)
@@ -558,7 +563,7 @@ class QuotaLeases:
                 self._mark(shared, held=shared.held, past_hold=math.isinf(changes_at))
                 self.timers.put(key, changes_at)
                 handled += 1
-            await asyncio.sleep(0)
+            await give_way()
 
     def _call_of(self, demand: int, limit: int, window: int, used_add: int) -> Call:
         return Call(

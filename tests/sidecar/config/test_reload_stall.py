@@ -1,9 +1,10 @@
 """Issue 21, defect 7: a hot reload of a large valid config must not stall the request path.
 
 The figures are in ``python -m loadtest.reload_stall``; these tests pin the mechanism:
-no full garbage collection runs while a config loads (unless the frozen heap doubled since
-the last full pass: sidecar/heap.py), what a load leaves is frozen out of later full collections, and a reload whose files did not change parses nothing (the
-look the watcher takes right after SERVING included, in a real sidecar process).
+no full garbage collection runs while a config loads (unless the frozen heap doubled
+since the last full pass: sidecar/heap.py), what a load leaves is frozen out of later
+full collections, and a reload whose files did not change parses nothing (the look the
+watcher takes right after SERVING included, in a real sidecar process).
 """
 
 from __future__ import annotations

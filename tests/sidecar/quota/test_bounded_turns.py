@@ -192,8 +192,11 @@ async def test_a_reader_waits_while_its_queue_is_over_the_bound(h: SimpleNamespa
     stream = registry.open("envoy")
     bad = ((({"entry.0.user": f"{index:0100}"}), 1, 0) for index in range(5_000))
     reading = asyncio.get_running_loop().create_task(registry.report_in_chunks(stream, "q", bad))
-    for _ in range(50):
-        await asyncio.sleep(0)
+    for _ in range(2_000):  # the reader rests between chunks (sidecar.turns): wait for the bound
+        if stream.pending.full or reading.done():
+            break
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.05)  # time for more chunks, were the reader not waiting
     assert not reading.done()
     most = CHUNK * (40 + 6 + 12 + 100)  # one chunk of actions past the bound, at most
     assert 20_000 < stream.pending.bytes <= 20_000 + most
