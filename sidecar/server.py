@@ -334,6 +334,7 @@ class Sidecar:
             lambda: self.serving,
             write_timeout=settings.admin_write_timeout,
             max_connections=settings.admin_max_connections,
+            config_version=lambda: self.service.config,
         )
         self._expire_task: asyncio.Task[None] | None = None
         self.json = JsonEndpoint(self.service, serving=lambda: self.serving)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.admin import AdminEndpoint, config_json
+from sidecar.admin import AdminEndpoint, SharedRender, config_json
 from sidecar.config import load_config
 from sidecar.service.json_api import JsonEndpoint
 
@@ -243,3 +243,26 @@ async def test_a_fault_in_a_handler_is_a_500_and_the_listener_goes_on() -> None:
         assert healthy.startswith(b"HTTP/1.1 200")
     finally:
         await endpoint.close()
+
+
+async def test_a_config_render_is_shown_again_for_its_max_age_unless_the_config_changed() -> None:
+    """One client looping GET /config costs one render per max_age, and a reload shows at once."""
+    now = [100.0]
+    shared = SharedRender(max_age=1.0, clock=lambda: now[0])
+    made: list[str] = []
+
+    def snapshot(text: str) -> Any:
+        def render() -> bytes:
+            made.append(text)
+            return text.encode()
+
+        return lambda: render
+
+    first, second = object(), object()
+    assert await shared.get(snapshot("a"), first) == b"a"
+    now[0] += 0.5
+    assert await shared.get(snapshot("b"), first) == b"a", "within max_age, the same config: reused"
+    assert await shared.get(snapshot("c"), second) == b"c", "another config: rendered at once"
+    now[0] += 1.0
+    assert await shared.get(snapshot("d"), second) == b"d", "past max_age: rendered again"
+    assert made == ["a", "c", "d"] and shared.renders == 3
