@@ -238,7 +238,7 @@ class JsonEndpoint:
     async def answer(self, request: Request) -> Answer:
         """One request: the health check, or a decision."""
         if request.path == HEALTH_PATH and request.method in ("GET", "HEAD"):
-            return Answer(200, b"OK") if self.serving() else Answer(500, b"NOT_SERVING")
+            return Answer(200, b"OK", "text/plain") if self.serving() else Answer(500, b"NOT_SERVING", "text/plain")
         if request.path != PATH:
             return Answer(404, error_body("NOT_FOUND", f"the decision endpoint is POST {PATH}"))
         if request.method != "POST":

@@ -111,6 +111,14 @@ async def test_head_has_no_body_on_a_kept_alive_admin_connection(admin: AdminEnd
     assert rest.startswith(b"HTTP/1.1 200") and rest.endswith(b"SERVING\n"), rest[:80]
 
 
+async def test_healthcheck_answers_ok_as_plain_text(json_port: int) -> None:
+    """``/healthcheck`` says ``OK`` as the reference does, typed as what it is (it said JSON)."""
+    got = await exchange(json_port, b"GET /healthcheck HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and body == b"OK", got[:200]
+    assert b"content-type: text/plain" in head.lower(), head
+
+
 async def test_a_trickling_request_head_is_cut_at_the_read_timeout(json_port: int) -> None:
     """Slowloris: a head sent a byte at a time never completes; the server answers 408 and closes."""
     reader, writer = await asyncio.open_connection("127.0.0.1", json_port)
