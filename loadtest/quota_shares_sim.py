@@ -46,9 +46,9 @@ from sidecar.quota.assignments import Assignment, Kind
 from sidecar.quota.buckets import BucketKey, DescriptorEntry, bucket_key, bucket_of
 from sidecar.quota.leases import QuotaLeases
 from sidecar.quota.redis_shares import SHARE, share_arguments, share_keys
-from sidecar.quota.registry import LiveBucket, Stream
 from sidecar.quota.shape import HEADROOM
 from sidecar.quota.shares import Bucket, Call, Reply, fair_shares, step
+from sidecar.quota.stream import LiveBucket, Stream
 
 REPORT = 5
 

@@ -77,12 +77,12 @@ from sidecar.quota.redis_shares import (
 from sidecar.quota.shape import MAX_COUNTED, Shape
 from sidecar.quota.shared_bucket import Shared, ShareStats
 from sidecar.quota.shares import LEAVE, POLL, Call, Reply, safe_capacity
+from sidecar.quota.stream import LiveBucket, Stream
 from sidecar.quota.timers import Timers
 from sidecar.turns import GiveWay
 
 if TYPE_CHECKING:
     from sidecar.limiter.redis.replicas import Replicas
-    from sidecar.quota.registry import LiveBucket, Stream
 
 
 log = structlog.get_logger(__name__)

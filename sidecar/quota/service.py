@@ -28,9 +28,10 @@ import structlog
 
 from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from sidecar.quota.assignments import Action, Kind
-from sidecar.quota.registry import QuotaRegistry, Stream, StreamCapError
+from sidecar.quota.registry import QuotaRegistry, StreamCapError
 from sidecar.quota.reports import UsageReport
 from sidecar.quota.stats import QuotaStats
+from sidecar.quota.stream import Stream
 
 log = structlog.get_logger(__name__)
 

@@ -8,14 +8,11 @@ pushed. Kept apart from the leases' logic so that logic reads as what it does to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from sidecar.quota.assignments import Assignment
 from sidecar.quota.buckets import BucketKey
 from sidecar.quota.shape import Shape
-
-if TYPE_CHECKING:
-    from sidecar.quota.registry import LiveBucket, Stream
+from sidecar.quota.stream import LiveBucket, Stream
 
 
 @dataclass

@@ -18,7 +18,8 @@ import pytest
 
 from sidecar.quota.assignments import Action, Assignment, Kind
 from sidecar.quota.buckets import BucketKey, bucket_of
-from sidecar.quota.registry import CHUNK, SPREAD_SLOTS, LiveBucket, QuotaRegistry, QuotaSettings, Stream
+from sidecar.quota.registry import CHUNK, SPREAD_SLOTS, QuotaRegistry, QuotaSettings
+from sidecar.quota.stream import LiveBucket, Stream
 
 RULES = """
 domain: q

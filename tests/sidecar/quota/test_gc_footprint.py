@@ -19,7 +19,8 @@ from sidecar.heap import SETTLE_EVERY
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.quota.buckets import bucket_of
 from sidecar.quota.leases import QuotaLeases
-from sidecar.quota.registry import CHUNK, QuotaRegistry, QuotaSettings, Stream
+from sidecar.quota.registry import CHUNK, QuotaRegistry, QuotaSettings
+from sidecar.quota.stream import Stream
 from sidecar.server import Sidecar
 from sidecar.settings import Settings
 from tests.sidecar.quota.test_leases_outage import CountingRedis

@@ -18,8 +18,9 @@ from sidecar.quota.assignments import Kind
 from sidecar.quota.buckets import bucket_key, bucket_of
 from sidecar.quota.leases import QuotaLeases
 from sidecar.quota.redis_shares import SharesUnavailable
-from sidecar.quota.registry import QuotaRegistry, QuotaSettings, Stream
+from sidecar.quota.registry import QuotaRegistry, QuotaSettings
 from sidecar.quota.shares import Bucket, Call, Reply, step
+from sidecar.quota.stream import Stream
 
 RULES = """
 domain: q

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry
 from sidecar.metrics import LimiterSnapshot, ServiceStats, SidecarCollector, render
 from sidecar.quota.assignments import Action, Kind, nanos_after
 from sidecar.quota.buckets import bucket_of
-from sidecar.quota.registry import ABANDON_MEMORY, QuotaRegistry, QuotaSettings, Stream
+from sidecar.quota.registry import ABANDON_MEMORY, QuotaRegistry, QuotaSettings
+from sidecar.quota.stream import Stream
 
 RULES = """
 domain: q

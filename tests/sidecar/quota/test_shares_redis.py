@@ -21,8 +21,9 @@ from sidecar.quota.assignments import Kind
 from sidecar.quota.buckets import bucket_key, bucket_of
 from sidecar.quota.leases import QuotaLeases
 from sidecar.quota.redis_shares import SHARE, CallRefused, RedisShares, SharesUnavailable, share_keys
-from sidecar.quota.registry import QuotaRegistry, QuotaSettings, Stream
+from sidecar.quota.registry import QuotaRegistry, QuotaSettings
 from sidecar.quota.shares import LEAVE, POLL, Bucket, Call, Reply, step
+from sidecar.quota.stream import Stream
 from tests.support.redis_servers import RedisCluster, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
