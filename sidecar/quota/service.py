@@ -32,6 +32,7 @@ from sidecar.quota.registry import QuotaRegistry, StreamCapError
 from sidecar.quota.reports import UsageReport
 from sidecar.quota.stats import QuotaStats
 from sidecar.quota.stream import Stream
+from sidecar.service.wire import length_delimited
 
 log = structlog.get_logger(__name__)
 
@@ -77,15 +78,6 @@ def action_message(action: Action, ttl: int) -> Any:
     return message
 
 
-def varint(number: int) -> bytes:
-    out = bytearray()
-    while number > 0x7F:
-        out.append(number & 0x7F | 0x80)
-        number >>= 7
-    out.append(number)
-    return bytes(out)
-
-
 def responses(actions: Sequence[Action], ttl: int, stats: QuotaStats) -> Iterator[bytes]:
     """Serialized ``RateLimitQuotaResponse`` s carrying ``actions``: each at most
     :data:`MAX_RESPONSE_BYTES` and :data:`MAX_ACTIONS_PER_MESSAGE` actions.
@@ -98,7 +90,7 @@ def responses(actions: Sequence[Action], ttl: int, stats: QuotaStats) -> Iterato
     size = 0
     for action in actions:
         data = action_message(action, ttl).SerializeToString()
-        field = BUCKET_ACTION_TAG + varint(len(data)) + data
+        field = length_delimited(BUCKET_ACTION_TAG, data)
         if len(field) > MAX_RESPONSE_BYTES:
             stats.bump(stats.malformed, "answer_too_large")
             continue
