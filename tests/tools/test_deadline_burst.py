@@ -128,8 +128,11 @@ def test_a_short_run_reports_every_target_with_sane_figures(tmp_path: Path) -> N
         assert 0 < run["p50_ms"] <= run["p99_ms"] < 5000, (target, run)
         assert 0 <= run["over_deadline"] <= calls, (target, run)
     assert runs["bare"]["redis_count"] is None and runs["memory"]["redis_count"] is None
-    # Redis holds what was admitted: strict exactly the limit; sync within its bound.
-    assert runs["strict"]["redis_count"] == limit, output
+    # Redis holds what was admitted: strict the limit, plus what late decisions admitted (a call
+    # whose deadline ran out decided by the failure mode's share where nothing of the window was
+    # known yet: docs/accuracy.md); sync within its bound.
+    late = sum(runs["strict"]["failure_decisions"].values())
+    assert limit <= runs["strict"]["redis_count"] <= limit + late, output
     assert limit <= runs["sync"]["redis_count"] <= limit + replicas - 1, output
     for target in ("sync", "strict"):
         assert all(count > 0 for count in runs[target]["failure_decisions"].values()), runs[target]
