@@ -18,7 +18,8 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Collection, Coroutine, Sequence
+import urllib.request
+from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -139,6 +140,33 @@ def percentile(ordered: Sequence[float], fraction: float) -> float:
         return 0.0
     rank = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
     return ordered[rank - 1]
+
+
+def floor_percentile(values: Iterable[float], fraction: float) -> float:
+    """The sample at index ``floor(fraction * n)`` of the sorted ``values`` (0 when empty).
+
+    Not :func:`percentile`: the tools that print p50/p99 of raw samples this way keep
+    doing so, so their figures stay comparable with the ones they printed before.
+    """
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """``url``/metrics (Prometheus text) as ``{"name{labels}": value}``; comments and lines
+    without a number skipped. OSError when the endpoint does not answer."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        with contextlib.suppress(ValueError):
+            values[name] = float(value)
+    return values
 
 
 # ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from types import FrameType
 
 import uvloop
 
+from loadtest.common import floor_percentile
 from loadtest.reliability_harness.quota_streams import QuotaStream, bucket_reports
 from sidecar.config import load_config
 from sidecar.config.reload import settle_after_load
@@ -88,13 +89,6 @@ class LoopProbe:
         return lags
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def tracked() -> int:
     """GC-tracked objects of the process, the frozen (permanent) generation included."""
     return len(gc.get_objects()) + gc.get_freeze_count()
@@ -118,11 +112,11 @@ def summary(label: str, pauses: list[tuple[int, float]], lags: list[float]) -> s
     for generation in (0, 1, 2):
         times = [seconds for gen, seconds in pauses if gen == generation]
         if times:
-            worst, p99 = max(times) * 1e3, percentile(times, 0.99) * 1e3
+            worst, p99 = max(times) * 1e3, floor_percentile(times, 0.99) * 1e3
             parts.append(f"gen{generation}: n={len(times)} max={worst:.1f}ms p99={p99:.1f}ms")
         else:
             parts.append(f"gen{generation}: n=0")
-    parts.append(f"loop lag max={max(lags, default=0) * 1e3:.1f}ms p99={percentile(lags, 0.99) * 1e3:.1f}ms")
+    parts.append(f"loop lag max={max(lags, default=0) * 1e3:.1f}ms p99={floor_percentile(lags, 0.99) * 1e3:.1f}ms")
     return "  ".join(parts)
 
 

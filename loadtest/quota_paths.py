@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import cpu_seconds, machine_facts, positive_int, reproduce_command, run_cli
+from loadtest.common import cpu_seconds, machine_facts, positive_int, reproduce_command, run_cli, scrape_metrics
 from sidecar.config import load_config
 from sidecar.export.envoy_quota.export import export_quota, quota_document
 from stack.envoy import ENVOY_CONFIGS, ConfiguredEnvoy, EnvoyPorts, admin_get, envoy_binary, ingress_manager, render
@@ -290,22 +290,11 @@ def _interesting(name: str) -> bool:
 
 def quota_metrics(url: str) -> list[tuple[str, float]]:
     """The sidecar's ``ratelimit_sidecar_quota_*`` samples (none when it has no quota service)."""
-    import urllib.request
-
     try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as reply:
-            text = reply.read().decode()
-    except (OSError, urllib.error.URLError):
+        samples = scrape_metrics(url, timeout=2)
+    except OSError:
         return []
-    samples = []
-    for line in text.splitlines():
-        if line.startswith("ratelimit_sidecar_quota_"):
-            name, _, value = line.rpartition(" ")
-            try:
-                samples.append((name, float(value)))
-            except ValueError:
-                continue
-    return samples
+    return [(name, value) for name, value in samples.items() if name.startswith("ratelimit_sidecar_quota_")]
 
 
 # ---------------------------------------------------------------------------------

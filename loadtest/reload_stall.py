@@ -39,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from loadtest.common import positive_int
+from loadtest.common import floor_percentile, positive_int
 from sidecar.protos.envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from stack.processes import free_port, spawn
@@ -113,14 +113,10 @@ def request(index: int) -> Any:
 
 
 def quantiles(latencies: Sequence[float]) -> dict[str, float]:
-    ordered = sorted(latencies)
-    if not ordered:
-        return {"calls": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
-
     def at(fraction: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(len(ordered) * fraction))] * 1000, 1)
+        return round(floor_percentile(latencies, fraction) * 1000, 1)
 
-    return {"calls": len(ordered), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": round(ordered[-1] * 1000, 1)}
+    return {"calls": len(latencies), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": at(1.0)}
 
 
 def events(stderr: Path, name: str) -> list[dict[str, Any]]:

@@ -18,15 +18,13 @@ Envoys run with ``--concurrency 1`` and HAProxy with ``nbthread 1`` (the shipped
 from __future__ import annotations
 
 import json
-import re
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import cpu_seconds
+from loadtest.common import cpu_seconds, scrape_metrics
 from loadtest.compare_harness import haproxy_config
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.haproxy import HAProxyPorts, HAProxyProcess
@@ -124,12 +122,9 @@ def _wait_all(children: Sequence[Child]) -> None:
 def metric(url: str, name: str) -> float | None:
     """The value of an unlabelled metric at ``url``/metrics (None when absent or unreachable)."""
     try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as reply:
-            text = reply.read().decode()
+        return scrape_metrics(url, timeout=2).get(name)
     except OSError:
         return None
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else None
 
 
 def wait_replicas(sidecars: Sequence[SidecarProcess], expected: int, timeout: float = REPLICAS_TIMEOUT) -> None:

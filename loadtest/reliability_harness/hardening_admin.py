@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from loadtest import reload_stall
+from loadtest.common import floor_percentile
 from loadtest.reliability_harness.support import (
     CHANNEL_OPTIONS,
     METHOD,
@@ -106,11 +107,6 @@ def scrape(url: str) -> tuple[float, int]:
     return time.monotonic() - started, size
 
 
-def quantile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
-
-
 def metrics_flood(context: Context) -> Row:
     scenario = f"/metrics after {CALLS} calls x 64 overrides of 1 KB values (+ as many detailed_metric values)"
     config = context.directory / "hardening-metrics.yaml"
@@ -145,7 +141,7 @@ def metrics_flood(context: Context) -> Row:
             return failed_row(AREA, scenario, error, group.children)
     from sidecar.metrics import MAX_RULE_SERIES_BYTES
 
-    p99 = quantile(latencies, 0.99)
+    p99 = floor_percentile(latencies, 0.99)
     held = size <= MAX_RULE_SERIES_BYTES + 256 * 1024 and p99 <= P99_BOUND
     return Row(
         AREA,
@@ -153,14 +149,14 @@ def metrics_flood(context: Context) -> Row:
         load=f"{len(scrapes)} scrapes back to back, {len(latencies):,} calls",
         ok=held,
         notes=(
-            f"/metrics {size / MIB:.1f} MiB (was 64 MB), scrape median {ms(quantile(scrapes, 0.5)):.0f} ms; "
-            f"ShouldRateLimit during scrapes p50 {ms(quantile(latencies, 0.5)):.1f} / p99 {ms(p99):.1f} / "
+            f"/metrics {size / MIB:.1f} MiB (was 64 MB), scrape median {ms(floor_percentile(scrapes, 0.5)):.0f} ms; "
+            f"ShouldRateLimit during scrapes p50 {ms(floor_percentile(latencies, 0.5)):.1f} / p99 {ms(p99):.1f} / "
             f"max {ms(max(latencies)):.1f} ms (was p99 ~475 ms)"
         ),
         figures={
             "metrics_bytes": size,
-            "scrape_median_ms": ms(quantile(scrapes, 0.5)),
-            "p50_ms": ms(quantile(latencies, 0.5)),
+            "scrape_median_ms": ms(floor_percentile(scrapes, 0.5)),
+            "p50_ms": ms(floor_percentile(latencies, 0.5)),
             "p99_ms": ms(p99),
             "max_ms": ms(max(latencies)),
         },

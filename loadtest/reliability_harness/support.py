@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 import traceback
-import urllib.request
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -333,20 +332,6 @@ class CpuWatch:
         first, last = before[-1], after[0]
         span = max(1e-3, last[0] - first[0])
         return max(0.0, (last[1] - first[1]) - (last[2] - first[2])) / span
-
-
-def scrape(metrics_url: str, timeout: float = 5.0) -> dict[str, float]:
-    """``/metrics`` as ``{"name{labels}": value}`` (comments skipped)."""
-    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=timeout) as reply:
-        text = reply.read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        with contextlib.suppress(ValueError):
-            values[name] = float(value)
-    return values
 
 
 DECISION = "ratelimit_sidecar_decision_seconds_bucket"

@@ -1,0 +1,62 @@
+"""The helpers that several load-test tools share (loadtest/common.py)."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from loadtest.common import floor_percentile, scrape_metrics
+
+METRICS = b"""# HELP x_total calls
+# TYPE x_total counter
+x_total 7
+y_seconds_bucket{le="0.005"} 3.0
+y_seconds_bucket{le="+Inf"} 4
+garbage line here
+"""
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = METRICS if self.path == "/metrics" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def metrics_url() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_floor_percentile_takes_the_sample_at_the_floor_index() -> None:
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert floor_percentile(values, 0.5) == 3.0
+    assert floor_percentile(values, 0.99) == 5.0  # floor(4.95) = index 4
+    assert floor_percentile(values, 0.2) == 2.0  # floor(1.0) = index 1, not nearest rank's 1.0
+    assert floor_percentile(values, 1.0) == 5.0
+    assert floor_percentile([], 0.5) == 0.0
+
+
+def test_scrape_metrics_reads_samples_and_skips_comments(metrics_url: str) -> None:
+    samples = scrape_metrics(metrics_url, timeout=5)
+    assert samples == {"x_total": 7.0, 'y_seconds_bucket{le="0.005"}': 3.0, 'y_seconds_bucket{le="+Inf"}': 4.0}
+
+
+def test_scrape_metrics_raises_oserror_when_nothing_answers(metrics_url: str) -> None:
+    with pytest.raises(OSError):
+        scrape_metrics(metrics_url + "/nothing", timeout=5)
