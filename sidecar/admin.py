@@ -68,6 +68,7 @@ def rule_json(rule: RateLimitRule, together_with: tuple[RateLimitRule, ...] = ()
         "burst": rule.burst if bucket else None,
         "ban_duration_seconds": rule.ban_seconds or None,
         "count_past_limit": rule.count_past,
+        "overload": "suppress" if rule.suppress else "refuse",
         "unlimited": rule.unlimited,
         "shadow_mode": rule.shadow_mode,
         "quota_mode": rule.quota_mode,

@@ -33,8 +33,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-RULE_STATS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode", "warned")
-TOTAL_HITS, OVER_LIMIT, NEAR_LIMIT, WITHIN_LIMIT, SHADOW_MODE, WARNED = range(len(RULE_STATS))
+RULE_STATS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode", "warned", "suppressed")
+TOTAL_HITS, OVER_LIMIT, NEAR_LIMIT, WITHIN_LIMIT, SHADOW_MODE, WARNED, SUPPRESSED = range(len(RULE_STATS))
 MAX_RULE_SERIES = 10_000
 """Cap on per-rule series: request values are unbounded, a scrape must not be."""
 MAX_STAT_KEY_LENGTH = 1024
@@ -113,7 +113,9 @@ class RuleStats:
     ``within_limit``, and ``near_limit`` too once the count reaches
     ``near_ratio`` of the limit. Each adds the check's hits. ``warned`` (ours, not
     envoyproxy/ratelimit's) counts hits of admitted requests past a rule's ``warn_at``;
-    the service adds them with :meth:`warned` when it sends the warning.
+    the service adds them with :meth:`warned` when it sends the warning. ``suppressed``
+    (ours) counts the ``over_limit`` hits an ``overload: suppress`` draw refused, not the
+    full window.
     """
 
     near_ratio: float = 0.8
@@ -172,11 +174,15 @@ class RuleStats:
                 dropped += 1
         return dropped
 
-    def record(self, row: list[int], hits: int, over: bool, *, shadow: bool, count: int, limit: int) -> None:
+    def record(
+        self, row: list[int], hits: int, over: bool, *, shadow: bool, count: int, limit: int, suppressed: bool = False
+    ) -> None:
         """Count one check's hits; ``count`` includes them (the would-be count)."""
         row[TOTAL_HITS] += hits
         if over:
             row[OVER_LIMIT] += hits
+            if suppressed:
+                row[SUPPRESSED] += hits
             if shadow:
                 row[SHADOW_MODE] += hits
         else:
@@ -225,6 +231,8 @@ class ServiceStats:
     rules: RuleStats = field(default_factory=RuleStats)
     requests: int = 0
     over_limit_requests: int = 0
+    suppressed_requests: int = 0
+    """Of the over-limit requests, those an ``overload: suppress`` draw refused."""
     errors: dict[str, int] = field(default_factory=dict)
     latency: Buckets = field(default_factory=lambda: Buckets(LATENCY_BUCKETS))
     config_loads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "error": 0})
@@ -264,6 +272,11 @@ class ServiceStats:
         requests.add_metric(("OK",), self.requests - self.over_limit_requests)
         requests.add_metric(("OVER_LIMIT",), self.over_limit_requests)
         yield requests
+        yield CounterMetricFamily(
+            "ratelimit_sidecar_suppressed_requests",
+            "OVER_LIMIT answers an overload: suppress draw decided (the window was not full)",
+            value=self.suppressed_requests,
+        )
         errors = CounterMetricFamily("ratelimit_sidecar_request_errors", "Calls refused, by kind", labels=("kind",))
         for kind, count in sorted(self.errors.items()):
             errors.add_metric((kind,), count)

@@ -359,10 +359,13 @@ class Sidecar:
         quota_state = self.quota.registry.describe()
         if self.leases is not None:
             quota_state["shares"] = self.leases.describe()
+        suppression = getattr(self.service.limiter, "suppression", None)
+        busy = suppression.describe(self.service.clock()) if suppression is not None else []
 
         def document() -> dict[str, Any]:
             shown = config_json(config, loaded_at)
             shown["quota"] = quota_state
+            shown["suppression"] = busy  # overload: suppress, the busiest counters and their p
             return shown
 
         return document

@@ -66,6 +66,9 @@ class RateLimitRule:
     count_past: bool = False
     """``count_past_limit``: hits are always added, even past the limit and when the
     request is refused (response-phase costs); 0-hit checks then refuse until the window ends."""
+    suppress: bool = False
+    """``overload: suppress``: each request is admitted with a probability worked out from
+    the attempted demand before the window check (:mod:`sidecar.limiter.suppression`)."""
     calendar: bool = False
     """A ``month`` window that is the UTC calendar month (``--calendar-months``)."""
     metadata: Mapping[str, object] | None = field(default=None, compare=False)

@@ -53,6 +53,7 @@ RATE_LIMIT_FIELDS = frozenset(
         "burst",
         "ban_duration",
         "count_past_limit",
+        "overload",
     }
 )
 FLAG_FIELDS = ("shadow_mode", "detailed_metric", "share_threshold", "quota_mode", "value_to_metric")
@@ -64,6 +65,8 @@ MAX_BAN_SECONDS = 365 * 86_400
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3_600, "d": 86_400}
 DURATION = re.compile(r"(?:(\d+)([smhd]))+")
 DURATION_PART = re.compile(r"(\d+)([smhd])")
+OVERLOAD_CHOICES = ("refuse", "suppress")
+"""``overload``: refuse once the window is full (the default), or suppress a steady fraction."""
 MAX_DEPTH = 16
 """Deeper trees are certainly mistakes; Envoy descriptors rarely exceed 3-4 entries."""
 
@@ -299,6 +302,7 @@ class DomainParser:
         multiplier = self._unit_multiplier(block, where, unit, unlimited)
         burst = self._burst(block, where, named, requests)
         ban_seconds = self._ban_duration(block, where, unlimited)
+        suppress = self._overload(block, where, unlimited, named)
         count_past = self._flag(block, "count_past_limit", where)
         if count_past and unlimited:
             self._issue(
@@ -342,6 +346,7 @@ class DomainParser:
             ban_seconds=ban_seconds,
             where=where,
             count_past=count_past,
+            suppress=suppress,
             calendar=calendar,
             metadata=carried[0],
             values_in_stats=carried[1],
@@ -497,6 +502,25 @@ class DomainParser:
             )
             return 0
         return seconds
+
+    def _overload(self, block: MarkedMapping, where: str, unlimited: bool, algorithm: Algorithm | None) -> bool:
+        """``overload`` (an extension): ``suppress`` admits a steady fraction of an overload
+        (:mod:`sidecar.limiter.suppression`); ``refuse``, the default, refuses once the window is full."""
+        if "overload" not in block:
+            return False
+        value, line, field = block["overload"], block.line_of("overload"), f"{where}.overload"
+        if value not in OVERLOAD_CHOICES:
+            self._issue(line, field, f"must be one of {', '.join(OVERLOAD_CHOICES)}, got {value!r}")
+            return False
+        if value == "refuse":
+            return False
+        if unlimited:
+            self._issue(line, field, "must not be set when unlimited (nothing is refused)")
+        elif algorithm is Algorithm.TOKEN_BUCKET:
+            self._issue(
+                line, field, "suppress only applies to windows (fixed_window, sliding_window), not to a token_bucket"
+            )
+        return algorithm is not Algorithm.TOKEN_BUCKET and not unlimited
 
     def _name(self, block: MarkedMapping, where: str) -> str | None:
         if "name" not in block:

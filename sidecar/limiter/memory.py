@@ -19,6 +19,7 @@ from sidecar.limiter.bounds import BUCKET_SWEEP_MIN, DEFAULT_MAX_COUNTERS, Bans,
 from sidecar.limiter.loop_lag import LoopLag
 from sidecar.limiter.protocol import Check, CounterKey, Decision, decide
 from sidecar.limiter.shares import share_of_limit
+from sidecar.limiter.suppression import SUPPRESSED_LIMIT, Suppression
 from sidecar.limiter.windows import window_start
 from sidecar.metrics import LimiterSnapshot
 
@@ -38,6 +39,7 @@ class MemoryLimiter:
         max_counters: int = DEFAULT_MAX_COUNTERS,
         admit_all: bool = False,
         on_evict: Callable[[int], None] | None = None,
+        suppression_seed: int | None = None,
     ) -> None:
         if instances < 1:
             raise ValueError("instances must be at least 1")
@@ -64,6 +66,9 @@ class MemoryLimiter:
         self._bucket_sweep = min(BUCKET_SWEEP_MIN, max_counters)
         """New buckets after which full ones are swept out (grows with the live ones)."""
         self._bans = Bans(max_counters)
+        self.suppression = Suppression(max_counters, seed=suppression_seed)
+        """``overload: suppress`` rules: this replica's attempted demand (each replica alone
+        holds its share of the limit, so its own demand is the one that counts)."""
         self.loop_lag = LoopLag()
         """How late the event loop runs, from :meth:`start` on: a stall fails Envoy open in every
         mode, so the memory backend reports it as the Redis ones do (their lag lives in
@@ -88,7 +93,7 @@ class MemoryLimiter:
         if now >= self._next_expiry:
             self._expire(now)
         for check in checks:
-            if check.algorithm or check.ban_seconds:
+            if check.algorithm or check.ban_seconds or check.suppress:
                 return self._check_extended(checks, now, floors)
         windows = [(check.unit_seconds, window_start(now, check.unit_seconds)) for check in checks]
         counts = self._would_be_counts(checks, windows)
@@ -103,7 +108,9 @@ class MemoryLimiter:
         return Decision(admitted, over, counts, limits)
 
     def _check_extended(self, checks: Sequence[Check], now: float, floors: Sequence[int] = ()) -> Decision:
-        """:meth:`check_now` for requests with a sliding window, a token bucket or a ban.
+        """:meth:`check_now` for requests with a sliding window, a token bucket, a ban or
+        ``overload: suppress`` (whose draw comes first: a refused draw decides the check
+        against :data:`SUPPRESSED_LIMIT`, the window check stays the cap of the others).
 
         Kept apart so plain fixed windows, the common case, pay for none of it.
         """
@@ -111,6 +118,9 @@ class MemoryLimiter:
         if floors:
             counts = tuple(max(count, floor) for count, floor in zip(counts, floors, strict=True))
         limits = tuple(share_of_limit(check.limit, self.instances) for check in checks)
+        suppressed = self.suppression.refused(checks, limits, now)
+        if suppressed is not None:
+            limits = tuple(SUPPRESSED_LIMIT if out else limit for out, limit in zip(suppressed, limits, strict=True))
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
         if admitted or True in consume:
             for check, state, spend in zip(checks, states, consume, strict=True):
@@ -120,7 +130,7 @@ class MemoryLimiter:
             if is_over and check.ban_seconds:
                 self._bans.ban(check.key, now + check.ban_seconds, now)
         ban_ends = tuple(self._bans.until(check.key) if check.ban_seconds else 0.0 for check in checks)
-        return Decision(admitted, over, counts, limits, ban_ends)
+        return Decision(admitted, over, counts, limits, ban_ends, suppressed or ())
 
     def _extended_counts(self, checks: Sequence[Check], now: float) -> tuple[tuple[int, ...], list[int]]:
         """Each check's count, and what recording it needs (a token bucket's new TAT).

@@ -64,6 +64,9 @@ class Check(NamedTuple):
     count_past: bool = False
     """``count_past_limit``: its hits are added whatever the verdict, even past the limit
     and in a refused request (a cost already incurred, such as a response's tokens)."""
+    suppress: bool = False
+    """``overload: suppress``: admitted with a probability from the attempted demand before
+    the window check (:mod:`sidecar.limiter.suppression`)."""
 
 
 class Decision(NamedTuple):
@@ -81,6 +84,9 @@ class Decision(NamedTuple):
     ban_ends: tuple[float, ...] = ()
     """Per check, when its counter's ban ends (``ban_duration``), where the backend knows
     it: an over-limit check then resets when its ban does. Empty when no check has a ban."""
+    suppressed: tuple[bool, ...] = ()
+    """Per check, whether ``overload: suppress`` refused it by a draw (it is then over too);
+    empty when no check was."""
 
     def reset(self, check: Check, index: int, now: float) -> int:
         """``duration_until_reset`` of check ``index``: its window's or bucket's

@@ -203,6 +203,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
     ) -> None:
         """Per-rule metrics: plain integer additions, read only when Prometheus scrapes."""
         record = self.stats.rules.record
+        suppressed = decision.suppressed
+        if suppressed and not decision.admitted:
+            self.stats.suppressed_requests += 1
         for item in applied:
             if item is not None and item.stats is not None and item.check is not None:
                 index = item.check if not item.more else reported_index(item, checks, decision, now)
@@ -213,6 +216,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     shadow=item.rule.shadow_mode,
                     count=decision.counts[index],
                     limit=decision.limits[index],
+                    suppressed=bool(suppressed) and suppressed[index],
                 )
 
     def _checks(
@@ -253,6 +257,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                         rule.interval_us,
                         rule.ban_seconds,
                         rule.count_past,
+                        rule.suppress,
                     )
                 )
         return checks, applied
@@ -301,6 +306,7 @@ def check_of(match: Match, hits: int) -> Check:
         rule.interval_us,
         rule.ban_seconds,
         rule.count_past,
+        rule.suppress,
     )
 
 
@@ -314,6 +320,7 @@ def log_decision(request: Any, checks: Sequence[Check], decision: Decision) -> N
         counts=list(decision.counts),
         limits=list(decision.limits),
         hits=[check.hits for check in checks],
+        suppressed=list(decision.suppressed),
     )
 
 

@@ -34,10 +34,8 @@ def keeps_previous_window(rule: RateLimitRule, flavour: Flavour) -> bool:
     return flavour == "sliding" or rule.algorithm is Algorithm.SLIDING_WINDOW
 
 
-def rule_problem(rule: RateLimitRule, flavour: Flavour) -> str | None:
-    """Why a rule cannot be exported in ``flavour`` at all, or None."""
-    if rule.unlimited:
-        return None
+def option_problem(rule: RateLimitRule) -> str | None:
+    """Why a rule option HAProxy has no counterpart for keeps the rule out, or None."""
     if rule.quota_mode:
         return "quota_mode (reject only when every quota descriptor is over) is not exported"
     if rule.count_past:
@@ -45,6 +43,21 @@ def rule_problem(rule: RateLimitRule, flavour: Flavour) -> str | None:
             "count_past_limit (costs reported after the response, counted past the limit) is not exported: "
             "HAProxy counts one hit per request and has no response-phase cost"
         )
+    if rule.suppress:
+        return (
+            "overload: suppress (each request admitted with a probability from the attempted demand) is not "
+            "exported: HAProxy's stick tables refuse once the count is past the limit and draw no probability"
+        )
+    return None
+
+
+def rule_problem(rule: RateLimitRule, flavour: Flavour) -> str | None:
+    """Why a rule cannot be exported in ``flavour`` at all, or None."""
+    if rule.unlimited:
+        return None
+    option = option_problem(rule)
+    if option is not None:
+        return option
     if rule.algorithm is Algorithm.TOKEN_BUCKET:
         return (
             f"algorithm token_bucket (burst {rule.burst}, refilled at {rate_of(rule)}): HAProxy 2.6 has no token "

@@ -458,7 +458,7 @@ LIMIT_ERRORS: dict[str, tuple[str, str, str]] = {
     "typo of a new field": (
         "{unit: second, requests_per_unit: 5, ban_durations: 10}",
         "ban_durations",
-        "unknown field (expected one of algorithm, ban_duration, burst, count_past_limit, name, replaces,",
+        "unknown field (expected one of algorithm, ban_duration, burst, count_past_limit, name, overload, replaces,",
     ),
     "ban_duration as quoted digits": (
         '{unit: second, requests_per_unit: 5, ban_duration: "45"}',
@@ -855,3 +855,40 @@ def test_memory_bans_check_before_the_algorithm():
     decision = limiter.check_now([check._replace(hits=0)], 101.0)
     assert (decision.admitted, decision.over, decision.counts) == (False, (True,), (2,))
     assert limiter.check_now([check], 105.0).admitted
+
+
+# -- overload: suppress ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("block", "suppress"),
+    [
+        ("{unit: second, requests_per_unit: 5}", False),
+        ("{unit: second, requests_per_unit: 5, overload: refuse}", False),
+        ("{unit: second, requests_per_unit: 5, overload: suppress}", True),
+        ("{unit: second, requests_per_unit: 5, overload: suppress, algorithm: sliding_window}", True),
+    ],
+)
+def test_overload_option(h, block, suppress):
+    assert one_rule(h, block).suppress is suppress
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ("{unit: second, requests_per_unit: 5, overload: drop}", "must be one of refuse, suppress, got 'drop'"),
+        ("{unit: second, requests_per_unit: 5, overload: suppress, algorithm: token_bucket}", "not to a token_bucket"),
+        ("{unlimited: true, overload: suppress}", "must not be set when unlimited"),
+    ],
+)
+def test_overload_refused_where_it_cannot_apply(h, block, message):
+    issues = h.parse_issues(
+        f"""
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit: {block}
+        """
+    )
+    issue = h.issue_at(issues, "descriptors[0].rate_limit.overload")
+    assert message in issue.message and issue.file == FILE and issue.line == 4

@@ -890,3 +890,21 @@ def test_costs_counted_past_the_limit_are_not_exported() -> None:
     assert domain is not None
     problem = rule_problem(domain.rules[0], "fixed")
     assert problem is not None and problem.startswith("count_past_limit")
+
+
+def test_suppressed_overload_is_not_exported() -> None:
+    """HAProxy refuses once a count is past the limit: a rule with ``overload: suppress`` is
+    listed as not exported, with why, rather than exported as a plain window."""
+    from sidecar.config.load import parse_text
+    from sidecar.export.haproxy.fit import rule_problem
+
+    text = (
+        "domain: t\ndescriptors:\n"
+        "  - {key: user, rate_limit: {unit: second, requests_per_unit: 9, overload: suppress}}\n"
+        "  - {key: ip, rate_limit: {unit: second, requests_per_unit: 9}}\n"
+    )
+    domain, _ = parse_text(text, "t.yaml")
+    assert domain is not None
+    problem = rule_problem(domain.rules[0], "fixed")
+    assert problem is not None and problem.startswith("overload: suppress")
+    assert rule_problem(domain.rules[1], "fixed") is None
