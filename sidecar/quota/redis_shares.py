@@ -9,7 +9,6 @@ Redis as away and retrying it forever, which would keep that replica from sharin
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,13 +91,14 @@ class ShareBackend(Protocol):
 
 
 class RedisShares:
-    """``share.lua`` over a :class:`~sidecar.limiter.redis.store.RedisStore`: one pipeline per batch."""
+    """``share.lua`` over a :class:`~sidecar.limiter.redis.store.RedisStore`: one pipeline per
+    batch, through :meth:`~sidecar.limiter.redis.store.RedisStore.run_scripts`, which resends
+    calls that met ``NOSCRIPT`` and tells a reply about Redis as a whole from one about a call."""
 
     def __init__(self, store: RedisStore, replicas: Replicas | None = None) -> None:
         self.store = store
         self.replicas = replicas
         """Heartbeats of the quota replicas: the live count for the safe capacity."""
-        self.round_trips = 0
 
     async def start(self) -> None:
         await self.store.start()
@@ -111,71 +111,20 @@ class RedisShares:
         await self.store.close()
 
     async def run(self, calls: Sequence[tuple[list[str], Call]]) -> list[Reply | CallRefused]:
-        from sidecar.limiter.redis.availability import FAILURES, RedisUnavailable  # noqa: PLC0415 - lazy
+        """Each call's reply, or :class:`CallRefused`; :class:`SharesUnavailable` when the batch
+        did not run (Redis down, slow, or answering for itself rather than for the calls)."""
+        from sidecar.limiter.redis.availability import RedisUnavailable  # noqa: PLC0415 - lazy
+        from sidecar.limiter.redis.pipeline import ScriptCall  # noqa: PLC0415
 
         store = self.store
+        script_calls = [ScriptCall(SHARE, keys, share_arguments(call)) for keys, call in calls]
         try:
-            store.availability.ensure_available()
+            replies = await store.run_scripts(script_calls, store.background_timeout, away_raises=True)
         except RedisUnavailable as error:
-            raise SharesUnavailable(str(error)) from None
-        try:
-            replies = await self._pipeline(calls, with_body=False)
-            missing = [index for index, reply in enumerate(replies) if _noscript(reply)]
-            if missing:
-                again = await self._pipeline([calls[index] for index in missing], with_body=True)
-                for index, reply in zip(missing, again, strict=True):
-                    replies[index] = reply
-        except FAILURES as error:
-            raise SharesUnavailable(str(store.availability.failed(error, request_path=False))) from error
-        failure = next((reply for reply in replies if _redis_away(reply)), None)
-        if failure is not None:
-            raise SharesUnavailable(str(store.availability.failed(failure, request_path=False)))
-        store.availability.answered()
+            raise SharesUnavailable(str(error)) from error
         return [
             CallRefused(str(reply)[:200]) if isinstance(reply, BaseException) else _reply(reply) for reply in replies
         ]
-
-    async def _pipeline(self, calls: Sequence[tuple[list[str], Call]], with_body: bool) -> list[Any]:
-        pipe = self.store.client.pipeline(transaction=False)
-        for keys, call in calls:
-            args = share_arguments(call)
-            if with_body:
-                pipe.execute_command("EVAL", SHARE.source, len(keys), *keys, *args)
-            else:
-                # execute_command: redis-py blocks pipe.evalsha on Cluster pipelines.
-                pipe.execute_command("EVALSHA", SHARE.sha, len(keys), *keys, *args)
-        self.round_trips += 1
-        async with asyncio.timeout(self.store.background_timeout):
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-        return replies
-
-
-def _noscript(reply: object) -> bool:
-    from redis.exceptions import NoScriptError  # noqa: PLC0415 - lazy
-
-    return isinstance(reply, NoScriptError)
-
-
-def _redis_away(reply: object) -> bool:
-    """An error reply that says Redis as a whole cannot run calls now (loading, busy with
-    another script, out of memory, a read-only replica, a moved slot): not this call's fault.
-    Any other error reply is the script refusing this call."""
-    from redis.exceptions import (  # noqa: PLC0415 - lazy
-        BusyLoadingError,
-        ClusterError,
-        OutOfMemoryError,
-        ReadOnlyError,
-        ResponseError,
-    )
-
-    if not isinstance(reply, BaseException):
-        return False
-    if isinstance(reply, BusyLoadingError | OutOfMemoryError | ReadOnlyError | ClusterError):
-        return True
-    if not isinstance(reply, ResponseError):
-        return True
-    text = str(reply)
-    return text.startswith(("BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "NOSCRIPT"))
 
 
 def _reply(values: Sequence[Any]) -> Reply:

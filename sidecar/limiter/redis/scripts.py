@@ -3,8 +3,9 @@
 The scripts live in their own files so they can be read, linted and reviewed as
 Lua, not as Python strings. Their SHA1 is computed here, so the request path sends
 only ``EVALSHA`` (about 40 bytes instead of the script body); if Redis answers
-``NOSCRIPT`` (restart, ``SCRIPT FLUSH``, failover to a node that never saw it) the
-caller sends the body once with ``EVAL``, which also caches it again.
+``NOSCRIPT`` (restart, ``SCRIPT FLUSH``, failover to a node that never saw it),
+:meth:`~sidecar.limiter.redis.store.RedisStore.run_scripts` sends the calls that did not
+run again with the body (``EVAL``), which also caches it again.
 """
 
 from __future__ import annotations

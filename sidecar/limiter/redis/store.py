@@ -2,6 +2,8 @@
 
 Every public call is one network round trip (a script or a pipeline) so its cost is
 predictable and countable: the accuracy harness reports ``round_trips_*`` per request.
+Every script call (decisions, flushes, quota shares) goes through one method,
+:meth:`RedisStore.run_scripts`: one pipeline, ``NOSCRIPT`` resent once, one failure type.
 Every failure surfaces as :class:`~sidecar.limiter.redis.availability.RedisUnavailable`,
 and while Redis is known to be down calls fail at once
 (:mod:`sidecar.limiter.redis.availability`); the client comes from
@@ -26,11 +28,13 @@ from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnav
 from sidecar.limiter.redis.connect import MIN_BACKGROUND_TIMEOUT, background_timeout, connect, secrets_of
 from sidecar.limiter.redis.corrupt import CorruptKeys, key_of_reply, problem_with
 from sidecar.limiter.redis.keys import per_hit, replicas_key
-from sidecar.limiter.redis.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, Script, decide_arguments
+from sidecar.limiter.redis.pipeline import Command, ScriptCall, queue_calls, redis_away
+from sidecar.limiter.redis.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, decide_arguments
 from sidecar.limiter.windows import Clock
 from sidecar.metrics import LimiterSnapshot
 
 Pending = Mapping[str, tuple[int, int]]
+"""Hits to add unconditionally: ``{window_key: (hits, expire_at)}``."""
 
 
 class Counts(list[int]):
@@ -76,7 +80,6 @@ class CorruptKey(RedisUnavailable):
     decides the request, Redis stays available (see :mod:`sidecar.limiter.redis.corrupt`)."""
 
 
-"""Hits to add unconditionally: ``{window_key: (hits, expire_at)}``."""
 DecideRequest = tuple[Sequence[str], Sequence[Check], Sequence[int]]
 """One request for :meth:`RedisStore.decide_batch`: window keys, checks, expiry times."""
 
@@ -222,20 +225,12 @@ class RedisStore:
         self.availability.ensure_available()
         if not keys and not pending:
             return True, [], {}
-        try:
-            async with asyncio.timeout(self.redis_timeout if request_path else self.background_timeout):
-                if self.cluster and not same_slot([*keys, *pending]):
-                    result = await self._decide_per_check(
-                        keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path
-                    )
-                else:
-                    result = await self._decide_script(
-                        keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path
-                    )
-        except FAILURES as error:
-            raise self._failed(error, request_path) from error
-        self.availability.answered()
-        return result
+        timeout = self.redis_timeout if request_path else self.background_timeout
+        spread = self.cluster and not same_slot([*keys, *pending])
+        decide_one = self._decide_per_check if spread else self._decide_script
+        return await decide_one(
+            keys, checks, expire_ats, admit_all, pending, now_us=now_us, request_path=request_path, timeout=timeout
+        )
 
     async def decide_batch(
         self, requests: Sequence[DecideRequest], admit_all: bool, nows: Sequence[int] | None = None
@@ -273,18 +268,11 @@ class RedisStore:
                 else:
                     results.append(answer)
             return results
-        replies = await self._decide_pipeline(requests, admit_all, clocks)
-        missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if missing:
-            try:
-                await self._probe_once()  # reloads the scripts; NOSCRIPT means the call did not run
-            except FAILURES as error:
-                raise self.availability.failed(error, request_path=False) from error
-            retried = await self._decide_pipeline(
-                [requests[index] for index in missing], admit_all, [clocks[index] for index in missing]
-            )
-            for index, reply in zip(missing, retried, strict=True):
-                replies[index] = reply
+        calls = [
+            ScriptCall(DECIDE, *decide_arguments(keys, checks, expiries, admit_all, {}, now_us=now_us))
+            for (keys, checks, expiries), now_us in zip(requests, clocks, strict=True)
+        ]
+        replies = await self.run_scripts(calls, self.background_timeout, request_path=True)
         return [
             self._failed(reply, request_path=True) if isinstance(reply, Exception) else counts_of(reply, len(checks))
             for reply, (_, checks, _) in zip(replies, requests, strict=True)
@@ -296,30 +284,61 @@ class RedisStore:
         """One request of a Cluster batch: a request-path call under the background timeout."""
         if not keys:
             return []
-        try:
-            async with asyncio.timeout(self.background_timeout):
-                decide_one = self._decide_script if same_slot(keys) else self._decide_per_check
-                decided = await decide_one(keys, checks, expire_ats, admit_all, {}, now_us=now_us, request_path=True)
-        except FAILURES as error:
-            raise self._failed(error, request_path=False) from error
-        self.availability.answered()
+        decide_one = self._decide_script if same_slot(keys) else self._decide_per_check
+        decided = await decide_one(
+            keys, checks, expire_ats, admit_all, {}, now_us=now_us, request_path=True, timeout=self.background_timeout
+        )
         return decided[1]
 
-    async def _decide_pipeline(
-        self, requests: Sequence[DecideRequest], admit_all: bool, nows: Sequence[int]
+    async def run_scripts(
+        self,
+        calls: Sequence[ScriptCall | Command],
+        timeout: float,
+        *,
+        request_path: bool = False,
+        away_raises: bool = False,
     ) -> list[Any]:
-        """EVALSHA decide.lua once per request, pipelined; errors come back as values."""
-        pipe = self.client.pipeline(transaction=False)
-        for (keys, checks, expiries), now_us in zip(requests, nows, strict=True):
-            script_keys, args = decide_arguments(keys, checks, expiries, admit_all, {}, now_us=now_us)
-            pipe.evalsha(DECIDE.sha, len(script_keys), *script_keys, *args)
-        self._count(request_path=True)
+        """Run ``calls`` in one pipeline; their replies, index-aligned, an error reply as a value.
+
+        The one way scripts reach Redis: ``EVALSHA`` through ``execute_command`` (redis-py
+        blocks ``pipe.evalsha`` on Cluster pipelines). Plain
+        :data:`~sidecar.limiter.redis.pipeline.Command` tuples ride along as they are.
+        A script call answered ``NOSCRIPT`` (restart, ``SCRIPT FLUSH``, failover to a node
+        that never saw it) did not run, so those calls, and only those, go again in a
+        second pipeline, with the script's body (which caches it again; see
+        :func:`~sidecar.limiter.redis.pipeline.queue_calls`).
+
+        Raises :class:`RedisUnavailable` and nothing else: Redis known down, the round
+        trips not done within ``timeout`` (both together), the connection lost, and, with
+        ``away_raises``, a reply saying Redis as a whole cannot run calls
+        (:func:`~sidecar.limiter.redis.pipeline.redis_away`; for callers that retry every
+        call later). ``request_path`` says which round-trip counter the pipelines go to.
+        """
+        self.availability.ensure_available()
         try:
-            async with asyncio.timeout(self.background_timeout):
-                replies: list[Any] = await pipe.execute(raise_on_error=False)
+            async with asyncio.timeout(timeout):
+                replies = await self._pipeline(calls, request_path, with_body=False)
+                missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+                if missing:
+                    again = await self._pipeline([calls[index] for index in missing], request_path, with_body=True)
+                    for index, reply in zip(missing, again, strict=True):
+                        replies[index] = reply
         except FAILURES as error:
-            raise self.availability.failed(error, request_path=False) from error
+            # The message names the request budget only when that is what ran out.
+            raise self.availability.failed(error, request_path and timeout <= self.redis_timeout) from error
         self.availability.answered()
+        if away_raises:
+            away = next((reply for reply in replies if redis_away(reply)), None)
+            if away is not None:
+                raise self.availability.failed(away, request_path=False)
+        return replies
+
+    async def _pipeline(self, calls: Sequence[ScriptCall | Command], request_path: bool, with_body: bool) -> list[Any]:
+        """One round trip of :meth:`run_scripts`; ``with_body``: the resend after ``NOSCRIPT``."""
+        pipe = self.client.pipeline(transaction=False)
+        queue_calls(pipe, calls, with_body=with_body, cluster=self.cluster)
+        self._count(request_path)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
         return replies
 
     async def flush(
@@ -362,16 +381,11 @@ class RedisStore:
         read_keys = [key for key in dict.fromkeys(reads) if key not in adds]
         if not adds and not read_keys and not bans:
             return {}
-        pipe = self.client.pipeline(transaction=False)
-        for key, until in bans.items():
-            pipe.set(key, until, exat=until, nx=True)
-        batched = self._queue_flush(pipe, adds, read_keys, once)
+        calls: list[ScriptCall | Command] = [("SET", key, until, "EXAT", until, "NX") for key, until in bans.items()]
+        batched = self._flush_calls(calls, adds, read_keys, once)
         if live_since is not None:
-            pipe.zcount(self.replicas_key, live_since, "+inf")
-        replies = await self._background(pipe.execute(raise_on_error=False))
-        if once is not None and any(isinstance(reply, NoScriptError) for reply in replies):
-            await self._probe_once()  # reloads the scripts; NOSCRIPT means that call did not run
-            return await self.flush(adds, reads, once=once, live_since=live_since, bans=bans)
+            calls.append(("ZCOUNT", self.replicas_key, live_since, "+inf"))
+        replies = await self.run_scripts(calls, self.background_timeout)
         totals: dict[str, int] = {}
         if live_since is not None:
             live = replies.pop()
@@ -394,19 +408,19 @@ class RedisStore:
                 self.corrupt.repaired(key)
         return totals
 
-    def _queue_flush(self, pipe: Any, adds: Pending, reads: Sequence[str], once: tuple[str, int] | None) -> bool:
-        """Queue a flush's adds and reads; True when they went as one ``flush_batch.lua`` call."""
+    def _flush_calls(
+        self, calls: list[ScriptCall | Command], adds: Pending, reads: Sequence[str], once: tuple[str, int] | None
+    ) -> bool:
+        """Append a flush's adds and reads; True when they go as one ``flush_batch.lua`` call."""
         if once is None or self.cluster:
-            self._queue_adds(pipe, adds, once)
-            for key in reads:
-                pipe.get(key)
+            calls += self._add_calls(adds, once)
+            calls += [("GET", key) for key in reads]
             return False
         owner, sequence = once
-        args: list[int] = [sequence, len(adds)]
+        args: list[int | str] = [sequence, len(adds)]
         for hits, expire_at in adds.values():
             args += (hits, expire_at)
-        keys = [f"{self.prefix}:flushed:{owner}", *adds, *reads]
-        pipe.execute_command("EVALSHA", FLUSH_BATCH.sha, len(keys), *keys, *args)
+        calls.append(ScriptCall(FLUSH_BATCH, [f"{self.prefix}:flushed:{owner}", *adds, *reads], args))
         return True
 
     @staticmethod
@@ -423,18 +437,15 @@ class RedisStore:
         return [refused if value is None else value for value in reply]
 
     @staticmethod
-    def _queue_adds(pipe: Any, adds: Pending, once: tuple[str, int] | None) -> None:
+    def _add_calls(adds: Pending, once: tuple[str, int] | None) -> list[ScriptCall | Command]:
         """INCRBY + EXPIREAT per key, or one idempotent ``flush_once.lua`` call per key."""
-        for key, (hits, expire_at) in adds.items():
-            if once is None:
-                pipe.incrby(key, hits)
-                pipe.expireat(key, expire_at)
-            else:
-                owner, sequence = once
-                # execute_command, not pipe.evalsha: redis-py blocks the evalsha method on
-                # Cluster pipelines, though it routes EVALSHA by its keys like any command.
-                marker = f"{key}:flushed:{owner}"
-                pipe.execute_command("EVALSHA", FLUSH_ONCE.sha, 2, key, marker, sequence, hits, expire_at)
+        if once is None:
+            return [call for key, (hits, at) in adds.items() for call in (("INCRBY", key, hits), ("EXPIREAT", key, at))]
+        owner, sequence = once
+        return [
+            ScriptCall(FLUSH_ONCE, [key, f"{key}:flushed:{owner}"], [sequence, hits, expire_at])
+            for key, (hits, expire_at) in adds.items()
+        ]
 
     def snapshot(
         self, *, counters: int, evictions: int, replicas: int, pending_hits: int, **rest: Any
@@ -498,9 +509,13 @@ class RedisStore:
         *,
         now_us: int,
         request_path: bool,
+        timeout: float,
     ) -> tuple[bool, list[int], dict[str, int]]:
-        script_keys, args = decide_arguments(keys, checks, expire_ats, admit_all, pending, now_us=now_us)
-        reply = await self._run_script(DECIDE, script_keys, args, request_path=request_path)
+        """The whole request in one ``decide.lua`` call (every key in one slot)."""
+        call = ScriptCall(DECIDE, *decide_arguments(keys, checks, expire_ats, admit_all, pending, now_us=now_us))
+        (reply,) = await self.run_scripts([call], timeout, request_path=request_path)
+        if isinstance(reply, BaseException):
+            raise self._failed(reply, request_path)
         values = [int(value) for value in reply]
         totals = values[1 + len(checks) : 1 + len(checks) + len(pending)]
         return values[0] == 1, counts_of(reply, len(checks), len(pending)), dict(zip(pending, totals, strict=True))
@@ -515,6 +530,7 @@ class RedisStore:
         *,
         now_us: int,
         request_path: bool,
+        timeout: float,
     ) -> tuple[bool, list[int], dict[str, int]]:
         """Cross-slot decision in Cluster: each check decided on its own slot, then the request.
 
@@ -535,22 +551,13 @@ class RedisStore:
         earlier check's hits only if that check consumed them. Bans are set by each
         over check whatever the request's fate, as in one script.
         """
-        pipe = self.client.pipeline(transaction=False)
-        for key, (hits, expire_at) in pending.items():
-            pipe.incrby(key, hits)
-            pipe.expireat(key, expire_at)
-        calls = [
-            decide_arguments([key], [check], [expire_at], admit_all, {}, now_us=now_us)
+        calls = self._add_calls(pending, None)
+        calls += [
+            ScriptCall(DECIDE, *decide_arguments([key], [check], [expire_at], admit_all, {}, now_us=now_us))
             for key, check, expire_at in zip(keys, checks, expire_ats, strict=True)
         ]
-        for script_keys, args in calls:
-            # execute_command: redis-py blocks pipe.evalsha on Cluster pipelines, though it
-            # routes EVALSHA by its keys like any command.
-            pipe.execute_command("EVALSHA", DECIDE.sha, len(script_keys), *script_keys, *args)
-        self._count(request_path)
-        replies = await pipe.execute(raise_on_error=False)
+        replies = await self.run_scripts(calls, timeout, request_path=request_path)
         added, decided = replies[: 2 * len(pending)], replies[2 * len(pending) :]
-        await self._run_missing_scripts(calls, decided, request_path)
         took = [
             check.hits > 0 and not isinstance(reply, BaseException) and int(reply[0]) == 1
             for reply, check in zip(decided, checks, strict=True)
@@ -558,7 +565,7 @@ class RedisStore:
         failure = next((reply for reply in [*added, *decided] if isinstance(reply, BaseException)), None)
         if failure is not None:
             self._give_back_later(keys, checks, took)  # the request fails: it keeps nothing
-            raise failure
+            raise self._failed(failure, request_path)
         counts = Counts(int(reply[1]) for reply in decided)
         counts.ban_ends = tuple(float(reply[2]) if len(reply) > 2 else 0.0 for reply in decided)
         admitted, _, consume = decide(checks, counts, [check.limit for check in checks], admit_all)
@@ -568,21 +575,6 @@ class RedisStore:
             if spend and key in totals:
                 totals[key] += check.hits * per_hit(check)
         return admitted, counts, totals
-
-    async def _run_missing_scripts(
-        self, calls: Sequence[tuple[list[str], list[int | str]]], replies: list[Any], request_path: bool
-    ) -> None:
-        """Send the calls Redis answered NOSCRIPT (so they did not run) again with their body."""
-        missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if not missing:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for index in missing:
-            script_keys, args = calls[index]
-            pipe.execute_command("EVAL", DECIDE.source, len(script_keys), *script_keys, *args)
-        self._count(request_path)
-        for index, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
-            replies[index] = reply
 
     def _give_back_later(self, keys: Sequence[str], checks: Sequence[Check], marks: Sequence[bool]) -> None:
         """Give back, in the background, the hits of the marked checks (their scripts consumed them)."""
@@ -603,17 +595,6 @@ class RedisStore:
         except RedisUnavailable:
             # The counters stay too high until their window ends: false rejections, never overshoot.
             self.give_back_failures += 1
-
-    async def _run_script(
-        self, script: Script, keys: Sequence[str], args: Sequence[int | str], *, request_path: bool
-    ) -> Any:
-        """EVALSHA; on NOSCRIPT (flushed, restarted, failed over) send the body once with EVAL."""
-        self._count(request_path)
-        try:
-            return await self.client.evalsha(script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            self._count(request_path)
-            return await self.client.eval(script.source, len(keys), *keys, *args)
 
     def _spawn(self, call: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(call)
