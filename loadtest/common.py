@@ -14,6 +14,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -122,6 +123,49 @@ def machine_facts() -> dict[str, Any]:
         "python": platform.python_version(),
         "grpcio": grpc.__version__,
     }
+
+
+def split_cpus(
+    server_text: str | None, client_text: str | None
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(server cpus, client cpus) from ``--server-cpus``/``--client-cpus``; one given pins
+    the other to the remaining usable cpus, so the two never share a core by accident."""
+    server, client = parse_cpus(server_text), parse_cpus(client_text)
+    usable = sorted(os.sched_getaffinity(0))
+    if server and not client:
+        client = tuple(cpu for cpu in usable if cpu not in server) or None
+    elif client and not server:
+        server = tuple(cpu for cpu in usable if cpu not in client) or None
+    return server, client
+
+
+_VERSIONS = {
+    "envoy": ("Envoy", "--version", r"version: \w+/([\w.-]+)/"),
+    "haproxy": ("HAProxy", "-v", r"HAProxy version (\S+)"),
+}
+
+
+def program_version(name: str) -> str:
+    """``"Envoy 1.40.0"`` or ``"HAProxy 2.6.12"`` (``name``: envoy or haproxy), as the binary
+    the stack launchers run says it; the number is "unknown" when it does not say."""
+    from stack.envoy import envoy_binary
+    from stack.haproxy import haproxy_binary
+
+    label, flag, pattern = _VERSIONS[name]
+    binary = envoy_binary() if name == "envoy" else haproxy_binary()
+    try:
+        text = subprocess.run([binary, flag], capture_output=True, text=True, check=False, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    found = re.search(pattern, text)
+    return f"{label} {found.group(1) if found else 'unknown'}"
+
+
+def print_header(command: str, facts: dict[str, Any], loadavg: float, details: str) -> None:
+    """The first two lines of every benchmark's output: the command that reproduces it, and
+    the machine (cores, CPU model, load average) followed by the tool's own ``details``."""
+    print(f"command: {command}", flush=True)
+    print(f"machine: {facts['cores']} cores ({facts['cpu_model']}), load average {loadavg:.2f}; {details}", flush=True)
 
 
 def cpu_seconds(pid: int) -> float | None:

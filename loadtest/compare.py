@@ -65,7 +65,6 @@ import functools
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -82,11 +81,13 @@ import uvloop
 from loadtest.common import (
     bounded_float,
     machine_facts,
-    parse_cpus,
     percentile,
     positive_int,
+    print_header,
+    program_version,
     reproduce_command,
     run_cli,
+    split_cpus,
 )
 from loadtest.compare_harness import analysis, client, paths, plot, report, sliding
 from loadtest.compare_harness.recording import MIN_DURATION, Recording, record
@@ -119,37 +120,10 @@ def address_limit() -> int:
     raise RuntimeError(f"examples/config has no rule {RULE}")
 
 
-def pinning(arguments: argparse.Namespace) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
-    """(server cpus, client cpus); one given pins the other to the remaining usable cpus."""
-    server, client_cpus = parse_cpus(arguments.server_cpus), parse_cpus(arguments.client_cpus)
-    usable = sorted(os.sched_getaffinity(0))
-    if server and not client_cpus:
-        client_cpus = tuple(cpu for cpu in usable if cpu not in server) or None
-    elif client_cpus and not server:
-        server = tuple(cpu for cpu in usable if cpu not in client_cpus) or None
-    return server, client_cpus
-
-
 def versions() -> dict[str, str]:
-    from stack.envoy import envoy_binary
-    from stack.haproxy import haproxy_binary
-
-    found = {}
-    patterns = {"envoy": r"version: \w+/([\w.-]+)/", "haproxy": r"HAProxy version (\S+)"}
-    for name, argv in (("envoy", [envoy_binary(), "--version"]), ("haproxy", [haproxy_binary(), "-v"])):
-        try:
-            text = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            text = ""
-        version = re.search(patterns[name], text)
-        found[name] = f"{'Envoy' if name == 'envoy' else 'HAProxy'} {version.group(1) if version else 'unknown'}"
-    found["git"] = subprocess.run(
-        ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=10,
-    ).stdout.strip()
+    found = {name: program_version(name) for name in ("envoy", "haproxy")}
+    describe = ["git", "-C", str(REPO), "describe", "--always", "--dirty"]
+    found["git"] = subprocess.run(describe, capture_output=True, text=True, check=False, timeout=10).stdout.strip()
     return found
 
 
@@ -336,7 +310,7 @@ def measure(
     arguments: argparse.Namespace, recording: Recording, names: Sequence[str], workdir: Path
 ) -> tuple[paths.Bench, Campaign]:
     """Start the paths (servers on ``--server-cpus``), run every round, stop everything."""
-    server_cpus, client_cpus = pinning(arguments)
+    server_cpus, client_cpus = split_cpus(arguments.server_cpus, arguments.client_cpus)
     began = time.monotonic()
     original = os.sched_getaffinity(0)
     if server_cpus is not None:
@@ -358,16 +332,11 @@ def measure(
 def run(arguments: argparse.Namespace) -> int:
     names = select_paths(arguments.paths)
     recording = record(arguments.seed, clients=arguments.clients, limit=address_limit(), duration=arguments.duration)
-    server_cpus, client_cpus = pinning(arguments)
+    server_cpus, client_cpus = split_cpus(arguments.server_cpus, arguments.client_cpus)
     command = command_line(arguments)
     facts = {**machine_facts(), **versions(), "loadavg": os.getloadavg()[0]}
-    print(f"command: {command}", flush=True)
-    print(
-        f"machine: {facts['cores']} cores ({facts['cpu_model']}), load average {facts['loadavg']:.2f}; "
-        f"{facts['envoy']}; {facts['haproxy']}; pinning: servers {server_cpus or 'no'}, "
-        f"load generator {client_cpus or 'no'}",
-        flush=True,
-    )
+    pins = f"pinning: servers {server_cpus or 'no'}, load generator {client_cpus or 'no'}"
+    print_header(command, facts, facts["loadavg"], f"{facts['envoy']}; {facts['haproxy']}; {pins}")
     print(f"recording: {recording.describe()}", flush=True)
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="compare-"))

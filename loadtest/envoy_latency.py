@@ -48,7 +48,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,14 +62,16 @@ import uvloop
 from loadtest.common import (
     bounded_float,
     machine_facts,
-    parse_cpus,
     percentile,
     positive_int,
+    print_header,
+    program_version,
     reproduce_command,
     run_cli,
+    split_cpus,
 )
 from loadtest.http_load import Connection, HttpError, Pool
-from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, envoy_binary
+from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.processes import ProcessGroup
 from stack.redis import RedisProcess
 from stack.sidecar import SidecarProcess
@@ -347,44 +348,16 @@ def markdown_table(summary: dict[str, dict[str, Any]], arguments: argparse.Names
     return "\n".join(lines)
 
 
-def envoy_version() -> str:
-    try:
-        text = subprocess.run(
-            [envoy_binary(), "--version"], check=False, capture_output=True, text=True, timeout=10
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    # "envoy  version: <commit>/1.40.0/Clean/RELEASE/BoringSSL"
-    _, found, rest = text.partition("version:")
-    fields = rest.split()[0].split("/") if found and rest.split() else []
-    return fields[1] if len(fields) > 1 else text.strip() or "unknown"
-
-
 def command_line(arguments: argparse.Namespace) -> str:
     return reproduce_command(["python", "-m", "loadtest.envoy_latency"], arguments, skip={"json"})
 
 
-def pinning(arguments: argparse.Namespace) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
-    """(server cpus, client cpus); one given pins the other to the remaining usable cpus."""
-    server, client = parse_cpus(arguments.server_cpus), parse_cpus(arguments.client_cpus)
-    usable = sorted(os.sched_getaffinity(0))
-    if server and not client:
-        client = tuple(cpu for cpu in usable if cpu not in server) or None
-    elif client and not server:
-        server = tuple(cpu for cpu in usable if cpu not in client) or None
-    return server, client
-
-
 def run(arguments: argparse.Namespace) -> int:
-    server_cpus, client_cpus = pinning(arguments)
+    server_cpus, client_cpus = split_cpus(arguments.server_cpus, arguments.client_cpus)
     facts = machine_facts()
-    print(f"command: {command_line(arguments)}", flush=True)
-    print(
-        f"machine: {facts['cores']} cores ({facts['cpu_model']}), load average {os.getloadavg()[0]:.2f}; "
-        f"Python {facts['python']}, Envoy {envoy_version()}; "
-        f"pinning: servers {server_cpus or 'no'}, load generator {client_cpus or 'no'}",
-        flush=True,
-    )
+    pins = f"pinning: servers {server_cpus or 'no'}, load generator {client_cpus or 'no'}"
+    details = f"Python {facts['python']}, {program_version('envoy')}; {pins}"
+    print_header(command_line(arguments), facts, os.getloadavg()[0], details)
     print(
         f"load: GET {PATH} at {arguments.rate:g} req/s open loop, X-Forwarded-For over {len(addresses())} addresses "
         f"(under every limit), up to {arguments.connections} keep-alive connections; "

@@ -47,7 +47,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import cpu_seconds, machine_facts, positive_int, reproduce_command, run_cli, scrape_metrics
+from loadtest.common import (
+    cpu_seconds,
+    machine_facts,
+    positive_int,
+    print_header,
+    reproduce_command,
+    run_cli,
+    scrape_metrics,
+)
 from sidecar.config import load_config
 from sidecar.export.envoy_quota.export import export_quota, quota_document
 from stack.envoy import ENVOY_CONFIGS, ConfiguredEnvoy, EnvoyPorts, admin_get, envoy_binary, ingress_manager, render
@@ -372,13 +380,8 @@ def command_line(arguments: argparse.Namespace) -> str:
 
 def run(arguments: argparse.Namespace) -> int:
     wrk_binary()
-    facts = machine_facts()
-    print(f"command: {command_line(arguments)}", flush=True)
-    print(
-        f"machine: {facts['cores']} cores ({facts['cpu_model']}), load average {os.getloadavg()[0]:.2f}; "
-        f"Envoy {envoy_binary()} --concurrency 1 on cpu {arguments.envoy_cpu}, wrk on cpu {arguments.client_cpu}",
-        flush=True,
-    )
+    details = f"Envoy {envoy_binary()} --concurrency 1 on cpu {arguments.envoy_cpu}, wrk on cpu {arguments.client_cpu}"
+    print_header(command_line(arguments), machine_facts(), os.getloadavg()[0], details)
     results: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="quota-paths-") as directory:
         servers = start_servers(Path(directory), arguments)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.common import machine_facts, reproduce_command
+from loadtest.common import print_header as loadtest_header
 from loadtest.grpc_bench.drive import RunResult
 from loadtest.grpc_bench.mix import REPO
 
@@ -66,12 +67,8 @@ def command_line(arguments: argparse.Namespace) -> str:
 
 
 def print_header(arguments: argparse.Namespace, env: dict[str, Any]) -> None:
-    print(f"command: {command_line(arguments)}")
-    print(
-        f"machine: {env['cores']} cores ({env['cpu_model']}), load average {env['loadavg_at_start']:.2f}; "
-        f"Python {env['python']}, grpcio {env['grpcio']}, protobuf {env['protobuf']}, "
-        f"uvloop {env['uvloop']}"
-    )
+    versions = f"Python {env['python']}, grpcio {env['grpcio']}, protobuf {env['protobuf']}, uvloop {env['uvloop']}"
+    loadtest_header(command_line(arguments), env, env["loadavg_at_start"], versions)
     print(f"pinning: server cpus {env['server_cpus']}, load generator cpus {env['client_cpus']}; code {env['code']}")
 
 
