@@ -126,8 +126,8 @@ class MemoryLimiter:
             for check, state, spend in zip(checks, states, consume, strict=True):
                 if spend and check.hits:
                     self._spend(check, state, now)
-        for check, is_over in zip(checks, over, strict=True):
-            if is_over and check.ban_seconds:
+        for index, (check, is_over) in enumerate(zip(checks, over, strict=True)):
+            if is_over and check.ban_seconds and not (suppressed and suppressed[index]):  # a draw bans nothing
                 self._bans.ban(check.key, now + check.ban_seconds, now)
         ban_ends = tuple(self._bans.until(check.key) if check.ban_seconds else 0.0 for check in checks)
         return Decision(admitted, over, counts, limits, ban_ends, suppressed or ())

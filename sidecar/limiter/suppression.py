@@ -69,7 +69,7 @@ class Demand:
     is their sum.
     """
 
-    __slots__ = ("inflight", "known", "length_ms", "limit", "p", "pending", "slots", "touched")
+    __slots__ = ("inflight", "known", "length_ms", "limit", "p", "pending", "slots")
 
     def __init__(self, length_ms: int) -> None:
         self.length_ms = length_ms
@@ -83,8 +83,6 @@ class Demand:
         """The limit of the last check, per window: what ``p`` is worked out against."""
         self.p = 1.0
         """The last ``p`` worked out, for ``/config``."""
-        self.touched = True
-        """Used since the last flush: worth reading back."""
 
     def _index(self, slot: int) -> int:
         """The ring index of ``slot``, cleared first if it held an older slot."""
@@ -108,16 +106,27 @@ class Demand:
             self.pending[index] += hits
         else:
             self.known[index] += hits
-        self.touched = True
 
     def learn(self, slot: int, total: int, sent: int) -> None:
         """A flush's answer: ``total`` attempted hits in ``slot`` over every replica,
         ``sent`` of them ours from that flush (no longer in flight)."""
         index = slot % RING
-        if self.slots[index] != slot:
+        if self.slots[index] > slot:
             return  # the slot left the ring while the flush was on the wire
+        index = self._index(slot)  # a slot only the other replicas attempted in is taken on
         self.inflight[index] = max(0, self.inflight[index] - sent)
         self.known[index] = max(self.known[index], total)
+
+    def send(self) -> list[tuple[int, int]]:
+        """``(slot, hits)`` of every slot with hits pending for Redis, now in flight."""
+        sent = []
+        for index in range(RING):
+            hits = self.pending[index]
+            if hits:
+                sent.append((self.slots[index], hits))
+                self.inflight[index] += hits
+                self.pending[index] = 0
+        return sent
 
     def rate(self, slot: int) -> float:
         """Estimated attempted hits per sub-interval: the average of the last complete
@@ -151,6 +160,8 @@ class Suppression:
         """Checks refused by a draw (a request with two suppressed checks counts twice)."""
         self.forgotten = 0
         """Counters forgotten at the cap."""
+        self.touched: dict[CounterKey, Demand] = {}
+        """``shared``: counters attempted since the last flush (:meth:`take_touched`)."""
 
     def demand(self, key: CounterKey, unit_seconds: int) -> Demand:
         """The demand of ``key``, created (and the least recently used one forgotten at the cap)."""
@@ -179,6 +190,8 @@ class Suppression:
             demand = self.demand(check.key, check.unit_seconds)
             slot = slot_of(now, demand.length_ms)
             demand.attempt(slot, check.hits, shared=self.shared)
+            if self.shared:
+                self.touched[check.key] = demand
             p = demand.probability(slot, limits[index])
             if p < 1.0 and self.random.random() >= p:
                 if refused is None:
@@ -186,6 +199,11 @@ class Suppression:
                 refused[index] = True
                 self.suppressed += 1
         return None if refused is None else tuple(refused)
+
+    def take_touched(self) -> list[tuple[CounterKey, Demand]]:
+        """The counters attempted since the last call: what a ``sync`` flush sends and reads."""
+        touched, self.touched = self.touched, {}
+        return list(touched.items())
 
     def describe(self, now: float, limit: int = MAX_SHOWN) -> list[dict[str, object]]:
         """The busiest counters (highest attempted rate) with their current ``p``, for ``/config``.
@@ -205,6 +223,11 @@ class Suppression:
             shown.append({"counter": list(key), "attempted_per_second": round(per_second, 3), "p": round(p, 4)})
         shown.sort(key=lambda item: -float(str(item["attempted_per_second"])))
         return shown[:limit]
+
+
+def lowered_where(checks: Sequence[Check], drawn: Sequence[bool]) -> list[Check]:
+    """``checks`` with those a draw refused decided against :data:`SUPPRESSED_LIMIT`."""
+    return [check._replace(limit=SUPPRESSED_LIMIT) if out else check for check, out in zip(checks, drawn, strict=True)]
 
 
 MAX_SHOWN_SCAN = 1000

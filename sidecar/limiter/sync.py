@@ -62,7 +62,8 @@ from sidecar.limiter.redis.keys import ban_key, counter_digest
 from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import CorruptKey, Counts, RedisStore
 from sidecar.limiter.redis.store import verdict as script_verdict
-from sidecar.limiter.sync_counters import FlushBatch, WindowCounter, lowered_check
+from sidecar.limiter.suppression import Suppression, lowered_where
+from sidecar.limiter.sync_counters import FlushBatch, WindowCounter, attempt_flush, lowered_check
 from sidecar.limiter.sync_table import CounterTable
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
@@ -93,6 +94,7 @@ class SyncLimiter:
         max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
         max_counters: int = DEFAULT_MAX_COUNTERS,
         clock: Clock = system_clock,
+        suppression_seed: int | None = None,
     ) -> None:
         self.store = store
         self.replicas = replicas
@@ -115,6 +117,8 @@ class SyncLimiter:
         self._flushes_delivered = 0
         """Flushes that delivered hits: each makes the counters it carried forgettable."""
         self.clock = clock
+        self.suppression = Suppression(max_counters, seed=suppression_seed, shared=True)
+        """``overload: suppress``: attempted hits, shared through Redis by every flush."""
         self._bans = Bans(max_counters)
         """Bans by Redis ban key: our own, and the others' read back by flushes."""
         self._ban_outbox: dict[str, int] = {}
@@ -207,7 +211,12 @@ class SyncLimiter:
 
         While Redis is known to be down, the failure mode decides everything, so
         ``closed`` really refuses and ``local`` really enforces the safe share.
+        An ``overload: suppress`` draw comes first: a check it refused is decided against
+        :data:`~.suppression.SUPPRESSED_LIMIT` (refused locally, as a certain refusal is).
         """
+        drawn = self.suppression.refused(checks, [check.limit for check in checks], now)
+        if drawn is not None:
+            checks = lowered_where(checks, drawn)
         counters = [self.table.counter(check, now) for check in checks]
         try:
             if not all(counter.remembered for counter in counters):
@@ -216,11 +225,13 @@ class SyncLimiter:
         finally:
             for counter in counters:
                 counter.busy -= 1
+        if drawn is not None:
+            decision = decision._replace(suppressed=drawn)
         banned = False
-        for check, over in zip(checks, decision.over, strict=True):
+        for index, (check, over) in enumerate(zip(checks, decision.over, strict=True)):
             if check.ban_seconds:
                 banned = True
-                if over:
+                if over and not (drawn and drawn[index]):  # a draw is no full window: no ban
                     self._ban(check, now)
         if banned:
             ends = tuple(self._bans.until(counter.ban_key) if counter.ban_key else 0.0 for counter in counters)
@@ -607,12 +618,15 @@ class SyncLimiter:
         async with self._flush_lock:
             self.table.expire(self.clock())
             batch = self._unacknowledged or self._prepare_flush()
-            if not batch.sent and not batch.reads and not batch.bans:
+            if not batch.sent and not batch.reads and not batch.bans and batch.attempts is None:
                 return
             adds = {key: (hits, counter.expire_at) for key, (counter, hits) in batch.sent.items()}
             once = (self.replicas.replica_id, batch.sequence)
             reads = [counter.key for counter in batch.reads]
             reads += [key for counter in batch.counters() for key in counter.extra_reads()]
+            if batch.attempts is not None:
+                adds.update(batch.attempts.adds())
+                reads += batch.attempts.reads
             self.flush_keys.observe(len(adds) + len(reads))
             started = time.perf_counter()
             try:
@@ -636,6 +650,8 @@ class SyncLimiter:
                 self.replicas.observe(live)
             self._apply_flush(batch, totals)
             self._learn_bans(batch, totals)
+            if batch.attempts is not None:
+                batch.attempts.learn(totals)
 
     def _prepare_flush(self) -> FlushBatch:
         sent: dict[str, tuple[WindowCounter, int]] = {}
@@ -651,7 +667,7 @@ class SyncLimiter:
             counter.touched = False
         self._sequence += 1
         bans, self._ban_outbox = self._ban_outbox, {}
-        return FlushBatch(sent, reads, self._sequence, bans)
+        return FlushBatch(sent, reads, self._sequence, bans, attempt_flush(self.suppression, self.prefix, self.clock()))
 
     def _learn_bans(self, batch: FlushBatch, totals: dict[str, int]) -> None:
         """Take on the bans other replicas (or escalations) wrote: a ban key holds its end time."""

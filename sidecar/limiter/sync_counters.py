@@ -7,10 +7,13 @@ check an escalation sends (:func:`lowered_check`), and a :class:`FlushBatch`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from sidecar.limiter.algorithms import Algorithm
-from sidecar.limiter.protocol import Check
+from sidecar.limiter.protocol import Check, CounterKey
+from sidecar.limiter.redis.keys import EXPIRY_GRACE_SECONDS, counter_digest
+from sidecar.limiter.suppression import AVERAGE_OVER, RING, Demand, Suppression, slot_of
 
 
 @dataclass(slots=True)
@@ -88,7 +91,62 @@ class FlushBatch:
 
     bans: dict[str, int] = field(default_factory=dict)
     """Bans decided here since the last flush: ``{ban key: until}`` (SET NX, so the first wins)."""
+    attempts: AttemptFlush | None = None
+    """``overload: suppress``: the attempted hits this flush sends, and the slots it reads."""
 
     def counters(self) -> list[WindowCounter]:
         """Every counter the flush sends hits for or reads back."""
         return [counter for counter, _ in self.sent.values()] + self.reads
+
+
+def attempt_key(prefix: str, key: CounterKey, slot: int) -> str:
+    """Redis key of one counter's attempted hits in one sub-interval: ``prefix:{digest}:att:slot``
+    (the counter's hash tag, so Cluster keeps it in the counter's slot)."""
+    return f"{prefix}:{{{counter_digest(key)}}}:att:{slot}"
+
+
+@dataclass(slots=True)
+class AttemptFlush:
+    """What one flush carries for ``overload: suppress``: attempted hits are shared like
+    admitted ones, each replica adding its own to one key per counter and sub-interval and
+    reading back every replica's, so all apply the same ``p``."""
+
+    sent: dict[str, tuple[Demand, int, int]] = field(default_factory=dict)
+    """``{key: (demand, slot, hits)}``: this replica's attempted hits, sent with INCRBY."""
+    reads: dict[str, tuple[Demand, int]] = field(default_factory=dict)
+    """``{key: (demand, slot)}``: the slots the estimate reads, read back."""
+    expires: dict[str, int] = field(default_factory=dict)
+    """When each sent key may expire (once no estimate reads its slot)."""
+
+    def adds(self) -> dict[str, tuple[int, int]]:
+        """The adds as :meth:`~sidecar.limiter.redis.store.RedisStore.flush` takes them."""
+        return {key: (hits, self.expires[key]) for key, (_, _, hits) in self.sent.items()}
+
+    def learn(self, totals: dict[str, int]) -> None:
+        """Take on every replica's attempted hits from a flush's answer."""
+        for key, (demand, slot, hits) in self.sent.items():
+            if key in totals:
+                demand.learn(slot, totals[key], hits)
+        for key, (demand, slot) in self.reads.items():
+            if key in totals:
+                demand.learn(slot, totals[key], 0)
+
+
+def attempt_flush(suppression: Suppression, prefix: str, now: float) -> AttemptFlush | None:
+    """The attempted hits to send and the slots to read, for the counters attempted since the
+    last flush (so the work follows the traffic, not the number of counters followed)."""
+    touched = suppression.take_touched()
+    if not touched:
+        return None
+    flush = AttemptFlush()
+    for key, demand in touched:
+        for slot, hits in demand.send():
+            name = attempt_key(prefix, key, slot)
+            flush.sent[name] = (demand, slot, hits)
+            flush.expires[name] = math.ceil((slot + RING + 1) * demand.length_ms / 1000) + EXPIRY_GRACE_SECONDS
+        current = slot_of(now, demand.length_ms)
+        for slot in range(current - AVERAGE_OVER, current + 1):
+            name = attempt_key(prefix, key, slot)
+            if name not in flush.sent:
+                flush.reads[name] = (demand, slot)
+    return flush

@@ -160,3 +160,11 @@ def test_describe_shows_the_busiest_with_p_bounded():
     assert len(shown) == 5
     assert shown[0]["counter"] == ["k29"] and shown[0]["p"] == pytest.approx(1 / 30, abs=1e-3)
     assert shown[0]["attempted_per_second"] == 300.0
+
+
+def test_a_draw_is_no_full_window_and_bans_nothing():
+    limiter = MemoryLimiter(suppression_seed=0)
+    check = Check(("k",), 1, 100, 1, ban_seconds=60, suppress=True)
+    decisions = [limiter.check_now([check], T0 + i / 3000) for i in range(100)]
+    assert any(decision.suppressed for decision in decisions)
+    assert limiter.check_now([check], T0 + 5.0).admitted  # later, calm: no ban was set

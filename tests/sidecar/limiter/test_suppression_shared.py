@@ -1,0 +1,102 @@
+"""``overload: suppress`` across replicas on a real redis-server: the attempted demand is
+shared, so three replicas seeing a third of the traffic each apply the ``p`` one replica
+seeing all of it applies (sync: flushed with the batch and read back)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from sidecar.limiter.protocol import Check
+from sidecar.limiter.redis.keys import counter_digest
+from sidecar.limiter.suppression import slot_of
+from sidecar.limiter.sync import SyncLimiter
+from sidecar.server import build_redis_limiter
+from tests.support.redis_servers import RedisServer, fresh_prefix, redis_settings
+
+pytestmark = pytest.mark.slow
+
+LIMIT = 100
+"""Per second: 10 hits per 100 ms sub-interval."""
+RATE = 3 * LIMIT
+SECONDS = 1.5
+
+
+def check(name: str) -> Check:
+    return Check((name,), 1, LIMIT, 1, suppress=True)
+
+
+@pytest.fixture
+async def fleet(redis_server: RedisServer) -> AsyncIterator[Callable[[int], asyncio.Future[list[SyncLimiter]]]]:
+    made: list[SyncLimiter] = []
+
+    async def build(count: int) -> list[SyncLimiter]:
+        settings = redis_settings(
+            redis_server.url, "sync", 2.0, redis_prefix=fresh_prefix("sup"), heartbeat_interval=0.5, sync_interval=0.05
+        )
+        limiters = [build_redis_limiter(settings) for _ in range(count)]
+        replicas = [limiter for limiter in limiters if isinstance(limiter, SyncLimiter)]
+        for index, limiter in enumerate(replicas):
+            limiter.suppression.random.seed(index)
+            await limiter.start()
+        for limiter in replicas:
+            await limiter.replicas.beat()
+        made.extend(replicas)
+        return replicas
+
+    yield build  # type: ignore[misc]
+    await asyncio.gather(*(limiter.close() for limiter in made))
+
+
+async def drive(replicas: list[SyncLimiter], name: str) -> tuple[list[float], int]:
+    """Send :data:`RATE` requests a second for :data:`SECONDS`, round robin over ``replicas``;
+    return each replica's ``p`` at the end and how many were admitted in the last second."""
+    started = time.time()
+    sent = admitted_late = 0
+    while (elapsed := time.time() - started) < SECONDS:
+        due = int(elapsed * RATE)
+        while sent < due:
+            now = time.time()
+            decision = await replicas[sent % len(replicas)].check([check(name)], now)
+            admitted_late += decision.admitted and elapsed >= SECONDS - 1.0
+            sent += 1
+        await asyncio.sleep(0.005)
+    now = time.time()
+    ps = []
+    for limiter in replicas:
+        demand = limiter.suppression.demands[(name,)]
+        ps.append(demand.probability(slot_of(now, demand.length_ms), LIMIT))
+    return ps, admitted_late
+
+
+async def test_three_replicas_apply_the_global_p_of_one_seeing_everything(fleet, redis_server: RedisServer) -> None:
+    alone = await fleet(1)
+    (p_alone,), _ = await drive(alone, "alone")
+    three = await fleet(3)
+    p_three, _ = await drive(three, "three")
+    assert 0.2 <= p_alone <= 0.5, p_alone  # 1/3 at 3x the limit
+    for p in p_three:
+        assert abs(p - p_alone) <= 0.15, (p_alone, p_three)
+    # Each replica alone sees the limit's own rate: without sharing, none would suppress.
+    assert all(p < 0.7 for p in p_three)
+    # The attempted hits are in Redis, one key per counter and sub-interval.
+    keys = redis_server.client().keys(f"{three[0].prefix}:{{{counter_digest(('three',))}}}:att:*")
+    assert len(keys) >= 10
+
+
+async def test_a_replica_that_stops_flushing_keeps_its_own_view(fleet) -> None:
+    """The shared count is what was flushed: a replica's own attempts count at once, the
+    others' once its next flush reads them back."""
+    replicas = await fleet(2)
+    first, second = replicas
+    now = time.time()
+    for _ in range(30):
+        await first.check([check("view")], now)
+    await first.sync_once()
+    await second.check([check("view")], now)
+    await second.sync_once()
+    demand = second.suppression.demands[("view",)]
+    assert demand.count(slot_of(now, demand.length_ms)) == 31
