@@ -102,6 +102,23 @@ def run_cli(prog: str, run: Callable[[], int], signals: Sequence[signal.Signals]
 
 
 # ---------------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------------
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table: ``header``, the ``|---|`` line, then one line per row (cells as ``str``)."""
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def dash(value: float | None, spec: str = "") -> str:
+    """``value`` formatted with ``spec``, or "-" for a figure that was not measured."""
+    return "-" if value is None else format(value, spec)
+
+
+# ---------------------------------------------------------------------------------
 # Machine and measurements
 # ---------------------------------------------------------------------------------
 

@@ -61,7 +61,9 @@ import uvloop
 
 from loadtest.common import (
     bounded_float,
+    dash,
     machine_facts,
+    md_table,
     percentile,
     positive_int,
     print_header,
@@ -321,31 +323,21 @@ def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
     return summary
 
 
-def _ms(value: float | None, signed: bool = False) -> str:
-    if value is None:
-        return "-"
-    return f"{value:+.2f}" if signed else f"{value:.2f}"
-
-
 def markdown_table(summary: dict[str, dict[str, Any]], arguments: argparse.Namespace) -> str:
     title = f"variant ({arguments.rate:g} req/s, median of {arguments.rounds} rounds x {arguments.duration:g} s)"
-    lines = [
-        f"| {title} | requests | 200 | 429 | other / errors | p50 ms | p90 ms | p99 ms | max ms "
-        "| added p50 ms | added p90 ms | added p99 ms | server CPU µs/req | gen lag p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = [title, "requests", "200", "429", "other / errors", "p50 ms", "p90 ms", "p99 ms", "max ms"]
+    header += ["added p50 ms", "added p90 ms", "added p99 ms", "server CPU µs/req", "gen lag p99 ms"]
+    rows = []
     for row in summary.values():
         statuses = row["statuses"]
         other = sum(count for status, count in statuses.items() if status not in ("200", "429"))
         other += sum(row["errors"].values())
-        cpu = "-" if row["server_cpu_us_per_request"] is None else f"{row['server_cpu_us_per_request']:.0f}"
-        lines.append(
-            f"| {row['label']} | {row['sent']:,} | {statuses.get('200', 0):,} | {statuses.get('429', 0):,} | {other:,} "
-            f"| {_ms(row['p50_ms'])} | {_ms(row['p90_ms'])} | {_ms(row['p99_ms'])} | {_ms(row['max_ms'])} "
-            f"| {_ms(row['added_p50_ms'], True)} | {_ms(row['added_p90_ms'], True)} "
-            f"| {_ms(row['added_p99_ms'], True)} | {cpu} | {_ms(row['lag_p99_ms'])} |"
-        )
-    return "\n".join(lines)
+        counts = [row["sent"], statuses.get("200", 0), statuses.get("429", 0), other]
+        times = [dash(row[key], ".2f") for key in ("p50_ms", "p90_ms", "p99_ms", "max_ms")]
+        added = [dash(row[f"added_{key}"], "+.2f") for key in ("p50_ms", "p90_ms", "p99_ms")]
+        cpu, lag = dash(row["server_cpu_us_per_request"], ".0f"), dash(row["lag_p99_ms"], ".2f")
+        rows.append([row["label"], *(f"{count:,}" for count in counts), *times, *added, cpu, lag])
+    return md_table(header, rows)
 
 
 def command_line(arguments: argparse.Namespace) -> str:

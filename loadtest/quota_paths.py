@@ -49,7 +49,9 @@ from typing import Any
 
 from loadtest.common import (
     cpu_seconds,
+    dash,
     machine_facts,
+    md_table,
     positive_int,
     print_header,
     reproduce_command,
@@ -335,19 +337,14 @@ def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
 
 
 def table(rows: dict[str, dict[str, Any]], arguments: argparse.Namespace) -> str:
-    lines = [
-        f"| variant (median of {arguments.rounds} x {arguments.duration:g} s) | req/s | x (b) | p50 ms | p99 ms "
-        "| non-2xx | socket errors | sidecar CPU % of a core (all rounds) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = [f"variant (median of {arguments.rounds} x {arguments.duration:g} s)", "req/s", "x (b)", "p50 ms"]
+    header += ["p99 ms", "non-2xx", "socket errors", "sidecar CPU % of a core (all rounds)"]
+    cells = []
     for row in rows.values():
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        cpu = "-" if row["sidecar_cpu_percent"] is None else f"{row['sidecar_cpu_percent']:.2f}"
-        lines.append(
-            f"| {row['label']} | {row['rps']:,.0f} | {ratio} | {row['p50_ms']:.2f} | {row['p99_ms']:.2f} "
-            f"| {row['non_2xx']:,} | {row['errors']:,} | {cpu} |"
-        )
-    return "\n".join(lines)
+        speed = [f"{row['rps']:,.0f}", dash(row["ratio"], ".2f"), f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}"]
+        failed = [f"{row['non_2xx']:,}", f"{row['errors']:,}"]
+        cells.append([row["label"], *speed, *failed, dash(row["sidecar_cpu_percent"], ".2f")])
+    return md_table(header, cells)
 
 
 def plot(rows: dict[str, dict[str, Any]], path: Path, answered: bool) -> None:

@@ -39,6 +39,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from loadtest.common import md_table
 from sidecar.config.load import parse_text
 from sidecar.config.match import match_descriptor
 from sidecar.config.model import RateLimitRule
@@ -260,24 +261,19 @@ async def simulate(replica_count: int, bucket_count: int, limit: int, seconds: i
 
 
 def table(results: Sequence[Result], scale: int) -> str:
-    lines = [
-        f"per bucket, and x{scale:,} buckets (Redis is per-bucket work; buckets are independent)",
-        "| R | calls/s per bucket | entry reads/s per bucket | calls/s at scale | entry reads/s at scale"
-        " | round trips/s per replica | after shift: entry reads/s per bucket | converged after shift"
-        " | admitted / limit after | worst second above limit | above limit + bucket sizes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["R", "calls/s per bucket", "entry reads/s per bucket", "calls/s at scale", "entry reads/s at scale"]
+    header += ["round trips/s per replica", "after shift: entry reads/s per bucket", "converged after shift"]
+    header += ["admitted / limit after", "worst second above limit", "above limit + bucket sizes"]
+    cells = []
     for r in results:
-        per_bucket = r.steady[0] / r.buckets
-        reads = r.steady[2] / r.buckets
-        trips = r.steady[1] / r.replicas
+        per_bucket, reads, trips = r.steady[0] / r.buckets, r.steady[2] / r.buckets, r.steady[1] / r.replicas
         converge = f"{r.converge} s" if r.converge is not None else "no"
-        lines.append(
-            f"| {r.replicas:,} | {per_bucket:,.1f} | {reads:,.1f} | {per_bucket * scale:,.0f} | {reads * scale:,.0f}"
-            f" | {trips:.2f} | {r.shifted[2] / r.buckets:,.1f} | {converge} | {r.admitted_ratio:.3f}"
-            f" | {r.worst_over:+.0f} | {r.bound_over:+.0f} |"
-        )
-    return "\n".join(lines)
+        steady = [f"{r.replicas:,}", f"{per_bucket:,.1f}", f"{reads:,.1f}", f"{per_bucket * scale:,.0f}"]
+        steady += [f"{reads * scale:,.0f}", f"{trips:.2f}"]
+        shifted = [f"{r.shifted[2] / r.buckets:,.1f}", converge, f"{r.admitted_ratio:.3f}"]
+        cells.append([*steady, *shifted, f"{r.worst_over:+.0f}", f"{r.bound_over:+.0f}"])
+    scope = f"per bucket, and x{scale:,} buckets (Redis is per-bucket work; buckets are independent)"
+    return scope + "\n" + md_table(header, cells)
 
 
 def lua_cost(url: str, replicas: int, repeat: int = 20) -> tuple[float, float]:

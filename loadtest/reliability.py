@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import machine_facts, parse_cpus, reproduce_command, run_cli
+from loadtest.common import machine_facts, md_table, parse_cpus, reproduce_command, run_cli
 from loadtest.reliability_harness import Context, Row
 
 AREAS = {
@@ -71,16 +71,14 @@ def verdict(row: Row) -> str:
 
 def table(rows: Sequence[Row]) -> str:
     """The report: one Markdown row per scenario."""
-    lines = [
-        "| area | scenario | load held | bad inputs | hits lost | result | notes |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    header = ["area", "scenario", "load held", "bad inputs", "hits lost", "result", "notes"]
+    cells = []
     for row in rows:
         lost = "" if row.hits_lost is None else f"{row.hits_lost:,}"
         inputs = f"{row.inputs:,}" if row.inputs else ""
         notes = "; ".join([*row.goals_missed, row.notes]).replace("|", "/").replace("\n", " ")
-        lines.append(f"| {row.area} | {row.scenario} | {row.load} | {inputs} | {lost} | {verdict(row)} | {notes} |")
-    return "\n".join(lines)
+        cells.append([row.area, row.scenario, row.load, inputs, lost, verdict(row), notes])
+    return md_table(header, cells)
 
 
 def summary(rows: Sequence[Row]) -> str:

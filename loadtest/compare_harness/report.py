@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from loadtest.common import dash, md_table
 from loadtest.compare_harness.paths import LABELS
 from loadtest.compare_harness.recording import Recording
 
@@ -66,30 +67,22 @@ def _span(low: int, high: int) -> str:
     return f"{low}" if low == high else f"{low}-{high}"
 
 
-def _number(value: float | None, digits: int = 0) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.{digits}f}"
-
-
 def main_table(summary: dict[str, dict[str, Any]], recording: Recording, rounds: int, throughput: str) -> str:
-    limit = recording.limit
-    lines = [
-        f"| path ({rounds} round(s) of the same recording) | requests | admitted | ideal | overshoot "
-        f"| false rejections | burst: admitted per client (exact window: {2 * limit}) "
-        f"| most admitted per client in any 1 s | {throughput} req/s | p50 ms | p99 ms | server CPU µs/req |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = [f"path ({rounds} round(s) of the same recording)", "requests", "admitted", "ideal", "overshoot"]
+    header += ["false rejections", f"burst: admitted per client (exact window: {2 * recording.limit})"]
+    header += ["most admitted per client in any 1 s", f"{throughput} req/s", "p50 ms", "p99 ms", "server CPU µs/req"]
+    cells = []
     for row in summary.values():
-        lines.append(
-            f"| {row['label']} | {row['sent']:,} | {row['admitted']:,} | {row['ideal']:,} "
-            f"| {row['overshoot']} ({row['overshoot_pct']:.1f} %) | {row['shortfall']} ({row['shortfall_pct']:.1f} %) "
-            f"| {_span(row['burst_admitted_min'], row['burst_admitted_max'])} "
-            f"| {_span(row['most_in_1s_min'], row['most_in_1s_max'])} "
-            f"| {_number(row['rps'])} | {_number(row['p50_ms'], 2)} | {_number(row['p99_ms'], 2)} "
-            f"| {_number(row['cpu_us_per_request'])} |"
-        )
-    return "\n".join(lines)
+        counts = [f"{row[key]:,}" for key in ("sent", "admitted", "ideal")]
+        errors = [
+            f"{row['overshoot']} ({row['overshoot_pct']:.1f} %)",
+            f"{row['shortfall']} ({row['shortfall_pct']:.1f} %)",
+        ]
+        spans = [_span(row["burst_admitted_min"], row["burst_admitted_max"])]
+        spans.append(_span(row["most_in_1s_min"], row["most_in_1s_max"]))
+        speed = [dash(row["rps"], ",.0f"), dash(row["p50_ms"], ",.2f"), dash(row["p99_ms"], ",.2f")]
+        cells.append([row["label"], *counts, *errors, *spans, *speed, dash(row["cpu_us_per_request"], ",.0f")])
+    return md_table(header, cells)
 
 
 def schedule_ideal(recording: Recording) -> dict[int, int]:
@@ -105,21 +98,19 @@ def per_second_table(runs: Sequence[dict[str, Any]], recording: Recording) -> st
     """Admitted per clock second, all clients together, one run per path."""
     planned = schedule_ideal(recording)
     seconds = sorted({int(second) for run in runs for second in run["per_second"]} | set(planned))
-    header = "| second | scheduled ideal | " + " | ".join(LABELS[run["path"]] for run in runs) + " |"
-    lines = [header, "|---" * (2 + len(runs)) + "|"]
+    cells = []
     for second in seconds:
-        cells = []
+        row: list[object] = [second, planned.get(second, 0)]
         for run in runs:
             figures = run["per_second"].get(str(second))
             if figures is None:
-                cells.append("0")
-                continue
-            cell = str(figures["admitted"])
-            if figures["ideal"] != planned.get(second, 0):
-                cell += f" (ideal {figures['ideal']})"
-            cells.append(cell)
-        lines.append(f"| {second} | {planned.get(second, 0)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+                row.append("0")
+            elif figures["ideal"] != planned.get(second, 0):
+                row.append(f"{figures['admitted']} (ideal {figures['ideal']})")
+            else:
+                row.append(figures["admitted"])
+        cells.append(row)
+    return md_table(["second", "scheduled ideal", *(LABELS[run["path"]] for run in runs)], cells)
 
 
 def notes(summary: dict[str, dict[str, Any]], shutdown: dict[str, dict[str, Any]], margin: float) -> list[str]:

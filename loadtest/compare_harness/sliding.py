@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loadtest.common import md_table
 from loadtest.compare_harness.analysis import DEFAULT_MARGIN
 from loadtest.compare_harness.client import Replay
 from loadtest.compare_harness.recording import Recording
@@ -322,17 +323,12 @@ def compare(
 
 def table(figures: dict[str, Any], labels: dict[str, str]) -> str:
     """Admitted per second, all clients together: the ideal, ours, HAProxy's, and the difference."""
-    lines = [
-        f"| second | requests | ideal (one exact estimate, the schedule) | {labels[OURS]} | {labels[HAPROXY]} "
-        "| difference |",
-        "|---|---|---|---|---|---|",
+    header = ["second", "requests", "ideal (one exact estimate, the schedule)", labels[OURS], labels[HAPROXY]]
+    cells = [
+        [second, row["requests"], row["ideal"], row[OURS], row[HAPROXY], f"{row[OURS] - row[HAPROXY]:+d}"]
+        for second, row in figures["per_second"].items()
     ]
-    for second, row in figures["per_second"].items():
-        difference = row[OURS] - row[HAPROXY]
-        lines.append(
-            f"| {second} | {row['requests']} | {row['ideal']} | {row[OURS]} | {row[HAPROXY]} | {difference:+d} |"
-        )
-    return "\n".join(lines)
+    return md_table([*header, "difference"], cells)
 
 
 def summary_lines(figures: dict[str, Any]) -> list[str]:
