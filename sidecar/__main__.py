@@ -126,6 +126,9 @@ def _add_quota_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--full", action="store_true", help="print the whole Envoy config, ratelimit filter replaced")
     parser.add_argument(
+        "--allow-dropped", action="store_true", help="export even when a limit cannot be translated (listed on stderr)"
+    )
+    parser.add_argument(
         "--check", action="store_true", help="only check --envoy's rate_limit_quota filters (exit 1 when refused)"
     )
 

@@ -220,3 +220,54 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError(f"no VmRSS for {pid}")
+
+
+# ---------------------------------------------------------------- any user config, on local ports
+
+SIDECAR_CLUSTERS = ("ratelimit", "rlqs")
+"""Cluster names that reach the sidecar when a config names its cluster so (the ``ratelimit``
+filter's own cluster and the exporter's default ``rlqs`` are found from the config too)."""
+
+
+def sidecar_clusters(config: dict[str, Any]) -> set[str]:
+    """The clusters of the config's rate-limit filters: ``ratelimit``'s ``rate_limit_service``
+    and every ``rate_limit_quota`` filter's ``rlqs_server``."""
+    found = set()
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener.get("filter_chains") or []:
+            for network in chain.get("filters") or []:
+                for item in (network.get("typed_config") or {}).get("http_filters") or []:
+                    typed = item.get("typed_config") or {}
+                    service = (typed.get("rate_limit_service") or {}).get("grpc_service") or typed.get("rlqs_server")
+                    name = ((service or {}).get("envoy_grpc") or {}).get("cluster_name")
+                    if name:
+                        found.add(str(name))
+    return found
+
+
+def render_local(config: dict[str, Any], listen: int, admin: int, app: int, sidecar: int) -> dict[str, Any]:
+    """A user's config (as Envoy's docs write one: one listener, upstreams by DNS name) on
+    127.0.0.1: the listener on ``listen``, the admin on ``admin``, the rate-limit filters'
+    clusters on the sidecar (HTTP/2) and every other cluster on the ``app`` upstream. Routes,
+    virtual hosts and filters are kept as written."""
+    rendered: dict[str, Any] = yaml.safe_load(yaml.safe_dump(config))
+    rendered["admin"] = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}}
+    resources = rendered["static_resources"]
+    (listener,) = resources["listeners"]
+    listener["address"] = {"socket_address": {"address": "127.0.0.1", "port_value": listen}}
+    to_sidecar = sidecar_clusters(rendered)
+    resources["clusters"] = [
+        cluster(item["name"], sidecar if item["name"] in to_sidecar else app, http2=item["name"] in to_sidecar)
+        for item in resources.get("clusters") or []
+    ]
+    return rendered
+
+
+class LocalEnvoy(ConfiguredEnvoy):
+    """Real Envoy running a user's config rendered by :func:`render_local`."""
+
+    def __init__(self, name: str, config: dict[str, Any], directory: Path, app: int, sidecar_port: int) -> None:
+        listen, admin = free_port(), free_port()
+        super().__init__(
+            name, render_local(config, listen, admin, app, sidecar_port), directory, listen=listen, admin=admin
+        )

@@ -12,11 +12,13 @@ matcher predicates and bucket values).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from sidecar.export.hosts import HostTest, host_tests
 from sidecar.export.problems import ExportError
 
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
@@ -95,30 +97,116 @@ def inline_routes(manager: Mapping[str, Any], path: Path) -> Mapping[str, Any]:
     return routes
 
 
-def served_routes(
-    hosts: Sequence[Mapping[str, Any]], origin: str, report: Callable[[str, str], None]
-) -> Iterator[tuple[int, Mapping[str, Any]]]:
-    """``(index, route)`` of the virtual host serving every domain (``*``), in match order; the
-    other hosts, and virtual-host ``rate_limits``, are reported as not exported."""
-    for host in hosts:
-        where = f"{origin}: virtual host {host.get('name', '?')!r}"
-        if "*" not in (host.get("domains") or []):
-            report(where, "only the virtual host for every domain ('*') is exported")
-            continue
-        if host.get("rate_limits"):
-            report(where, "virtual host rate_limits are not exported (only route ones)")
-        yield from enumerate(host.get("routes") or [])
+@dataclass(frozen=True, slots=True)
+class RoutedLimits:
+    """One route of one virtual host, and the ``rate_limits`` entries the ``ratelimit`` filter
+    applies to its requests: ``(where, entry)``, the route's then its host's, in Envoy's order."""
+
+    host: HostTest
+    index: int
+    route: Mapping[str, Any]
+    label: str
+    entries: tuple[tuple[str, Mapping[str, Any]], ...]
+
+
+PATH_MATCHES = ("prefix", "path", "path_separated_prefix", "safe_regex")
+"""The route path matches both exporters translate (``path_match_policy`` and the others are not)."""
+VH_OPTIONS = ("OVERRIDE", "INCLUDE", "IGNORE")
+DISABLED = "DISABLED"
+"""``RateLimitPerRoute.vh_rate_limits``: the host's limits apply when the route has none
+(the default), always, or never. ``include_vh_rate_limits: true`` on a route means INCLUDE."""
+
+
+def routed_limits(
+    route_config: Mapping[str, Any], origin: str, report: Callable[[str, str], None]
+) -> Iterator[RoutedLimits]:
+    """Every route of every virtual host, in match order, with the entries applied to it.
+
+    Envoy's ``ratelimit`` filter applies the route's ``rate_limits``, then the virtual host's:
+    when the route has none at all (``OVERRIDE``, the default), always (``include_vh_rate_limits``
+    or ``INCLUDE``) or never (``IGNORE``), the most specific ``typed_per_filter_config`` of the
+    filter (route, then host) choosing. Anything else of that per-route config is reported.
+    """
+    hosts: Sequence[Mapping[str, Any]] = route_config.get("virtual_hosts") or []
+    for host, test in zip(hosts, host_tests(route_config, origin), strict=True):
+        host_where = f"{origin}: virtual host {test.name!r}"
+        host_limits = list(host.get("rate_limits") or [])
+        host_option = vh_option(host, host_where, report)
+        for index, route in enumerate(host.get("routes") or []):
+            label = route_label(test.name if len(hosts) > 1 else None, index, route)
+            action = route.get("route") or {}
+            own = [
+                (f"{origin}: {label} rate_limits[{n}]", entry)
+                for n, entry in enumerate(action.get("rate_limits") or [])
+            ]
+            option = vh_option(route, f"{origin}: {label}", report) or host_option or "OVERRIDE"
+            if action.get("include_vh_rate_limits") and option != DISABLED:
+                option = "INCLUDE"
+            if option == DISABLED:  # the filter does not run on this route: nothing is sent
+                own = []
+            inherited = option == "INCLUDE" or (option == "OVERRIDE" and not own)
+            if inherited:
+                own += [
+                    (f"{host_where} rate_limits[{n}] (on route {index})", entry) for n, entry in enumerate(host_limits)
+                ]
+            yield RoutedLimits(test, index, route, label, tuple(own))
+
+
+def route_label(host: str | None, index: int, route: Mapping[str, Any]) -> str:
+    """How problems name a route: ``route 2 (prefix /api)``, after its host's name when there are several."""
+    match = route.get("match") or {}
+    kind = next((kind for kind in PATH_MATCHES if kind in match), None)
+    value = match.get(kind) if kind else None
+    text = f"{kind} {value.get('regex', '') if isinstance(value, Mapping) else value}" if kind else "no path"
+    name = f" {route['name']!r}" if route.get("name") else ""
+    return (f"virtual host {host!r} " if host is not None else "") + f"route {index}{name} ({text})"
+
+
+def vh_option(holder: Mapping[str, Any], where: str, report: Callable[[str, str], None]) -> str | None:
+    """The ``vh_rate_limits`` of a route's or host's per-route config of the ``ratelimit`` filter;
+    ``DISABLED`` when a ``FilterConfig`` turns the filter off there."""
+    config = (holder.get("typed_per_filter_config") or {}).get(RATELIMIT_FILTER)
+    if config is None:
+        return None
+    if str(config.get("@type", "")).endswith("config.route.v3.FilterConfig"):
+        if config.get("disabled"):
+            return DISABLED
+        config = config.get("config") or {}
+    extra = sorted(set(config) - {"@type", "vh_rate_limits"})
+    if extra:
+        report(where, f"typed_per_filter_config {RATELIMIT_FILTER}: {', '.join(extra)} not read")
+    option = str(config.get("vh_rate_limits", "OVERRIDE"))
+    if option not in VH_OPTIONS:
+        report(where, f"vh_rate_limits {option!r} is not one of {', '.join(VH_OPTIONS)}")
+        return None
+    return option
+
+
+ENTRY_FIELDS = {"actions", "stage", "disable_key"}
+"""The fields of a ``rate_limits`` entry the exporters read; ``limit`` (an override from dynamic
+metadata), ``hits_addend`` and ``apply_on_stream_done`` change what is counted and are refused."""
 
 
 def skipped_entry(entry: Mapping[str, Any], stage: int) -> tuple[str, bool] | None:
-    """Why a route's ``rate_limits`` entry sends no descriptor to export, and whether that is
-    only a note (an entry of another stage is not applied by this filter either); None to read it."""
+    """Why a ``rate_limits`` entry sends no descriptor to export, and whether that is only a
+    note (an entry of another stage is not applied by this filter either); None to read it."""
     if int(entry.get("stage", 0) or 0) != stage:
         return f"stage {entry.get('stage')}: not applied by the filter (stage {stage})", True
-    extra = sorted(set(entry) - {"actions", "stage"})
+    extra = sorted(set(entry) - ENTRY_FIELDS)
     if extra:
         return f"{', '.join(extra)} not supported; descriptor not exported", False
     return None
+
+
+def disable_note(entry: Mapping[str, Any]) -> str | None:
+    """The difference an entry's ``disable_key`` makes, or None without one."""
+    key = entry.get("disable_key")
+    if not key:
+        return None
+    return (
+        f"disable_key {key!r}: exported as always on; the runtime key ratelimit.{key}.http_filter_enabled "
+        "turns off only the ratelimit filter's descriptor"
+    )
 
 
 def one_action(action: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any]] | str:

@@ -1,7 +1,9 @@
 """What an export could not do: nothing at all (:class:`ExportError`), or one thing (:class:`Problem`).
 
 Both exporters translate what they can and list the rest on stderr, one line each, with the
-place in the config and the reason: a rule or a descriptor is never left out silently.
+place in the config and the reason: a rule or a descriptor is never left out silently. A
+problem that leaves a limit out (``exported=False``) fails ``export-envoy-quota`` unless the
+user accepts it with ``--allow-dropped``; a note (``exported=True``) says a difference.
 """
 
 from __future__ import annotations
@@ -10,7 +12,19 @@ from dataclasses import dataclass
 
 
 class ExportError(Exception):
-    """The inputs cannot be exported at all (unreadable Envoy config, unknown domain, bad flag)."""
+    """The inputs cannot be exported at all (unreadable Envoy config, unknown domain, bad flag).
+
+    ``reasons``: the problems that led there (each route and action left out), printed after
+    the message, one line each, so that a refused export says why.
+    """
+
+    def __init__(self, message: str, reasons: tuple[Problem, ...] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reasons = reasons
+
+    def __str__(self) -> str:
+        return "".join([self.message, *(f"\n  {reason}" for reason in self.reasons)])
 
 
 @dataclass(frozen=True, slots=True)

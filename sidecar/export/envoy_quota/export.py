@@ -15,8 +15,9 @@ routes from the Envoy config (:mod:`.routes`, on the reader both exporters share
 - a request matching no entry gets no bucket and passes, as a request sending no
   descriptor passes the ``ratelimit`` filter.
 
-Whatever cannot be translated is listed on stderr (one line each, as ``export-haproxy``
-does) and left out, never silently. ``--check`` refuses an Envoy config whose quota
+Whatever cannot be translated is listed on stderr (one line each, with the route and action),
+never left out silently: a limit left out fails the export (nothing printed on stdout) unless
+``--allow-dropped`` accepts the loss; notes (differences) never fail it. ``--check`` refuses an Envoy config whose quota
 filter would crash Envoy 1.40 (a token bucket as ``no_assignment_behavior``).
 """
 
@@ -49,7 +50,7 @@ from sidecar.export.envoy_routes import (
     read_envoy,
 )
 from sidecar.export.problems import ExportError, Problem
-from sidecar.export.rules import pick_domain
+from sidecar.export.rules import pick_domain, subtree_rules, where_of
 
 COMMAND = "export-envoy-quota"
 DEFAULT_CLUSTER = "rlqs"
@@ -64,6 +65,11 @@ class QuotaExport:
     filters: list[dict[str, Any]]
     problems: tuple[Problem, ...]
 
+    @property
+    def dropped(self) -> tuple[Problem, ...]:
+        """The limits left out: the command refuses the export unless ``--allow-dropped``."""
+        return tuple(problem for problem in self.problems if not problem.exported)
+
 
 def export_quota(
     domains: Mapping[str, DomainConfig],
@@ -77,21 +83,15 @@ def export_quota(
     manager, limiter = envoy_parts(document, origin)
     domain_name = filter_domain(limiter, origin)
     domain = pick_domain(domains, domain_name)
-    reader = RouteReader(str(origin), filter_stage(limiter))
+    reader = RouteReader(str(origin), filter_stage(limiter), local_cluster(document))
     try:
-        routes = reader.virtual_hosts(inline_routes(manager, origin).get("virtual_hosts") or [])
+        routes = reader.virtual_hosts(inline_routes(manager, origin))
     except (AttributeError, TypeError, ValueError) as error:
         raise ExportError(f"{origin}: not the shape of an Envoy v3 config ({error})") from None
     problems = reader.problems
     routes = keep_reachable(domain, routes, problems)
-    where = f"{origin}: {RATELIMIT_FILTER}"
-    if limiter.get("enable_x_ratelimit_headers"):
-        problems.append(Problem(where, "enable_x_ratelimit_headers: the quota filter sends no X-RateLimit headers"))
-    if bool(limiter.get("failure_mode_deny")) != (fallback == "deny"):
-        flag = "deny" if limiter.get("failure_mode_deny") else "allow"
-        problems.append(
-            Problem(where, f"failure_mode_deny differs from --no-assignment {fallback} (--no-assignment {flag})", True)
-        )
+    problems.extend(filter_differences(limiter, origin, fallback))
+    problems.extend(rule_refusals(domain))
     if any(value.header for route in routes for item in route.descriptors for _, value in item.entries):
         problems.append(
             Problem(
@@ -102,9 +102,47 @@ def export_quota(
             )
         )
     filters = build_filters(domain_name, routes, cluster, fallback)
+    unique = tuple(dict.fromkeys(problems))
     if not filters:
-        raise ExportError(f"{origin}: no route sends a descriptor that could be exported")
-    return QuotaExport(domain_name, filters, tuple(dict.fromkeys(problems)))
+        raise ExportError(f"{origin}: no route sends a descriptor that could be exported", unique)
+    return QuotaExport(domain_name, filters, unique)
+
+
+def local_cluster(document: Mapping[str, Any]) -> str | None:
+    """The bootstrap's ``node.cluster``: what ``source_cluster`` sends (None: set at run time)."""
+    cluster = (document.get("node") or {}).get("cluster")
+    return cluster if isinstance(cluster, str) and cluster else None
+
+
+def filter_differences(limiter: Mapping[str, Any], origin: Path, fallback: Fallback) -> list[Problem]:
+    """What the ``ratelimit`` filter does that the quota filters do differently (notes)."""
+    where = f"{origin}: {RATELIMIT_FILTER}"
+    found = []
+    if limiter.get("enable_x_ratelimit_headers"):
+        found.append(Problem(where, "enable_x_ratelimit_headers: the quota filter sends no X-RateLimit headers", True))
+    if bool(limiter.get("failure_mode_deny")) != (fallback == "deny"):
+        flag = "deny" if limiter.get("failure_mode_deny") else "allow"
+        found.append(
+            Problem(where, f"failure_mode_deny differs from --no-assignment {fallback} (--no-assignment {flag})", True)
+        )
+    return found
+
+
+def rule_refusals(domain: DomainConfig) -> list[Problem]:
+    """Rules whose behaviour Envoy's token bucket cannot enforce (``overload: suppress``: an
+    admission probability per request): each a dropped limit."""
+    found = []
+    for node in domain.root.nodes():
+        for rule in subtree_rules(node):
+            if rule.suppress:
+                found.append(
+                    Problem(
+                        where_of(rule),
+                        "overload: suppress is not enforced in quota mode (Envoy's bucket admits up to the "
+                        "assignment, it draws no admission probability)",
+                    )
+                )
+    return found
 
 
 def envoy_parts(document: Mapping[str, Any], origin: Path) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
@@ -188,6 +226,8 @@ def command_line(arguments: argparse.Namespace) -> str:
         words += ["--no-assignment", arguments.no_assignment]
     if arguments.full:
         words.append("--full")
+    if arguments.allow_dropped:
+        words.append("--allow-dropped")
     return shlex.join(words)
 
 
@@ -224,6 +264,12 @@ def run_quota_export(arguments: argparse.Namespace) -> QuotaOutput:
         raise ExportError("a descriptor config is required (only --check works without one)")
     config = load_config(arguments.config)
     export = export_quota(config.domains, document, origin, cluster=arguments.cluster, fallback=arguments.no_assignment)
+    if export.dropped and not arguments.allow_dropped:
+        refusal = (
+            f"{COMMAND}: error: {len(export.dropped)} limit(s) or descriptor(s) above would be left out; "
+            "nothing written. Change the config, or accept the loss with --allow-dropped"
+        )
+        return QuotaOutput("", (*(str(problem) for problem in export.problems), refusal), True)
     body: Any = export.filters
     if arguments.full:
         body = quota_document(document, origin, export.filters, arguments.cluster)

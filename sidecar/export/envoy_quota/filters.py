@@ -5,7 +5,8 @@ several filters. A descriptor sent by several routes is always in the same filte
 bucket (its counter) is shared by those routes as in the sidecar; the filters are few: a greedy
 colouring of "sent by the same route". In a filter, one matcher entry per route sending a
 descriptor for it: the route's path test, the tests of its actions, and "none of the earlier
-routes that could have taken the request", since Envoy picks the first matching route and the
+routes that could have taken the request", and, when the config has several virtual hosts, the
+test of the route's host (:mod:`sidecar.export.hosts`), since Envoy picks the first matching route and the
 matcher list the first matching entry, but an earlier route without a bucket here leaves the
 request to later entries.
 """
@@ -13,6 +14,7 @@ request to later entries.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from sidecar.config.model import DomainConfig, Level
@@ -59,14 +61,21 @@ def assign_filters(routes: Sequence[QuotaRoute]) -> dict[Shape, int]:
 def filter_matchers(routes: Sequence[QuotaRoute], shapes: Mapping[Shape, int], number: int) -> Iterator[Any]:
     """``(route, descriptor, predicate)`` of filter ``number``'s entries, in route order."""
     earlier: list[Predicate] = []
-    """Paths of earlier routes that leave some of their requests without a bucket here."""
+    """Paths of earlier routes of the same host that leave some of their requests without a bucket here."""
+    host = None
     for route in routes:
+        if route.host != host:
+            host, earlier = route.host, []
         if route.path is None:
             continue
         mine = [item for item in route.descriptors if shapes[item.entries] == number]
         descriptor = mine[0] if mine else None
         if descriptor is not None:
-            tests = [route.path, *([objects.negate(objects.any_of(earlier))] if earlier else [])]
+            tests = [
+                *([route.host_test] if route.host_test is not None else []),
+                route.path,
+                *([objects.negate(objects.any_of(earlier))] if earlier else []),
+            ]
             yield route, descriptor, objects.all_of([*tests, *descriptor.conditions])
         if descriptor is None or descriptor.conditions:
             earlier.append(route.path)
@@ -96,6 +105,6 @@ def keep_reachable(domain: DomainConfig, routes: Sequence[QuotaRoute], problems:
             if reaches_a_rule(domain.root, descriptor.entries):
                 descriptors.append(descriptor)
             else:
-                problems.append(Problem(descriptor.where, f"matches no rule of domain {domain.name!r}"))
-        kept.append(QuotaRoute(route.label, route.path, tuple(descriptors)))
+                problems.append(Problem(descriptor.where, f"matches no rule of domain {domain.name!r}", True))
+        kept.append(replace(route, descriptors=tuple(descriptors)))
     return kept

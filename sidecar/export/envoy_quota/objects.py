@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import betterproto2
 
+from sidecar.export.hosts import Domain, HostTest
+
 with warnings.catch_warnings():
     # The generated classes use a pydantic idiom deprecated since pydantic 2.12: a warning per
     # class at import, about the package and not about this code.
@@ -35,7 +37,7 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import HttpFilter
     from envoy_data_plane.envoy.extensions.matching.common_inputs.network.v3 import SourceIpInput
-    from envoy_data_plane.envoy.type.matcher.v3 import HttpRequestHeaderMatchInput
+    from envoy_data_plane.envoy.type.matcher.v3 import HttpRequestHeaderMatchInput, HttpRequestQueryParamMatchInput
     from envoy_data_plane.envoy.type.v3 import HttpStatus, RateLimitStrategy, RateLimitStrategyBlanketRule, StatusCode
     from envoy_data_plane.google.protobuf import Any as AnyMessage
     from envoy_data_plane.xds.core.v3 import TypedExtensionConfig
@@ -117,16 +119,73 @@ def header_predicate(name: str, kind: str, value: str, *, ignore_case: bool = Fa
     return single(header_input(name), string_matcher(kind, value, ignore_case=ignore_case))
 
 
+def query_predicate(name: str, kind: str, value: str, *, ignore_case: bool = False) -> Predicate:
+    """True when query parameter ``name`` is present and its (first, decoded) value matches."""
+    config = TypedExtensionConfig(name="query-param", typed_config=AnyMessage.pack(query_value_input(name)))
+    return single(config, string_matcher(kind, value, ignore_case=ignore_case))
+
+
+def query_present(name: str) -> Predicate:
+    """True when query parameter ``name`` is present (any value, empty included)."""
+    return query_predicate(name, "safe_regex", ".*")
+
+
+def query_value_input(name: str) -> HttpRequestQueryParamMatchInput:
+    return HttpRequestQueryParamMatchInput(query_param=name)
+
+
+AUTHORITY = ":authority"
+_PORT = "(?::[0-9]*)?"
+
+
+def domain_predicate(domain: Domain, ignore_port: bool) -> Predicate:
+    """``:authority`` matching one ``domains`` entry as Envoy matches it (case-insensitive, a
+    wildcard standing for one character or more, the port ignored when the route config says)."""
+    if domain.kind == "any":
+        return header_present(AUTHORITY)
+    if domain.kind == "exact" and not ignore_port:
+        return header_predicate(AUTHORITY, "exact", domain.text, ignore_case=True)
+    text = re.escape(domain.text)
+    if domain.kind == "suffix":
+        regex = (".+" if not ignore_port else "[^:]+") + text
+    elif domain.kind == "prefix":
+        regex = text + (".+" if not ignore_port else "[^:]+")
+    else:
+        regex = text
+    return header_predicate(AUTHORITY, "safe_regex", regex + (_PORT if ignore_port else ""), ignore_case=True)
+
+
+def host_predicate(test: HostTest) -> Predicate | None:
+    """The requests Envoy gives one virtual host: one of its domains matches and no domain of
+    another host outranking it does; None when the host takes every request."""
+    if test.everything:
+        return None
+    choices = []
+    for mine, rivals in test.choices:
+        tests = [domain_predicate(mine, test.ignore_port)]
+        if rivals:
+            tests.append(negate(any_of([domain_predicate(rival, test.ignore_port) for rival in rivals])))
+        choices.append(all_of(tests))
+    return any_of(choices)
+
+
 def header_present(name: str) -> Predicate:
     """True when header ``name`` is present (any value, empty included)."""
     return header_predicate(name, "safe_regex", ".*")
 
 
 def all_of(predicates: Sequence[Predicate]) -> Predicate:
-    """The conjunction; one predicate as itself (an ``and_matcher`` needs two or more)."""
-    if len(predicates) == 1:
-        return predicates[0]
-    return Predicate(and_matcher=MatcherMatcherListPredicatePredicateList(predicate=list(predicates)))
+    """The conjunction, nested conjunctions flattened; one predicate as itself (an ``and_matcher``
+    needs two or more)."""
+    flat = [part for predicate in predicates for part in _and_parts(predicate)]
+    if len(flat) == 1:
+        return flat[0]
+    return Predicate(and_matcher=MatcherMatcherListPredicatePredicateList(predicate=flat))
+
+
+def _and_parts(predicate: Predicate) -> list[Predicate]:
+    inner = predicate.and_matcher
+    return list(inner.predicate) if inner is not None else [predicate]
 
 
 def any_of(predicates: Sequence[Predicate]) -> Predicate:
@@ -145,17 +204,21 @@ def negate(predicate: Predicate) -> Predicate:
 
 @dataclass(frozen=True, slots=True)
 class BucketValue:
-    """One bucket id value: a constant, a request header's value or the client address."""
+    """One bucket id value: a constant, a request header's or query parameter's value, or the
+    client address."""
 
     constant: str | None = None
     header: str | None = None
     source_ip: bool = False
+    query: str | None = None
 
     def builder(self) -> RateLimitQuotaBucketSettingsBucketIdBuilderValueBuilder:
         if self.constant is not None:
             return RateLimitQuotaBucketSettingsBucketIdBuilderValueBuilder(string_value=self.constant)
         if self.header is not None:
             return custom_value("request-header", header_value_input(self.header))
+        if self.query is not None:
+            return custom_value("query-param", query_value_input(self.query))
         return custom_value("source-ip", SourceIpInput())
 
 

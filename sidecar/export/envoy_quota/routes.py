@@ -16,10 +16,17 @@ from typing import Any
 
 from sidecar.export.envoy_quota import objects
 from sidecar.export.envoy_quota.objects import BucketValue, Predicate
-from sidecar.export.envoy_routes import one_action, served_routes, skipped_entry, string_match
+from sidecar.export.envoy_routes import (
+    PATH_MATCHES,
+    RoutedLimits,
+    disable_note,
+    one_action,
+    routed_limits,
+    skipped_entry,
+    string_match,
+)
 from sidecar.export.problems import Problem
 
-_PATH_MATCHES = ("prefix", "path", "path_separated_prefix", "safe_regex")
 _STRING_KINDS = ("exact", "prefix", "suffix", "contains", "safe_regex")
 
 
@@ -34,44 +41,80 @@ class Descriptor:
 
 @dataclass(frozen=True, slots=True)
 class QuotaRoute:
-    """A route: its path test (None when untranslatable) and the descriptors it sends."""
+    """A route: its host, its path test (None when untranslatable) and the descriptors it sends.
+
+    ``host`` names the virtual host (routes compete for a request only within one host);
+    ``host_test`` is the predicate of the requests Envoy gives that host (None: all of them).
+    """
 
     label: str
     path: Predicate | None = field(compare=False, hash=False)
     descriptors: tuple[Descriptor, ...]
+    host: str = ""
+    host_test: Predicate | None = field(default=None, compare=False, hash=False)
+    name: str = ""
 
 
 @dataclass(slots=True)
 class RouteReader:
-    """Reads virtual hosts, routes and rate-limit actions as predicates and bucket values."""
+    """Reads virtual hosts, routes and rate-limit actions as predicates and bucket values.
+
+    ``local_cluster`` is the bootstrap's ``node.cluster`` (what ``source_cluster`` sends), None
+    when the config does not say (``--service-cluster`` at run time).
+    """
 
     origin: str
     stage: int
+    local_cluster: str | None = None
     problems: list[Problem] = field(default_factory=list)
 
-    def virtual_hosts(self, hosts: Sequence[Mapping[str, Any]]) -> list[QuotaRoute]:
-        """Routes of the virtual host for every domain (``*``), in match order; others reported."""
-        return [self.route(index, route) for index, route in served_routes(hosts, self.origin, self.problem)]
+    def virtual_hosts(self, route_config: Mapping[str, Any]) -> list[QuotaRoute]:
+        """Every route of every virtual host, in match order, with the host's test."""
+        routes = []
+        tests: dict[str, Predicate | None] = {}
+        for found in routed_limits(route_config, self.origin, self.problem):
+            if found.host.name not in tests:
+                tests[found.host.name] = objects.host_predicate(found.host)
+            routes.append(self.route(found, tests[found.host.name]))
+        self.report_fallthrough(routes)
+        return routes
 
-    def route(self, index: int, route: Mapping[str, Any]) -> QuotaRoute:
-        match = route.get("match") or {}
+    def route(self, found: RoutedLimits, host_test: Predicate | None) -> QuotaRoute:
+        match = found.route.get("match") or {}
         path, text = self.path_test(match)
-        label = f"route {index} ({text})"
+        name = str(found.route.get("name") or "")
         if path is None:
-            self.problem(f"{self.origin}: route {index}", f"{text}; its requests may land in later routes' buckets")
-            return QuotaRoute(label, None, ())
-        action = route.get("route") or {}
+            for where, entry in found.entries:
+                skipped = skipped_entry(entry, self.stage)
+                if skipped is None or not skipped[1]:
+                    self.problem(where, f"the route's {text}; descriptor not exported")
+            return QuotaRoute(found.label, None, (), found.host.name, host_test, name)
+        action = found.route.get("route") or {}
         descriptors = []
-        for number, entry in enumerate(action.get("rate_limits") or []):
-            found = self.descriptor(f"{self.origin}: {label} rate_limits[{number}]", entry, action)
-            if found is not None:
-                descriptors.append(found)
-        return QuotaRoute(label, path, tuple(descriptors))
+        for where, entry in found.entries:
+            descriptor = self.descriptor(where, entry, action)
+            if descriptor is not None:
+                descriptors.append(descriptor)
+        return QuotaRoute(found.label, path, tuple(descriptors), found.host.name, host_test, name)
+
+    def report_fallthrough(self, routes: Sequence[QuotaRoute]) -> None:
+        """A route whose match is not translated lets its requests reach the buckets of the later
+        routes of its host: reported when some later route there has one."""
+        for number, route in enumerate(routes):
+            if route.path is not None:
+                continue
+            later = [other for other in routes[number + 1 :] if other.host == route.host and other.descriptors]
+            if later:
+                self.problem(
+                    f"{self.origin}: {route.label}",
+                    f"match not translated; its requests would land in the buckets of {later[0].label}",
+                )
 
     def path_test(self, match: Mapping[str, Any]) -> tuple[Predicate | None, str]:
-        """The predicate of a route ``match`` on ``:path`` (and its ``headers``), and a short text."""
-        kinds = [kind for kind in _PATH_MATCHES if kind in match]
-        unsupported = sorted(set(match) - {*_PATH_MATCHES, "case_sensitive", "headers"})
+        """The predicate of a route ``match`` on ``:path`` (and its ``headers`` and
+        ``query_parameters``), and a short text."""
+        kinds = [kind for kind in PATH_MATCHES if kind in match]
+        unsupported = sorted(set(match) - {*PATH_MATCHES, "case_sensitive", "headers", "query_parameters"})
         if unsupported or len(kinds) != 1:
             return None, f"match on {', '.join(unsupported) or 'no path'} is not exported"
         kind = kinds[0]
@@ -80,6 +123,11 @@ class RouteReader:
         tests = [path_predicate(kind, text, ignore_case=match.get("case_sensitive") is False)]
         for matcher in match.get("headers") or []:
             test = header_matcher(matcher)
+            if isinstance(test, str):
+                return None, f"{kind} {text} with {test}"
+            tests.append(test)
+        for matcher in match.get("query_parameters") or []:
+            test = query_matcher(matcher)
             if isinstance(test, str):
                 return None, f"{kind} {text} with {test}"
             tests.append(test)
@@ -101,6 +149,9 @@ class RouteReader:
             key, value, tests = result
             entries.append((key, value))
             conditions.extend(tests)
+        note = disable_note(entry)
+        if note is not None and entries:
+            self.problem(where, note, True)
         return Descriptor(where, tuple(entries), tuple(conditions)) if entries else None
 
     def action(
@@ -111,15 +162,36 @@ class RouteReader:
         if isinstance(found, str):
             return found
         kind, body = found
-        if kind == "destination_cluster" and isinstance(route_action.get("cluster"), str):
-            return "destination_cluster", BucketValue(constant=route_action["cluster"]), ()
+        if kind == "destination_cluster":
+            return destination_cluster(route_action)
+        if kind == "source_cluster":
+            if self.local_cluster is None:
+                return "action 'source_cluster': the config sets no node.cluster (given at run time)"
+            return "source_cluster", BucketValue(constant=self.local_cluster), ()
         translate = _ACTIONS.get(kind)
         if translate is not None:
             return translate(body)
-        return f"action {kind!r} has no rate_limit_quota translation here"
+        return f"action {kind!r}: {_UNTRANSLATABLE.get(kind, 'has no rate_limit_quota translation here')}"
 
     def problem(self, where: str, reason: str, exported: bool = False) -> None:
         self.problems.append(Problem(where, reason, exported))
+
+
+_UNTRANSLATABLE = {
+    "masked_remote_address": "a bucket id cannot hold a masked address (no matcher input masks one)",
+    "metadata": "a bucket id cannot read metadata (no bucket value input for it)",
+    "dynamic_metadata": "a bucket id cannot read metadata (no bucket value input for it)",
+    "extension": "an extension's descriptor is not known here",
+}
+
+
+def destination_cluster(route_action: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
+    """Envoy's ``destination_cluster``: the route's cluster, a constant when the route names one."""
+    cluster = route_action.get("cluster")
+    if isinstance(cluster, str) and cluster:
+        return "destination_cluster", BucketValue(constant=cluster), ()
+    chosen = "weighted_clusters" if "weighted_clusters" in route_action else "cluster_header or no cluster"
+    return f"action 'destination_cluster' on a route with {chosen}: the cluster is chosen per request"
 
 
 def remote_address(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
@@ -199,9 +271,56 @@ def header_value_match(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple
     return key, BucketValue(constant=str(body.get("descriptor_value", ""))), (condition,)
 
 
+def query_parameters(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
+    """Envoy's ``query_parameters``: the parameter's value; no descriptor when it is absent."""
+    name, key = str(body.get("query_parameter_name", "")), str(body.get("descriptor_key", ""))
+    if body.get("skip_if_absent"):
+        return "query_parameters with skip_if_absent is not supported"
+    if not name or not key:
+        return f"query_parameters {name!r} / descriptor_key {key!r} not supported"
+    return key, BucketValue(query=name), (objects.query_present(name),)
+
+
+def query_matcher(matcher: Mapping[str, Any]) -> Predicate | str:
+    """An Envoy ``QueryParameterMatcher`` (a route's or ``query_parameter_value_match``'s) as a
+    predicate, or why not."""
+    name = str(matcher.get("name", ""))
+    wanted = dict(matcher.get("string_match") or {})
+    if not name:
+        return "query parameter matcher without a name"
+    if not wanted:  # present_match, or no match (Envoy: presence)
+        return objects.query_present(name)
+    ignore_case = bool(wanted.pop("ignore_case", False))
+    if len(wanted) != 1 or next(iter(wanted)) not in _STRING_KINDS:
+        return f"query parameter matcher on {name!r}: only {', '.join(_STRING_KINDS)} and present are supported"
+    kind, value = next(iter(wanted.items()))
+    text = str((value or {}).get("regex", "")) if kind == "safe_regex" else str(value)
+    return objects.query_predicate(name, kind, text, ignore_case=ignore_case)
+
+
+def query_parameter_value_match(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
+    """Envoy's ``query_parameter_value_match``: a constant, sent when all parameter matchers hold
+    (or, with ``expect_match: false``, when they do not all hold)."""
+    key = str(body.get("descriptor_key") or "query_match")
+    tests = []
+    for matcher in body.get("query_parameters") or []:
+        test = query_matcher(matcher)
+        if isinstance(test, str):
+            return test
+        tests.append(test)
+    if not tests:
+        return "query_parameter_value_match without query_parameters is not supported"
+    condition = objects.all_of(tests)
+    if body.get("expect_match") is False:
+        condition = objects.negate(condition)
+    return key, BucketValue(constant=str(body.get("descriptor_value", ""))), (condition,)
+
+
 _ACTIONS = {
     "remote_address": remote_address,
     "generic_key": generic_key,
     "request_headers": request_headers,
     "header_value_match": header_value_match,
+    "query_parameters": query_parameters,
+    "query_parameter_value_match": query_parameter_value_match,
 }

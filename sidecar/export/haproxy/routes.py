@@ -8,19 +8,20 @@ this module writes route matches and actions as HAProxy ACLs and samples, into :
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from sidecar.export.envoy_routes import (
+    RoutedLimits,
     filter_domain,
     filter_stage,
     inline_routes,
     one_action,
     ratelimit_filter,
     read_envoy,
-    served_routes,
+    routed_limits,
     skipped_entry,
     string_match,
 )
@@ -49,7 +50,7 @@ def sources_from_envoy(path: Path, overrides: Mapping[str, str]) -> Sources:
     route_config = inline_routes(manager, path)
     try:
         reader = EnvoyReader(str(path), filter_stage(limiter), overrides)
-        routes = reader.virtual_hosts(route_config.get("virtual_hosts") or [])
+        routes = reader.virtual_hosts(route_config)
     except (AttributeError, TypeError, ValueError) as error:
         raise ExportError(f"{path}: not the shape of an Envoy v3 config ({error})") from None
     return Sources(domain, str(path), tuple(routes), tuple(reader.problems))
@@ -64,31 +65,38 @@ class EnvoyReader:
     overrides: Mapping[str, str]
     problems: list[Problem] = field(default_factory=list)
 
-    def virtual_hosts(self, hosts: Sequence[Mapping[str, Any]]) -> list[Route]:
-        """Routes of the virtual host serving every domain (``*``); others are reported."""
+    def virtual_hosts(self, route_config: Mapping[str, Any]) -> list[Route]:
+        """Routes of the one virtual host, in match order. With several hosts nothing is exported:
+        an HAProxy route test reads only the path, so one host's limits would count the others'
+        requests (reported for every route, a limit left out)."""
+        found = list(routed_limits(route_config, self.origin, self._problem))
+        if len({item.host.name for item in found}) > 1:
+            for item in found:
+                for where, _ in item.entries:
+                    self._problem(where, "several virtual hosts: export-haproxy tests no host; descriptor not exported")
+            return []
         routes: list[Route] = []
-        for index, route in served_routes(hosts, self.origin, self._problem):
-            exported = self.route(index, route)
+        for item in found:
+            exported = self.route(item)
             if exported is not None:
                 routes.append(exported)
         return routes
 
-    def route(self, index: int, route: Mapping[str, Any]) -> Route | None:
-        """One route: its path test and the producers of its ``rate_limits``; None (reported) when its
-        match cannot be translated, so the requests it would take go on to the later routes."""
-        match = route.get("match") or {}
+    def route(self, found: RoutedLimits) -> Route | None:
+        """One route: its path test and the producers of its ``rate_limits`` (and its host's);
+        None (reported) when its match cannot be translated, so the requests it would take go
+        on to the later routes."""
+        match = found.route.get("match") or {}
         test, text = route_test(match)
         if test is None:
-            where = f"{self.origin}: route {index}"
+            where = f"{self.origin}: route {found.index}"
             self._problem(where, f"{text}; its requests fall through to later routes in HAProxy")
             return None
-        label = f"route {index} ({text})"
-        where = f"{self.origin}: {label}"
-        limits = (route.get("route") or {}).get("rate_limits") or []
+        label = f"route {found.index} ({text})"
         test = replace(test, hint=hint_of(text))
         producers = []
-        for number, entry in enumerate(limits):
-            producer = self.producer(f"{where} rate_limits[{number}]", entry)
+        for where, entry in found.entries:
+            producer = self.producer(where, entry)
             if producer is not None:
                 producers.append(producer)
         return Route(label, test, tuple(producers))

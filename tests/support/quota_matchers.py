@@ -1,0 +1,90 @@
+"""Evaluate exported ``rate_limit_quota`` bucket matchers against a request, as Envoy does.
+
+The unit tests ask which bucket each filter gives a request (first matching entry wins; no
+entry, no bucket), so that a test says what happens to a request rather than how a predicate
+is spelt. Only what the exporter writes is understood: header, query parameter and source
+address inputs, the string matchers, and ``and``/``or``/``not``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+HEADER_INPUT = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput"
+QUERY_INPUT = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestQueryParamMatchInput"
+SOURCE_IP = "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput"
+
+
+@dataclass
+class Request:
+    """One request: ``:path`` (with its query), ``:authority``, other headers, the client address."""
+
+    path: str = "/"
+    host: str = "example.org"
+    headers: dict[str, str] = field(default_factory=dict)
+    address: str = "127.0.0.1"
+
+    def read(self, typed: dict[str, Any]) -> str | None:
+        kind = typed["@type"]
+        if kind == HEADER_INPUT:
+            name = typed["header_name"].lower()
+            found = {":path": self.path, ":authority": self.host, ":method": "GET"} | {
+                key.lower(): value for key, value in self.headers.items()
+            }
+            return found.get(name)
+        if kind == QUERY_INPUT:
+            return next(
+                (value for key, value in parse_qsl(urlsplit(self.path).query) if key == typed["query_param"]), None
+            )
+        assert kind == SOURCE_IP, kind
+        return self.address
+
+
+def string_matches(matcher: dict[str, Any], value: str) -> bool:
+    fold = matcher.get("ignore_case", False)
+    text, value = (value.lower(), value) if fold else (value, value)
+    for kind in ("exact", "prefix", "suffix", "contains"):
+        if kind in matcher:
+            wanted = matcher[kind].lower() if fold else matcher[kind]
+            outcome: bool = {
+                "exact": text == wanted,
+                "prefix": text.startswith(wanted),
+                "suffix": text.endswith(wanted),
+                "contains": wanted in text,
+            }[kind]
+            return outcome
+    regex = matcher["safe_regex"]["regex"]
+    return re.fullmatch(regex, value) is not None
+
+
+def holds(predicate: dict[str, Any], request: Request) -> bool:
+    if "single_predicate" in predicate:
+        single = predicate["single_predicate"]
+        value = request.read(single["input"]["typed_config"])
+        return value is not None and string_matches(single["value_match"], value)
+    if "and_matcher" in predicate:
+        return all(holds(item, request) for item in predicate["and_matcher"]["predicate"])
+    if "or_matcher" in predicate:
+        return any(holds(item, request) for item in predicate["or_matcher"]["predicate"])
+    return not holds(predicate["not_matcher"], request)
+
+
+def bucket_value(builder: dict[str, Any], request: Request) -> str | None:
+    if "string_value" in builder:
+        return str(builder["string_value"])
+    return request.read(builder["custom_value"]["typed_config"])
+
+
+def buckets(filters: list[dict[str, Any]], request: Request) -> list[dict[str, str | None]]:
+    """The bucket id each filter gives ``request`` (filters giving none are left out)."""
+    found = []
+    for item in filters:
+        for entry in item["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]:
+            if holds(entry["predicate"], request):
+                builder = entry["on_match"]["action"]["typed_config"]["bucket_id_builder"]["bucket_id_builder"]
+                found.append({key: bucket_value(value, request) for key, value in builder.items()})
+                break
+    return found
