@@ -25,6 +25,7 @@ import grpc
 
 from loadtest.accuracy_harness.redis_watch import parse_key
 from loadtest.common import METHOD, cpu_seconds, overall_code, percentile
+from loadtest.common import scrape_metrics as scrape
 from loadtest.reliability_harness import Context, Row
 from stack import redis as stack_redis
 from stack.processes import Child, ChildT, ProcessGroup, StartError, free_port, process_group, spawn
@@ -53,6 +54,7 @@ __all__ = [
     "overall_code",
     "percentile",
     "process_group",
+    "scrape",
 ]
 
 OK = 1
