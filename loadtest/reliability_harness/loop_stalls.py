@@ -144,8 +144,10 @@ def answered(stream: QuotaStream, since: float, tail: float) -> Figures:
 # Rows: each builds its input before the quiet run; the Hostile runs it
 # ---------------------------------------------------------------------------------
 
-Setup = Callable[[ProcessGroup, Context, Sizes, list[QuotaStream]], tuple[SidecarProcess, Hostile, Callable[[], str]]]
-"""Starts what a row needs; returns its sidecar, its input and what to say about the input afterwards."""
+Built = tuple[SidecarProcess, Hostile, Callable[[], str]]
+"""A row's sidecar, its input, and what to say about the input afterwards."""
+Setup = Callable[[ProcessGroup, Context, Sizes, list[QuotaStream]], Built]
+"""Starts what a row needs."""
 
 
 def on_a_new_stream(sidecar: SidecarProcess, reports: list[bytes], streams: list[QuotaStream], tail: float) -> Hostile:
@@ -162,47 +164,43 @@ def on_a_new_stream(sidecar: SidecarProcess, reports: list[bytes], streams: list
     return hostile
 
 
-def big_report(
-    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
-) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
-    config = write_config(context.directory / "stalls-big")
-    sidecar = start_sidecar(group, context, "stalls-big", sidecar_args(config))
+def one_burst(
+    setup: tuple[ProcessGroup, Context, Sizes, list[QuotaStream]],
+    name: str,
+    reports: list[bytes],
+    what: Callable[[SidecarProcess], str],
+) -> Built:
+    """A row whose input is ``reports`` sent at once on a new stream; ``what`` says what they
+    were, before what came back."""
+    group, context, sizes, streams = setup
+    sidecar = start_sidecar(group, context, name, sidecar_args(write_config(context.directory / name)))
+
+    def about() -> str:
+        return f"{what(sidecar)}, stream {streams[-1].ended() or 'open'}"
+
+    return sidecar, on_a_new_stream(sidecar, reports, streams, sizes.tail), about
+
+
+def big_report(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
     reports = tiny_ids_reports(DOMAIN, sizes.tiny_ids)
 
-    hostile = on_a_new_stream(sidecar, reports, streams, sizes.tail)
+    def what(sidecar: SidecarProcess) -> str:
+        sent = f"{sizes.tiny_ids:,} ids in {len(reports)} messages ({sum(map(len, reports)):,} bytes)"
+        return f"{sent}; {streams[-1].actions():,} actions back"
 
-    def about() -> str:
-        stream = streams[-1]
-        return (
-            f"{sizes.tiny_ids:,} ids in {len(reports)} messages ({sum(map(len, reports)):,} bytes); "
-            f"{stream.actions():,} actions back, stream {stream.ended() or 'open'}"
-        )
-
-    return sidecar, hostile, about
+    return one_burst((group, context, sizes, streams), "stalls-big", reports, what)
 
 
-def reconnect(
-    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
-) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
-    config = write_config(context.directory / "stalls-reconnect")
-    sidecar = start_sidecar(group, context, "stalls-reconnect", sidecar_args(config))
+def reconnect(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
+    def what(sidecar: SidecarProcess) -> str:
+        back = f"{streams[-1].actions():,} actions back, {live_buckets(sidecar):,} live"
+        return f"{sizes.buckets:,} buckets reported at once; {back}"
+
     reports = bucket_reports(DOMAIN, "user", sizes.buckets)
-
-    hostile = on_a_new_stream(sidecar, reports, streams, sizes.tail)
-
-    def about() -> str:
-        stream = streams[-1]
-        return (
-            f"{sizes.buckets:,} buckets reported at once; {stream.actions():,} actions back, "
-            f"{live_buckets(sidecar):,} live, stream {stream.ended() or 'open'}"
-        )
-
-    return sidecar, hostile, about
+    return one_burst((group, context, sizes, streams), "stalls-reconnect", reports, what)
 
 
-def outage(
-    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
-) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+def outage(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
     config = write_config(context.directory / "stalls-outage")
     (context.directory / "stalls-redis").mkdir(parents=True, exist_ok=True)
     redis = group.start_ready(lambda: RedisProcess(context.directory / "stalls-redis"))
@@ -230,9 +228,7 @@ def outage(
     return sidecar, hostile, about
 
 
-def json_body(
-    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
-) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+def json_body(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
     config = write_config(context.directory / "stalls-json")
     port = free_port()
     sidecar = start_sidecar(group, context, "stalls-json", sidecar_args(config, "--json-address", f"127.0.0.1:{port}"))
@@ -257,9 +253,7 @@ def json_body(
     return sidecar, hostile, about
 
 
-def config_reader(
-    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
-) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+def config_reader(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
     config = write_config(context.directory / "stalls-config")
     sidecar = start_sidecar(group, context, "stalls-config", sidecar_args(config))
     reports = bucket_reports(DOMAIN, "user", sizes.config_buckets, value_bytes=1000, budget=CONFIG_REPORT_BYTES)
@@ -291,9 +285,7 @@ def config_reader(
     return sidecar, hostile, about
 
 
-def reload(
-    group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]
-) -> tuple[SidecarProcess, Hostile, Callable[[], str]]:
+def reload(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
     config = write_config(context.directory / "stalls-reload")
     sidecar = start_sidecar(group, context, "stalls-reload", sidecar_args(config))
     stream, live = make_live(sidecar, bucket_reports(DOMAIN, "user", sizes.buckets), sizes.buckets)
