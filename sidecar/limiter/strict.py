@@ -65,6 +65,8 @@ from sidecar.limiter.redis.keys import check_window, per_hit, previous_window
 from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import CorruptKey, Counts, RedisStore
 from sidecar.limiter.redis.store import verdict as script_verdict
+from sidecar.limiter.suppression import Suppression, lowered_where
+from sidecar.limiter.sync_counters import AttemptFlush, attempt_call
 from sidecar.metrics import LimiterSnapshot
 
 log = structlog.get_logger(__name__)
@@ -93,6 +95,8 @@ class RedisCall:
     held: bool = False
     """Its keys are held in the failure policy until the script's fate is known."""
     timer: asyncio.TimerHandle | None = None
+    attempts: AttemptFlush | None = None
+    """``overload: suppress``: attempted hits the script adds, whatever it decides."""
 
 
 @dataclass(slots=True)
@@ -118,6 +122,7 @@ class StrictLimiter:
         prefix: str = "rls",
         admit_all: bool = False,
         redis_time: bool = True,
+        suppression_seed: int | None = None,
     ) -> None:
         self.store = store
         self.replicas = replicas
@@ -132,6 +137,8 @@ class StrictLimiter:
         self.full = FullWindows(0 if getattr(store, "cluster", False) else policy.max_counters)
         """Windows Redis reported full: requests that only they refuse are refused here
         (not in Cluster, where a cross-slot request's give-backs may lower a count)."""
+        self.suppression = Suppression(policy.max_counters, seed=suppression_seed, sharing="call")
+        """``overload: suppress``: attempted hits, added by each request's own script call."""
         self.redis_decisions = 0
         self.reasons = FailureReasons()
         """Requests the failure policy decided, by why (``deadline``, ``redis_down``, ...)."""
@@ -158,16 +165,36 @@ class StrictLimiter:
         """One script call within the budget; the failure policy when Redis cannot answer.
 
         The wait is the caller's ``budget`` (its deadline less a margin), at most
-        ``--redis-timeout`` (:func:`~sidecar.limiter.budget.redis_wait`).
+        ``--redis-timeout`` (:func:`~sidecar.limiter.budget.redis_wait`). An ``overload:
+        suppress`` draw comes first: a check it refused goes to the script against
+        :data:`~sidecar.limiter.suppression.SUPPRESSED_LIMIT` (and no ban: a draw is no
+        full window), and the script adds the request's attempted hits whatever it decides.
         """
         if not checks:
             return Decision(True, (), (), ())
+        for check in checks:
+            if check.suppress:
+                break
+        else:
+            return await self._check(checks, now, budget, None)
+        drawn = self.suppression.refused(checks, [check.limit for check in checks], now)
+        attempts = attempt_call(self.suppression, self.prefix, checks, now)
+        if drawn is None:
+            return await self._check(checks, now, budget, attempts)
+        decision = await self._check(lowered_where(checks, drawn, unbanned=True), now, budget, attempts)
+        return decision._replace(suppressed=drawn)
+
+    async def _check(
+        self, checks: Sequence[Check], now: float, budget: float | None, attempts: AttemptFlush | None
+    ) -> Decision:
+        """:meth:`check` once drawn; ``attempts`` bypass the full-window shortcut (Redis
+        must count them, or the others would see less demand than there is)."""
         windows = [check_window(self.prefix, check, now) for check in checks]
         keys = [key for key, _ in windows]
         expire_ats = [expires for _, expires in windows]
-        call = RedisCall(keys, checks, expire_ats, 0 if self.redis_time else now_us(now))
+        call = RedisCall(keys, checks, expire_ats, 0 if self.redis_time else now_us(now), attempts=attempts)
         available = self.store.available
-        if available and (refused := self.full.refusal(checks, keys, self.admit_all)) is not None:
+        if available and attempts is None and (refused := self.full.refusal(checks, keys, self.admit_all)) is not None:
             return refused  # Redis would refuse it too, recording nothing
         wait, limit, deadline = redis_wait(self.store.redis_timeout, budget)
         reason: Reason = "redis_down"
@@ -241,6 +268,7 @@ class StrictLimiter:
                     now_us=call.now_us,
                     limit=limit,
                     on_settled=lambda: known.in_doubt(call.checks, call.keys, -1),
+                    adds=call.attempts.adds() if call.attempts is not None else None,
                 )
             except TimeoutError:
                 raise  # still on the wire: the batcher ends the doubt when the call ends
@@ -255,6 +283,8 @@ class StrictLimiter:
             call.abandoned = False  # the batch failed: nothing more will come of it
             raise
         call.abandoned = False
+        if call.attempts is not None:
+            call.attempts.learn(getattr(counts, "totals", {}))
         return counts
 
     def _redis_decision(self, call: RedisCall, counts: list[int], now: float) -> Decision:
@@ -286,6 +316,8 @@ class StrictLimiter:
         hits the failure policy refused, which gives them back.
         """
         _, _, consume = script_verdict(call.checks, counts, [check.limit for check in call.checks], self.admit_all)
+        if call.attempts is not None:
+            call.attempts.learn(getattr(counts, "totals", {}))
         self.policy.learn(call.checks, call.keys, call.expire_ats, counts, consume, now=time.time())
         self._unhold(call)
         self._owe_for(call, [check.hits if spent else 0 for check, spent in zip(call.checks, consume, strict=True)])

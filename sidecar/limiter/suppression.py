@@ -30,13 +30,15 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS
 
 if TYPE_CHECKING:
     from sidecar.limiter.protocol import Check, CounterKey
 
+Sharing = Literal["local", "flush", "call"]
+"""How a replica's attempted hits reach the others (see :attr:`Suppression.sharing`)."""
 SLOTS_PER_WINDOW = 10
 """Sub-intervals per window: a 1 s window is followed in 100 ms steps."""
 AVERAGE_OVER = 2
@@ -99,11 +101,14 @@ class Demand:
             return 0
         return self.known[index] + self.pending[index] + self.inflight[index]
 
-    def attempt(self, slot: int, hits: int, *, shared: bool) -> None:
-        """Count hits attempted in ``slot``: pending for Redis when ``shared``, else known."""
+    def attempt(self, slot: int, hits: int, *, sharing: Sharing = "local") -> None:
+        """Count hits attempted in ``slot``: known (``local``), pending for the next flush
+        (``flush``), or in flight with the request's own script call (``call``)."""
         index = self._index(slot)
-        if shared:
+        if sharing == "flush":
             self.pending[index] += hits
+        elif sharing == "call":
+            self.inflight[index] += hits
         else:
             self.known[index] += hits
 
@@ -146,12 +151,15 @@ class Demand:
 class Suppression:
     """The attempted demand of every counter with ``overload: suppress``, and the draw."""
 
-    def __init__(self, max_counters: int = DEFAULT_MAX_COUNTERS, *, seed: int | None = None, shared: bool = False):
+    def __init__(
+        self, max_counters: int = DEFAULT_MAX_COUNTERS, *, seed: int | None = None, sharing: Sharing = "local"
+    ) -> None:
         if max_counters < 1:
             raise ValueError("max_counters must be at least 1")
         self.max_counters = max_counters
-        self.shared = shared
-        """``sync``: attempts are kept pending until a flush sends them to Redis."""
+        self.sharing: Sharing = sharing
+        """How attempts reach the other replicas: not at all (``local``: memory), with the
+        next flush (``flush``: sync), or with the request's own script call (``call``: strict)."""
         self.random = random.Random(seed)
         """Seedable, so tests and the accuracy harness are reproducible."""
         self.demands: OrderedDict[CounterKey, Demand] = OrderedDict()
@@ -161,7 +169,7 @@ class Suppression:
         self.forgotten = 0
         """Counters forgotten at the cap."""
         self.touched: dict[CounterKey, Demand] = {}
-        """``shared``: counters attempted since the last flush (:meth:`take_touched`)."""
+        """``flush``: counters attempted since the last flush (:meth:`take_touched`)."""
 
     def demand(self, key: CounterKey, unit_seconds: int) -> Demand:
         """The demand of ``key``, created (and the least recently used one forgotten at the cap)."""
@@ -189,8 +197,8 @@ class Suppression:
                 continue
             demand = self.demand(check.key, check.unit_seconds)
             slot = slot_of(now, demand.length_ms)
-            demand.attempt(slot, check.hits, shared=self.shared)
-            if self.shared:
+            demand.attempt(slot, check.hits, sharing=self.sharing)
+            if self.sharing == "flush":
                 self.touched[check.key] = demand
             p = demand.probability(slot, limits[index])
             if p < 1.0 and self.random.random() >= p:
@@ -225,9 +233,14 @@ class Suppression:
         return shown[:limit]
 
 
-def lowered_where(checks: Sequence[Check], drawn: Sequence[bool]) -> list[Check]:
-    """``checks`` with those a draw refused decided against :data:`SUPPRESSED_LIMIT`."""
-    return [check._replace(limit=SUPPRESSED_LIMIT) if out else check for check, out in zip(checks, drawn, strict=True)]
+def lowered_where(checks: Sequence[Check], drawn: Sequence[bool], *, unbanned: bool = False) -> list[Check]:
+    """``checks`` with those a draw refused decided against :data:`SUPPRESSED_LIMIT`;
+    ``unbanned``: without their ban duration too, for a backend whose script would ban
+    every over check (a draw is no full window)."""
+    return [
+        check._replace(limit=SUPPRESSED_LIMIT, ban_seconds=0 if unbanned else check.ban_seconds) if out else check
+        for check, out in zip(checks, drawn, strict=True)
+    ]
 
 
 MAX_SHOWN_SCAN = 1000

@@ -117,7 +117,7 @@ class SyncLimiter:
         self._flushes_delivered = 0
         """Flushes that delivered hits: each makes the counters it carried forgettable."""
         self.clock = clock
-        self.suppression = Suppression(max_counters, seed=suppression_seed, shared=True)
+        self.suppression = Suppression(max_counters, seed=suppression_seed, sharing="flush")
         """``overload: suppress``: attempted hits, shared through Redis by every flush."""
         self._bans = Bans(max_counters)
         """Bans by Redis ban key: our own, and the others' read back by flushes."""

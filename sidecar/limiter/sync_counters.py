@@ -8,6 +8,7 @@ check an escalation sends (:func:`lowered_check`), and a :class:`FlushBatch`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sidecar.limiter.algorithms import Algorithm
@@ -150,3 +151,20 @@ def attempt_flush(suppression: Suppression, prefix: str, now: float) -> AttemptF
             if name not in flush.sent:
                 flush.reads[name] = (demand, slot)
     return flush
+
+
+def attempt_call(suppression: Suppression, prefix: str, checks: Sequence[Check], now: float) -> AttemptFlush:
+    """Strict mode: the attempted hits of one request's ``suppress`` checks (already counted
+    in flight by :meth:`~sidecar.limiter.suppression.Suppression.refused`), added by the
+    request's own script call, which answers with every replica's total."""
+    call = AttemptFlush()
+    for check in checks:
+        demand = suppression.demands.get(check.key)
+        if not check.suppress or check.hits <= 0 or demand is None:
+            continue
+        slot = slot_of(now, demand.length_ms)
+        name = attempt_key(prefix, check.key, slot)
+        before = call.sent.get(name)
+        call.sent[name] = (demand, slot, check.hits + (before[2] if before else 0))
+        call.expires[name] = math.ceil((slot + RING + 1) * demand.length_ms / 1000) + EXPIRY_GRACE_SECONDS
+    return call

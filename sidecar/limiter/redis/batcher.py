@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from sidecar.limiter.loop_lag import LoopLag
 from sidecar.limiter.protocol import Check
 from sidecar.limiter.redis.availability import RedisUnavailable
-from sidecar.limiter.redis.store import RedisStore
+from sidecar.limiter.redis.store import Pending, RedisStore
 
 LateAnswer = Callable[[list[int]], None]
 """Receives the would-be counts of a decision that arrived after its budget."""
@@ -41,6 +41,8 @@ class PendingDecision:
     answer: asyncio.Future[list[int]]
     now_us: int = 0
     """The script's clock in microseconds; 0 for Redis ``TIME``."""
+    adds: Pending | None = None
+    """Hits the script adds whatever it decides (strict mode's attempted hits)."""
 
 
 class DeadlineReached(TimeoutError):  # noqa: N818 - a timeout, named for the caller
@@ -74,6 +76,7 @@ class DecisionBatcher:
         now_us: int = 0,
         limit: float | None = None,
         on_settled: Callable[[], None] | None = None,
+        adds: Pending | None = None,
     ) -> list[int]:
         """Would-be counts from the atomic script (it records the hits if it admits).
 
@@ -84,10 +87,12 @@ class DecisionBatcher:
         ``budget`` seconds (waiting for the lock included; our loop's lag not counted),
         :class:`DeadlineReached` once ``limit`` seconds have passed (default ``budget``);
         after a timeout the call goes on and ``on_late`` gets its answer, and
-        ``on_settled`` is called once the call has ended, answered or failed.
+        ``on_settled`` is called once the call has ended, answered or failed. ``adds``:
+        keys the script adds hits to first, whatever it decides (their totals come back
+        in the answer's ``totals``).
         """
         loop = asyncio.get_running_loop()
-        pending = PendingDecision(keys, checks, expire_ats, loop.create_future(), now_us)
+        pending = PendingDecision(keys, checks, expire_ats, loop.create_future(), now_us, adds)
         self._queue.append(pending)
         if len(self._queue) == 1:
             loop.call_soon(self._send)
@@ -138,7 +143,10 @@ class DecisionBatcher:
             ]
             nows = [item.now_us for item in batch]
             try:
-                if any(nows):
+                if any(item.adds for item in batch):
+                    adds = [item.adds or {} for item in batch]
+                    answers = await self.store.decide_batch(requests, self.admit_all, nows, adds)
+                elif any(nows):
                     answers = await self.store.decide_batch(requests, self.admit_all, nows)
                 else:  # Redis TIME for every request (always so in sync mode): the plain call
                     answers = await self.store.decide_batch(requests, self.admit_all)

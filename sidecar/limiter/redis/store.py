@@ -43,15 +43,20 @@ class Counts(list[int]):
     none; empty when no check has a ban duration), and the script's own verdict."""
 
     ban_ends: tuple[float, ...] = ()
+    totals: dict[str, int] = {}  # noqa: RUF012 - a class default, replaced per instance, never mutated
+    """Each pending add's key with its value after the call (``decide_batch``'s ``adds``)."""
     admitted: bool | None = None
     """Whether the script admitted the request (and so wrote its hits); None when no one
     script decided it (Cluster, counters in several slots)."""
 
 
-def counts_of(reply: Sequence[Any], checks: int, pending: int = 0) -> Counts:
-    """The :class:`Counts` in a ``decide.lua`` reply (see its header for the layout)."""
+def counts_of(reply: Sequence[Any], checks: int, pending: int = 0, keys: Sequence[str] = ()) -> Counts:
+    """The :class:`Counts` in a ``decide.lua`` reply (see its header for the layout);
+    ``keys``: the pending adds' keys, whose totals go to :attr:`Counts.totals`."""
     counts = Counts(int(value) for value in reply[1 : 1 + checks])
     counts.admitted = int(reply[0]) == 1
+    if keys:
+        counts.totals = dict(zip(keys, (int(value) for value in reply[1 + checks : 1 + checks + pending]), strict=True))
     ends = reply[1 + checks + pending :]
     if ends:
         counts.ban_ends = tuple(float(value) for value in ends)
@@ -233,7 +238,11 @@ class RedisStore:
         )
 
     async def decide_batch(
-        self, requests: Sequence[DecideRequest], admit_all: bool, nows: Sequence[int] | None = None
+        self,
+        requests: Sequence[DecideRequest],
+        admit_all: bool,
+        nows: Sequence[int] | None = None,
+        adds: Sequence[Pending] | None = None,
     ) -> list[list[int] | RedisUnavailable]:
         """Several requests' decisions in one round trip; each is atomic on its own.
 
@@ -245,17 +254,21 @@ class RedisStore:
         coalesce the script calls of one event-loop iteration use this, and enforce
         their own request budget around it: the call itself may take up to the
         background timeout, so a late answer still tells the caller what Redis did.
+        ``adds``: per request, hits its script adds first, whatever it decides (strict
+        mode's attempted hits of ``overload: suppress``); their totals come back in
+        :attr:`Counts.totals`.
         In Cluster mode the requests go out concurrently, one script (or one per check
         when they span slots) each, under that same background timeout, not the request
         budget (a call cut off at the budget may still run, and nobody would hear of it).
         """
         self.availability.ensure_available()
         clocks = list(nows) if nows is not None else [0] * len(requests)
+        extra: Sequence[Pending] = adds if adds is not None else [{}] * len(requests)
         if self.cluster:
             answers = await asyncio.gather(
                 *(
-                    self._decide_in_cluster(keys, checks, expiries, admit_all, now_us)
-                    for (keys, checks, expiries), now_us in zip(requests, clocks, strict=True)
+                    self._decide_in_cluster(keys, checks, expiries, admit_all, now_us, pending=pending)
+                    for (keys, checks, expiries), now_us, pending in zip(requests, clocks, extra, strict=True)
                 ),
                 return_exceptions=True,
             )
@@ -269,26 +282,46 @@ class RedisStore:
                     results.append(answer)
             return results
         calls = [
-            ScriptCall(DECIDE, *decide_arguments(keys, checks, expiries, admit_all, {}, now_us=now_us))
-            for (keys, checks, expiries), now_us in zip(requests, clocks, strict=True)
+            ScriptCall(DECIDE, *decide_arguments(keys, checks, expiries, admit_all, pending, now_us=now_us))
+            for (keys, checks, expiries), now_us, pending in zip(requests, clocks, extra, strict=True)
         ]
         replies = await self.run_scripts(calls, self.background_timeout, request_path=True)
         return [
-            self._failed(reply, request_path=True) if isinstance(reply, Exception) else counts_of(reply, len(checks))
-            for reply, (_, checks, _) in zip(replies, requests, strict=True)
+            self._failed(reply, request_path=True)
+            if isinstance(reply, Exception)
+            else counts_of(reply, len(checks), len(pending), list(pending))
+            for reply, (_, checks, _), pending in zip(replies, requests, extra, strict=True)
         ]
 
     async def _decide_in_cluster(
-        self, keys: Sequence[str], checks: Sequence[Check], expire_ats: Sequence[int], admit_all: bool, now_us: int
+        self,
+        keys: Sequence[str],
+        checks: Sequence[Check],
+        expire_ats: Sequence[int],
+        admit_all: bool,
+        now_us: int,
+        *,
+        pending: Pending | None = None,
     ) -> list[int]:
         """One request of a Cluster batch: a request-path call under the background timeout."""
         if not keys:
             return []
-        decide_one = self._decide_script if same_slot(keys) else self._decide_per_check
-        decided = await decide_one(
-            keys, checks, expire_ats, admit_all, {}, now_us=now_us, request_path=True, timeout=self.background_timeout
+        pending = pending or {}
+        decide_one = self._decide_script if same_slot([*keys, *pending]) else self._decide_per_check
+        _, counts, totals = await decide_one(
+            keys,
+            checks,
+            expire_ats,
+            admit_all,
+            pending,
+            now_us=now_us,
+            request_path=True,
+            timeout=self.background_timeout,
         )
-        return decided[1]
+        if pending:
+            counts = Counts(counts) if not isinstance(counts, Counts) else counts
+            counts.totals = totals
+        return counts
 
     async def run_scripts(
         self,

@@ -23,7 +23,7 @@ def feed(demand: Demand, start: float, seconds: float, per_second: float) -> flo
     count = round(seconds * per_second)
     for index in range(count):
         now = start + index / per_second
-        demand.attempt(slot_of(now, demand.length_ms), 1, shared=False)
+        demand.attempt(slot_of(now, demand.length_ms), 1)
     return start + seconds
 
 
@@ -45,7 +45,7 @@ def test_onset_counts_within_the_sub_interval_it_starts_in():
     slot = slot_of(end, 100)
     assert demand.probability(slot, 100) == 1.0
     for _ in range(30):  # 30 in the first part of one slot (300/s)
-        demand.attempt(slot, 1, shared=False)
+        demand.attempt(slot, 1)
     assert demand.rate(slot) == 30  # the average of complete slots is still 5
     assert demand.probability(slot, 100) == pytest.approx(10 / 30)
 

@@ -1,6 +1,7 @@
 """``overload: suppress`` across replicas on a real redis-server: the attempted demand is
 shared, so three replicas seeing a third of the traffic each apply the ``p`` one replica
-seeing all of it applies (sync: flushed with the batch and read back)."""
+seeing all of it applies (sync: flushed with the batch and read back; strict: added by
+each request's own script call, which answers with the total)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from sidecar.limiter.protocol import Check
 from sidecar.limiter.redis.keys import counter_digest
+from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.suppression import slot_of
 from sidecar.limiter.sync import SyncLimiter
 from sidecar.server import build_redis_limiter
@@ -29,16 +31,22 @@ def check(name: str) -> Check:
     return Check((name,), 1, LIMIT, 1, suppress=True)
 
 
-@pytest.fixture
-async def fleet(redis_server: RedisServer) -> AsyncIterator[Callable[[int], asyncio.Future[list[SyncLimiter]]]]:
-    made: list[SyncLimiter] = []
+Replica = SyncLimiter | StrictLimiter
 
-    async def build(count: int) -> list[SyncLimiter]:
+
+@pytest.fixture(params=["sync", "strict"])
+async def fleet(
+    request: pytest.FixtureRequest, redis_server: RedisServer
+) -> AsyncIterator[Callable[[int], asyncio.Future[list[Replica]]]]:
+    made: list[Replica] = []
+    mode = request.param
+
+    async def build(count: int) -> list[Replica]:
         settings = redis_settings(
-            redis_server.url, "sync", 2.0, redis_prefix=fresh_prefix("sup"), heartbeat_interval=0.5, sync_interval=0.05
+            redis_server.url, mode, 2.0, redis_prefix=fresh_prefix("sup"), heartbeat_interval=0.5, sync_interval=0.05
         )
         limiters = [build_redis_limiter(settings) for _ in range(count)]
-        replicas = [limiter for limiter in limiters if isinstance(limiter, SyncLimiter)]
+        replicas = [limiter for limiter in limiters if isinstance(limiter, SyncLimiter | StrictLimiter)]
         for index, limiter in enumerate(replicas):
             limiter.suppression.random.seed(index)
             await limiter.start()
@@ -51,7 +59,7 @@ async def fleet(redis_server: RedisServer) -> AsyncIterator[Callable[[int], asyn
     await asyncio.gather(*(limiter.close() for limiter in made))
 
 
-async def drive(replicas: list[SyncLimiter], name: str) -> tuple[list[float], int]:
+async def drive(replicas: list[Replica], name: str) -> tuple[list[float], int]:
     """Send :data:`RATE` requests a second for :data:`SECONDS`, round robin over ``replicas``;
     return each replica's ``p`` at the end and how many were admitted in the last second."""
     started = time.time()
@@ -87,16 +95,18 @@ async def test_three_replicas_apply_the_global_p_of_one_seeing_everything(fleet,
     assert len(keys) >= 10
 
 
-async def test_a_replica_that_stops_flushing_keeps_its_own_view(fleet) -> None:
-    """The shared count is what was flushed: a replica's own attempts count at once, the
-    others' once its next flush reads them back."""
-    replicas = await fleet(2)
-    first, second = replicas
+async def test_the_others_attempts_count_once_redis_told(fleet) -> None:
+    """A replica's own attempts count at once, the others' once Redis told it (sync: its
+    next flush reads them back; strict: its next script call answers with the total)."""
+    first, second = await fleet(2)
     now = time.time()
     for _ in range(30):
         await first.check([check("view")], now)
-    await first.sync_once()
-    await second.check([check("view")], now)
-    await second.sync_once()
+    if isinstance(first, SyncLimiter) and isinstance(second, SyncLimiter):
+        await first.sync_once()
+        await second.check([check("view")], now)
+        await second.sync_once()
+    else:
+        await second.check([check("view")], now)
     demand = second.suppression.demands[("view",)]
     assert demand.count(slot_of(now, demand.length_ms)) == 31
