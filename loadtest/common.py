@@ -17,6 +17,7 @@ import platform
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import urllib.request
@@ -201,6 +202,12 @@ def percentile(ordered: Sequence[float], fraction: float) -> float:
         return 0.0
     rank = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
     return ordered[rank - 1]
+
+
+def median_or_none(values: Iterable[float | None]) -> float | None:
+    """Median of the figures that were measured (None ones left out); None when none was."""
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
 
 
 def floor_percentile(values: Iterable[float], fraction: float) -> float:

@@ -64,6 +64,7 @@ from loadtest.common import (
     dash,
     machine_facts,
     md_table,
+    median_or_none,
     percentile,
     positive_int,
     print_header,
@@ -309,8 +310,7 @@ def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
             "errors": dict(errors),
             "connections": max(run.connections for run in runs),
         }
-        cpu = [run.server_cpu_us_per_request for run in runs if run.server_cpu_us_per_request is not None]
-        row["server_cpu_us_per_request"] = statistics.median(cpu) if cpu else None
+        row["server_cpu_us_per_request"] = median_or_none(run.server_cpu_us_per_request for run in runs)
         for key in ("p50_ms", "p90_ms", "p99_ms", "max_ms", "lag_p99_ms"):
             row[key] = statistics.median(getattr(run, key) for run in runs)
             pairs = [
@@ -318,7 +318,7 @@ def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
                 for number in rounds
                 if (variant, number) in by_round and (BASELINE, number) in by_round
             ]
-            row["added_" + key] = statistics.median(pairs) if pairs and variant != BASELINE else None
+            row["added_" + key] = median_or_none(pairs) if variant != BASELINE else None
         summary[variant] = row
     return summary
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.common import dash, md_table
+from loadtest.common import dash, md_table, median_or_none
 from loadtest.compare_harness.paths import LABELS
 from loadtest.compare_harness.recording import Recording
 
@@ -54,8 +53,7 @@ def aggregate(
         row["late_max_ms"] = max((run["late_max_ms"] for run in runs), default=0.0)
         speed = [run for run in throughput if run["path"] == name]
         for key in ("rps", "p50_ms", "p99_ms", "cpu_us_per_request", "admitted_pct"):
-            values = [run[key] for run in speed if run.get(key) is not None]
-            row[key] = statistics.median(values) if values else None
+            row[key] = median_or_none(run.get(key) for run in speed)
         row["throughput_rounds_rps"] = [run["rps"] for run in speed]
         row["throughput_errors"] = sum(run["errors"] for run in speed)
         row["throughput_fail_open"] = sum(run.get("envoy", {}).get("failure_mode_allowed", 0) for run in speed)

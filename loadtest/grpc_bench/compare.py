@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import parse_cpus
+from loadtest.common import median_or_none, parse_cpus
 from loadtest.grpc_bench.drive import RunResult, core_busy_seconds, load_options, run_load
 from loadtest.grpc_bench.report import (
     command_line,
@@ -35,8 +35,7 @@ def medians(results: Sequence[RunResult]) -> dict[str, Any]:
     keys = ("rps", "p50_ms", "p90_ms", "p99_ms", "max_ms", "client_cpu", "other_cpu")
     row: dict[str, Any] = {key: statistics.median(getattr(r, key) for r in results) for key in keys}
     for key in ("server_cpu", "server_us_per_call", "server_cores_busy"):
-        values = [getattr(r, key) for r in results if getattr(r, key) is not None]
-        row[key] = statistics.median(values) if values else None
+        row[key] = median_or_none(getattr(r, key) for r in results)
     row["ok"] = sum(r.ok for r in results)
     row["over_limit"] = sum(r.over_limit for r in results)
     errors: dict[str, int] = {}
