@@ -43,8 +43,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -89,6 +90,8 @@ from loadtest.reliability_harness.support import (
 )
 
 AREA = "bad input"
+WARM_UP = 300
+"""Inputs a flood sends before the measured ones."""
 LOAD_TIMEOUT = 20.0
 """Per config load in the worker: the slowest hostile file (8 MiB) takes a few seconds."""
 WORKER_MEMORY = 4 * 1024 * MIB
@@ -269,19 +272,44 @@ def aftermath(sidecar: Any) -> Aftermath:
     return Aftermath(alive, serving, rss_after, hwm, internal, log_exceptions(sidecar))
 
 
+class Flood(NamedTuple):
+    """A flood of bad input and how the sidecar came out of it."""
+
+    warm: Tally
+    tally: Tally
+    elapsed: float
+    rss_before: int
+    after: Aftermath
+
+
+def warm_then_flood(
+    sidecar: Any,
+    send: Callable[[Iterator[bytes], Tally], None],
+    inputs: Callable[[int, int], Iterator[bytes]],
+    seed: int,
+    count: int,
+) -> Flood:
+    """``WARM_UP`` inputs of another seed first (first-call costs stay out of the RSS baseline
+    and the rate), then ``count`` inputs of ``seed`` timed, then the sidecar's aftermath."""
+    warm = Tally()
+    send(inputs(seed + 1, WARM_UP), warm)
+    time.sleep(0.3)
+    rss_before = rss(sidecar.pid)
+    tally = Tally()
+    started = time.monotonic()
+    send(inputs(seed, count), tally)
+    elapsed = time.monotonic() - started
+    time.sleep(0.3)
+    return Flood(warm, tally, elapsed, rss_before, aftermath(sidecar))
+
+
 def flood_verdict(
-    unit: str,
-    tally: Tally,
-    warm: Tally,
-    elapsed: float,
-    *,
-    rss_before: int,
-    after: Aftermath,
-    checks: Sequence[tuple[bool, str]] = (),
+    unit: str, flood: Flood, checks: Sequence[tuple[bool, str]] = ()
 ) -> tuple[bool, str, dict[str, float]]:
     """Whether a sidecar came out of a flood of ``unit`` (calls, bodies) well, a note
     saying how, and the figures every bad-input flood reports. ``checks``: more
     ``(held, what)`` for the note, each of which must hold too."""
+    warm, tally, elapsed, rss_before, after = flood
     growth = after.rss_after - rss_before
     ok = (
         tally.violation_count == 0
@@ -327,7 +355,6 @@ def raw_bytes(context: Context) -> Row:
     """Random and mutated bytes to a real sidecar's ``ShouldRateLimit``."""
 
     count = 1_500 if context.quick else 12_000
-    warm_up = 300
     where = context.directory / "bad-input-raw"
     where.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
@@ -336,19 +363,11 @@ def raw_bytes(context: Context) -> Row:
             args = ["--config", str(EXAMPLES), "--watch-config", "false", "--max-counters", "10000"]
             sidecar = start_sidecar(group, context, "sidecar", args, where)
             children.append(sidecar)
-            warm = Tally()
-            send_all(sidecar.address, raw_payloads(context.seed + 1, warm_up), warm)
-            time.sleep(0.3)
-            rss_before = rss(sidecar.pid)
-            tally = Tally()
-            started = time.monotonic()
-            send_all(sidecar.address, raw_payloads(context.seed, count), tally)
-            elapsed = time.monotonic() - started
-            time.sleep(0.3)
-            after = aftermath(sidecar)
+            flood = warm_then_flood(sidecar, partial(send_all, sidecar.address), raw_payloads, context.seed, count)
         except Exception as error:
             return failed_row(AREA, "raw bytes to gRPC", error, children)
-    ok, notes, common = flood_verdict("calls", tally, warm, elapsed, rss_before=rss_before, after=after)
+    ok, notes, common = flood_verdict("calls", flood)
+    tally = flood.tally
     figures = {
         "calls": float(tally.cases),
         "ok": float(tally.outcomes["OK"]),

@@ -36,14 +36,14 @@ import http.client
 import json
 import random
 import threading
-import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 
-from loadtest.reliability_harness.bad_input import Tally, aftermath, flood_verdict
+from loadtest.reliability_harness.bad_input import Tally, flood_verdict, warm_then_flood
 from loadtest.reliability_harness.bounds_oracle import REFUSAL_DETAILS, bound_broken, response_problems
 from loadtest.reliability_harness.hostile_requests import (
     INVALID_UTF8,
@@ -62,7 +62,6 @@ from loadtest.reliability_harness.support import (
     free_port,
     main,
     process_group,
-    rss,
     start_sidecar,
 )
 from sidecar.config.model import MAX_DESCRIPTORS, MAX_ENTRIES
@@ -281,7 +280,6 @@ def hostile_bodies(context: Context) -> Row:
     """The hostile bodies to a real sidecar's ``POST /json``."""
 
     count = 1_500 if context.quick else 12_000
-    warm_up = 300
     where = context.directory / "json-input"
     where.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
@@ -294,29 +292,14 @@ def hostile_bodies(context: Context) -> Row:
             ]
             sidecar = start_sidecar(group, context, "sidecar", args, where)
             children.append(sidecar)
-            warm = Tally()
-            send_all(json_port, bodies(context.seed + 1, warm_up), warm)
-            time.sleep(0.3)
-            rss_before = rss(sidecar.pid)
-            tally = Tally()
-            started = time.monotonic()
-            send_all(json_port, bodies(context.seed, count), tally)
-            elapsed = time.monotonic() - started
-            time.sleep(0.3)
-            after = aftermath(sidecar)
-            health = healthcheck(json_port) if after.alive else 0
-            after = after._replace(exceptions=after.exceptions + sidecar.log_text().count("json_request_failed"))
+            flood = warm_then_flood(sidecar, partial(send_all, json_port), bodies, context.seed, count)
+            health = healthcheck(json_port) if flood.after.alive else 0
+            logged = flood.after.exceptions + sidecar.log_text().count("json_request_failed")
+            flood = flood._replace(after=flood.after._replace(exceptions=logged))
         except Exception as error:
             return failed_row(AREA, SCENARIO, error, children)
-    ok, notes, common = flood_verdict(
-        "bodies",
-        tally,
-        warm,
-        elapsed,
-        rss_before=rss_before,
-        after=after,
-        checks=[(health == 200, f"/healthcheck {health}")],
-    )
+    ok, notes, common = flood_verdict("bodies", flood, checks=[(health == 200, f"/healthcheck {health}")])
+    tally = flood.tally
     figures = {
         "bodies": float(tally.cases),
         "answered_200": float(tally.outcomes["200"]),
