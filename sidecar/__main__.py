@@ -129,6 +129,12 @@ def _add_quota_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow-dropped", action="store_true", help="export even when a limit cannot be translated (listed on stderr)"
     )
     parser.add_argument(
+        "--per-request",
+        action="append",
+        metavar="ROUTE",
+        help="keep this route (its name, or VHOST:INDEX) on the per-request ratelimit filter; repeatable",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="only check --envoy's rate_limit_quota filters (exit 1 when refused)"
     )
 

@@ -8,6 +8,10 @@ case writes down: a limit on the wrong host or route, a lost limit or a limit to
 as a count that differs. A case whose limits quota mode cannot express must be refused, the
 route and the reason printed.
 
+A case may keep routes on the per-request filter (``per_request``: ``--per-request``): one
+Envoy then runs both paths, and the ``ratelimit`` filter must be asked about exactly the
+requests of those routes.
+
 Timing: every request is sent once to start its buckets (quota mode allows a bucket's
 first requests until its assignment lands), then, in a new second once the assignments are
 in, each group is sent back to back. Limits are per second and small, so a burst within one
@@ -20,6 +24,7 @@ import contextlib
 import http.client
 import io
 import json
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -31,6 +36,7 @@ import pytest
 import yaml
 
 from sidecar.__main__ import main
+from stack.envoy import admin_get
 from stack.processes import process_group
 from stack.quota_envoy import LocalEnvoy, http_get, quota_sidecar
 from stack.upstream import UpstreamProcess
@@ -39,6 +45,7 @@ from tests.support.envoys import fresh_window
 pytestmark = [pytest.mark.slow, pytest.mark.envoy]
 CORPUS = Path(__file__).resolve().parent / "quota_corpus"
 CASES = sorted(path.name for path in CORPUS.iterdir() if path.is_dir())
+RATELIMIT_STATS = re.compile(r"^cluster\.[^.]+\.ratelimit\.(?:ok|over_limit|error|failure_mode_allowed): ")
 
 
 def export(*argv: str) -> tuple[int, str, str]:
@@ -78,7 +85,9 @@ class Sender:
         source = str(group.get("from", "127.0.0.1"))
         if source not in self.connections:
             host, port = self.target.split(":")
-            self.connections[source] = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0))
+            self.connections[source] = http.client.HTTPConnection(
+                host, int(port), timeout=10, source_address=(source, 0)
+            )
         connection = self.connections[source]
         headers = {"Host": str(group.get("host", "example.org")), **(group.get("headers") or {})}
         connection.request(str(group.get("method", "GET")), str(group.get("path", "/")), headers=headers)
@@ -124,12 +133,22 @@ def admitted(envoy: LocalEnvoy, groups: list[dict[str, Any]], services: SimpleNa
         sender.close()
 
 
-def run_config(services: SimpleNamespace, name: str, config: dict[str, Any], groups: list[dict[str, Any]]) -> list[int]:
+def ratelimit_calls(envoy: LocalEnvoy) -> int:
+    """Requests Envoy's per-request ``ratelimit`` filter asked the sidecar about (its answers'
+    counters, summed over the upstream clusters)."""
+    text = admin_get(envoy.admin, "/stats?usedonly&filter=ratelimit")
+    return sum(int(line.rpartition(": ")[2]) for line in text.splitlines() if RATELIMIT_STATS.search(line))
+
+
+def run_config(
+    services: SimpleNamespace, name: str, config: dict[str, Any], groups: list[dict[str, Any]]
+) -> tuple[list[int], int]:
+    """The admitted count of each group through Envoy on ``config``, and the ``ratelimit`` filter's calls."""
     envoy = services.group.start_ready(
         lambda: LocalEnvoy(name, config, services.dir, services.app.port, services.sidecar.port)
     )
     try:
-        return admitted(envoy, groups, services)
+        return admitted(envoy, groups, services), ratelimit_calls(envoy)
     finally:
         assert envoy.alive(), envoy.log_tail()
         services.group.stop([envoy])
@@ -139,7 +158,8 @@ def run_config(services: SimpleNamespace, name: str, config: dict[str, Any], gro
 def test_corpus_case_admits_what_the_per_request_path_admits(name: str, services: SimpleNamespace) -> None:
     case = CORPUS / name
     spec = yaml.safe_load((case / "requests.yaml").read_text())
-    code, out, err = export_case(case)
+    flags = [word for route in spec.get("per_request") or [] for word in ("--per-request", route)]
+    code, out, err = export_case(case, *flags)
     if "refused" in spec:
         assert (code, out) == (1, ""), err
         for text in spec["refused"]:
@@ -149,6 +169,10 @@ def test_corpus_case_admits_what_the_per_request_path_admits(name: str, services
     assert code == 0, err
     groups = spec["groups"]
     expected = [int(group["admitted"]) for group in groups]
-    per_request = run_config(services, f"{name}-per-request", yaml.safe_load((case / "envoy.yaml").read_text()), groups)
-    quota = run_config(services, f"{name}-quota", yaml.safe_load(out), groups)
+    original = yaml.safe_load((case / "envoy.yaml").read_text())
+    per_request, every_call = run_config(services, f"{name}-per-request", original, groups)
+    quota, calls = run_config(services, f"{name}-quota", yaml.safe_load(out), groups)
     assert (per_request, quota) == (expected, expected), f"expected {expected}: {err}"
+    assert every_call > 0
+    # Only the routes kept per request still ask the sidecar per request (warm-up included).
+    assert calls == sum(int(group["count"]) + 1 for group in groups if group.get("per_request"))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import shlex
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from sidecar.config.model import DomainConfig
 from sidecar.export.envoy_quota import objects
 from sidecar.export.envoy_quota.filters import build_filters, keep_reachable
 from sidecar.export.envoy_quota.objects import Fallback
-from sidecar.export.envoy_quota.routes import RouteReader
+from sidecar.export.envoy_quota.routes import QuotaRoute, RouteReader
 from sidecar.export.envoy_routes import (
     HTTP_CONNECTION_MANAGER,
     RATELIMIT_FILTER,
@@ -64,6 +64,8 @@ class QuotaExport:
     domain: str
     filters: list[dict[str, Any]]
     problems: tuple[Problem, ...]
+    per_request: tuple[tuple[str, int], ...] = ()
+    """``(virtual host, route index)`` of the routes kept on the per-request filter."""
 
     @property
     def dropped(self) -> tuple[Problem, ...]:
@@ -78,17 +80,26 @@ def export_quota(
     *,
     cluster: str = DEFAULT_CLUSTER,
     fallback: Fallback = "allow",
+    per_request: Collection[str] = (),
 ) -> QuotaExport:
-    """The quota filters standing for the ``ratelimit`` filter and routes of the Envoy ``document``."""
+    """The quota filters standing for the ``ratelimit`` filter and routes of the Envoy ``document``;
+    the routes ``per_request`` names (route names or ``HOST:INDEX``) keep the ``ratelimit`` filter."""
     manager, limiter = envoy_parts(document, origin)
     domain_name = filter_domain(limiter, origin)
     domain = pick_domain(domains, domain_name)
-    reader = RouteReader(str(origin), filter_stage(limiter), local_cluster(document))
+    reader = RouteReader(str(origin), filter_stage(limiter), local_cluster(document), frozenset(per_request))
     try:
         routes = reader.virtual_hosts(inline_routes(manager, origin))
     except (AttributeError, TypeError, ValueError) as error:
         raise ExportError(f"{origin}: not the shape of an Envoy v3 config ({error})") from None
+    unknown = sorted(set(per_request) - reader.chosen)
+    if unknown:
+        known = ", ".join(
+            f"{route.host}:{route.index}" + (f" ({route.name})" if route.name else "") for route in routes
+        )
+        raise ExportError(f"{origin}: --per-request {', '.join(unknown)}: no such route (routes: {known})")
     problems = reader.problems
+    problems.extend(counted_apart(routes))
     routes = keep_reachable(domain, routes, problems)
     problems.extend(filter_differences(limiter, origin, fallback))
     problems.extend(rule_refusals(domain))
@@ -105,7 +116,24 @@ def export_quota(
     unique = tuple(dict.fromkeys(problems))
     if not filters:
         raise ExportError(f"{origin}: no route sends a descriptor that could be exported", unique)
-    return QuotaExport(domain_name, filters, unique)
+    kept = tuple((route.host, route.index) for route in routes if route.per_request)
+    return QuotaExport(domain_name, filters, unique, kept)
+
+
+def counted_apart(routes: Sequence[QuotaRoute]) -> list[Problem]:
+    """A descriptor sent by a quota route and by a per-request route is counted twice apart
+    (Envoy's bucket, the sidecar's counter): each side admits up to the limit, a limit not kept."""
+    quota = {item.entries: route for route in routes for item in route.descriptors}
+    found = []
+    for route in routes:
+        for item in route.kept:
+            other = quota.get(item.entries)
+            if other is not None:
+                reason = (
+                    f"also sent by {other.label} in quota mode: the two paths count it apart (up to twice the limit)"
+                )
+                found.append(Problem(item.where, reason))
+    return found
 
 
 def local_cluster(document: Mapping[str, Any]) -> str | None:
@@ -156,15 +184,26 @@ def envoy_parts(document: Mapping[str, Any], origin: Path) -> tuple[Mapping[str,
 
 
 def quota_document(
-    document: Mapping[str, Any], origin: Path, filters: Sequence[Mapping[str, Any]], cluster: str
+    document: Mapping[str, Any],
+    origin: Path,
+    filters: Sequence[Mapping[str, Any]],
+    cluster: str,
+    per_request: Collection[tuple[str, int]] = (),
 ) -> dict[str, Any]:
     """``document`` with its ``ratelimit`` filter replaced by ``filters`` (same place in the chain)
-    and the sidecar's cluster renamed ``cluster``: the sidecar serves both services on one port."""
+    and the sidecar's cluster renamed ``cluster``: the sidecar serves both services on one port.
+
+    With ``per_request`` routes (``(virtual host, route index)``), the ``ratelimit`` filter stays
+    after ``filters`` and its cluster stays too (``cluster`` is added beside it); every other
+    route turns the ``ratelimit`` filter off (a ``FilterConfig`` with ``disabled``), so each
+    request is limited by one path only.
+    """
     copied: dict[str, Any] = copy.deepcopy(dict(document))
     manager, limiter = envoy_parts(copied, origin)
     chain = list(manager["http_filters"])
     place = next(index for index, item in enumerate(chain) if item.get("name") == RATELIMIT_FILTER)
-    chain[place : place + 1] = [copy.deepcopy(dict(item)) for item in filters]
+    kept = chain[place : place + 1] if per_request else []
+    chain[place : place + 1] = [*(copy.deepcopy(dict(item)) for item in filters), *kept]
     manager["http_filters"] = chain  # type: ignore[index]  # a dict: the copy's own manager
     envoy_grpc = ((limiter.get("rate_limit_service") or {}).get("grpc_service") or {}).get("envoy_grpc") or {}
     old = envoy_grpc.get("cluster_name")
@@ -177,8 +216,26 @@ def quota_document(
         renamed["name"] = cluster
         if "load_assignment" in renamed:
             renamed["load_assignment"]["cluster_name"] = cluster
-        clusters[names.index(old)] = renamed
+        if per_request:
+            clusters.append(renamed)
+        else:
+            clusters[names.index(old)] = renamed
+    if per_request:
+        disable_per_request_filter(manager["route_config"], set(per_request))
     return copied
+
+
+FILTER_CONFIG = "type.googleapis.com/envoy.config.route.v3.FilterConfig"
+
+
+def disable_per_request_filter(route_config: Mapping[str, Any], per_request: set[tuple[str, int]]) -> None:
+    """Turn the ``ratelimit`` filter off on every route not in ``per_request`` (in place)."""
+    for number, host in enumerate(route_config.get("virtual_hosts") or []):
+        name = str(host.get("name", number))
+        for index, route in enumerate(host.get("routes") or []):
+            if (name, index) not in per_request:
+                configs = route.setdefault("typed_per_filter_config", {})
+                configs[RATELIMIT_FILTER] = {"@type": FILTER_CONFIG, "disabled": True}
 
 
 # ---------------------------------------------------------------- the crash check
@@ -226,6 +283,8 @@ def command_line(arguments: argparse.Namespace) -> str:
         words += ["--no-assignment", arguments.no_assignment]
     if arguments.full:
         words.append("--full")
+    for route in arguments.per_request or ():
+        words += ["--per-request", route]
     if arguments.allow_dropped:
         words.append("--allow-dropped")
     return shlex.join(words)
@@ -242,6 +301,9 @@ def header(arguments: argparse.Namespace, export: QuotaExport) -> str:
         "then abandoned (a new request re-creates it).",
         f"reporting_interval {objects.REPORTING_SECONDS}s: Envoy 1.40 reports every 5 s whatever is set.",
     ]
+    if export.per_request:
+        kept = ", ".join(f"{host}:{index}" for host, index in export.per_request)
+        lines.append(f"Routes kept on the per-request {RATELIMIT_FILTER} filter (off on every other route): {kept}")
     if export.problems:
         lines.append("Not exported or exported with a difference:")
         lines.extend(f"  {problem}" for problem in export.problems)
@@ -262,8 +324,17 @@ def run_quota_export(arguments: argparse.Namespace) -> QuotaOutput:
                            tuple(errors), bool(errors))  # fmt: skip
     if not arguments.config:
         raise ExportError("a descriptor config is required (only --check works without one)")
+    if arguments.per_request and not arguments.full:
+        raise ExportError("--per-request changes the routes too: it needs --full")
     config = load_config(arguments.config)
-    export = export_quota(config.domains, document, origin, cluster=arguments.cluster, fallback=arguments.no_assignment)
+    export = export_quota(
+        config.domains,
+        document,
+        origin,
+        cluster=arguments.cluster,
+        fallback=arguments.no_assignment,
+        per_request=arguments.per_request or (),
+    )
     if export.dropped and not arguments.allow_dropped:
         refusal = (
             f"{COMMAND}: error: {len(export.dropped)} limit(s) or descriptor(s) above would be left out; "
@@ -272,7 +343,7 @@ def run_quota_export(arguments: argparse.Namespace) -> QuotaOutput:
         return QuotaOutput("", (*(str(problem) for problem in export.problems), refusal), True)
     body: Any = export.filters
     if arguments.full:
-        body = quota_document(document, origin, export.filters, arguments.cluster)
+        body = quota_document(document, origin, export.filters, arguments.cluster, export.per_request)
     errors = check_quota_filters({"static_resources": {"listeners": [_as_listener(export.filters)]}}, "output")
     if errors:  # never print a config that would crash Envoy
         raise ExportError("; ".join(errors))

@@ -53,6 +53,10 @@ class QuotaRoute:
     host: str = ""
     host_test: Predicate | None = field(default=None, compare=False, hash=False)
     name: str = ""
+    index: int = 0
+    per_request: bool = False
+    """Chosen to keep the per-request ``ratelimit`` filter: no bucket here, its descriptors in ``kept``."""
+    kept: tuple[Descriptor, ...] = ()
 
 
 @dataclass(slots=True)
@@ -66,7 +70,11 @@ class RouteReader:
     origin: str
     stage: int
     local_cluster: str | None = None
+    per_request: frozenset[str] = frozenset()
+    """Routes that keep the per-request filter: route names or ``HOST:INDEX``."""
     problems: list[Problem] = field(default_factory=list)
+    chosen: set[str] = field(default_factory=set)
+    """The ``per_request`` selectors that matched a route."""
 
     def virtual_hosts(self, route_config: Mapping[str, Any]) -> list[QuotaRoute]:
         """Every route of every virtual host, in match order, with the host's test."""
@@ -83,19 +91,35 @@ class RouteReader:
         match = found.route.get("match") or {}
         path, text = self.path_test(match)
         name = str(found.route.get("name") or "")
+        chosen = {name, f"{found.host.name}:{found.index}"} & self.per_request
+        if chosen:
+            self.chosen |= chosen
+            kept = self.quietly(found) if path is not None else ()
+            return QuotaRoute(found.label, path, (), found.host.name, host_test, name, found.index, True, kept)
         if path is None:
             for where, entry in found.entries:
                 skipped = skipped_entry(entry, self.stage)
                 if skipped is None or not skipped[1]:
                     self.problem(where, f"the route's {text}; descriptor not exported")
-            return QuotaRoute(found.label, None, (), found.host.name, host_test, name)
+            return QuotaRoute(found.label, None, (), found.host.name, host_test, name, found.index)
+        return QuotaRoute(found.label, path, self.descriptors(found), found.host.name, host_test, name, found.index)
+
+    def descriptors(self, found: RoutedLimits) -> tuple[Descriptor, ...]:
         action = found.route.get("route") or {}
         descriptors = []
         for where, entry in found.entries:
             descriptor = self.descriptor(where, entry, action)
             if descriptor is not None:
                 descriptors.append(descriptor)
-        return QuotaRoute(found.label, path, tuple(descriptors), found.host.name, host_test, name)
+        return tuple(descriptors)
+
+    def quietly(self, found: RoutedLimits) -> tuple[Descriptor, ...]:
+        """The descriptors of a route kept on the per-request filter, which sends them all:
+        nothing of them is left out, so nothing is reported."""
+        before = len(self.problems)
+        descriptors = self.descriptors(found)
+        del self.problems[before:]
+        return descriptors
 
     def report_fallthrough(self, routes: Sequence[QuotaRoute]) -> None:
         """A route whose match is not translated lets its requests reach the buckets of the later
