@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -81,6 +82,21 @@ def reproduce_command(words: Sequence[str], arguments: argparse.Namespace, skip:
         else:
             words += [flag, str(value)]
     return shlex.join(words)
+
+
+def tool_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of ``python -m <module>``: the docstring's first paragraph as its description."""
+    description = (doc or "").split("\n\n")[0]
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> None:
+    """The figures as JSON (keys sorted, so two runs diff cleanly), then "wrote PATH"."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {path}")
 
 
 def run_cli(prog: str, run: Callable[[], int], signals: Sequence[signal.Signals]) -> int:

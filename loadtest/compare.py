@@ -88,6 +88,7 @@ from loadtest.common import (
     reproduce_command,
     run_cli,
     split_cpus,
+    tool_parser,
 )
 from loadtest.compare_harness import analysis, client, paths, plot, report, sliding
 from loadtest.compare_harness.recording import MIN_DURATION, Recording, record
@@ -437,11 +438,7 @@ def select_paths(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.compare",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("loadtest.compare", __doc__)
     parser.add_argument("--quick", action="store_true", help="4 s recording, 1 round, 1 s throughput phases (tests)")
     parser.add_argument(
         "--duration", type=bounded_float(MIN_DURATION, 120), help="seconds of recorded traffic (default 10; quick 4)"

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import os
 import signal
 import statistics
@@ -72,6 +71,8 @@ from loadtest.common import (
     reproduce_command,
     run_cli,
     split_cpus,
+    tool_parser,
+    write_json,
 )
 from loadtest.http_load import Connection, HttpError, Pool
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
@@ -390,26 +391,19 @@ def run(arguments: argparse.Namespace) -> int:
     )
     print(f"Reproduce: `{command_line(arguments)}`")
     if arguments.json:
-        path = Path(arguments.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
         document = {
             "command": command_line(arguments),
             "machine": {**facts, "server_cpus": server_cpus, "client_cpus": client_cpus},
             "summary": summary,
             "runs": [asdict(result) for result in results],
         }
-        path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {path}")
+        write_json(arguments.json, document)
     errors = sum(sum(row["errors"].values()) for row in summary.values())
     return 0 if errors == 0 else 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.envoy_latency",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("loadtest.envoy_latency", __doc__)
     parser.add_argument(
         "--rate", type=bounded_float(0, 5000, include_low=False), default=200.0, help="requests/s (default 200)"
     )

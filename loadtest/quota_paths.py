@@ -57,6 +57,7 @@ from loadtest.common import (
     reproduce_command,
     run_cli,
     scrape_metrics,
+    tool_parser,
 )
 from sidecar.config import load_config
 from sidecar.export.envoy_quota.export import export_quota, quota_document
@@ -423,11 +424,7 @@ def run(arguments: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.quota_paths",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("loadtest.quota_paths", __doc__)
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of all four variants (default 3)")
     parser.add_argument("--duration", type=positive_int, default=5, help="seconds per run, whole (default 5)")
     parser.add_argument("--warmup", type=positive_int, default=1, help="unmeasured seconds per variant (default 1)")

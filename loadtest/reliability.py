@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import machine_facts, md_table, parse_cpus, reproduce_command, run_cli
+from loadtest.common import machine_facts, md_table, parse_cpus, reproduce_command, run_cli, tool_parser
 from loadtest.reliability_harness import Context, Row
 
 AREAS = {
@@ -94,11 +94,7 @@ def summary(rows: Sequence[Row]) -> str:
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.reliability",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("loadtest.reliability", __doc__)
     parser.add_argument("--quick", action="store_true", help="CI-sized: seconds per scenario")
     parser.add_argument("--areas", default=",".join(AREAS), help=f"comma-separated, of: {', '.join(AREAS)}")
     parser.add_argument("--seed", type=int, default=1)

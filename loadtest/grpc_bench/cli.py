@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from loadtest import grpc_bench
-from loadtest.common import parse_cpus, positive_int, run_cli
+from loadtest.common import parse_cpus, positive_int, run_cli, tool_parser, write_json
 from loadtest.grpc_bench.compare import cmd_compare
 from loadtest.grpc_bench.drive import load_options, run_load
 from loadtest.grpc_bench.inproc import cmd_inproc
@@ -22,7 +22,6 @@ from loadtest.grpc_bench.report import (
     print_header,
     saturation_note,
     table,
-    write_json,
 )
 
 
@@ -105,11 +104,7 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.grpc_bench",
-        description=(grpc_bench.__doc__ or "").split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("loadtest.grpc_bench", grpc_bench.__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="drive a running server")

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import median_or_none, parse_cpus
+from loadtest.common import median_or_none, parse_cpus, write_json
 from loadtest.grpc_bench.drive import RunResult, core_busy_seconds, load_options, run_load
 from loadtest.grpc_bench.report import (
     command_line,
@@ -21,7 +21,6 @@ from loadtest.grpc_bench.report import (
     print_header,
     saturation_note,
     table,
-    write_json,
 )
 from loadtest.grpc_bench.servers import ServerProcess, config_path
 from stack import sidecar

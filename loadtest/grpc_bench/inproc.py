@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from loadtest.common import write_json
 from loadtest.grpc_bench.mix import request_pool
-from loadtest.grpc_bench.report import command_line, environment, print_header, write_json
+from loadtest.grpc_bench.report import command_line, environment, print_header
 from loadtest.grpc_bench.servers import config_path
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 

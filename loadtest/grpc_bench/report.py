@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import subprocess
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from loadtest.common import machine_facts, reproduce_command
@@ -123,9 +121,3 @@ def saturation_note(result: RunResult, client_cores: int) -> str | None:
             f"{server}: it may be the bottleneck; add --processes or cores"
         )
     return None
-
-
-def write_json(path: str, document: dict[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {path}")
