@@ -27,6 +27,7 @@ from loadtest.accuracy_harness.redis_watch import parse_key
 from loadtest.common import METHOD, cpu_seconds, overall_code, percentile
 from loadtest.common import scrape_metrics as scrape
 from loadtest.reliability_harness import Context, Row
+from sidecar.service.wire import length_delimited, varint
 from stack import redis as stack_redis
 from stack.processes import Child, ChildT, ProcessGroup, StartError, free_port, process_group, spawn
 from stack.redis import REDIS_SERVER, RedisProcess
@@ -72,21 +73,9 @@ MIB = 1024 * 1024
 # ---------------------------------------------------------------------------------
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        low = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
-
-
 def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+    """A length-delimited protobuf field (the sidecar's own varints: the same bytes protobuf writes)."""
+    return length_delimited(varint(number << 3 | 2), payload)
 
 
 def encode_descriptor(entries: Sequence[tuple[str, str]]) -> bytes:
@@ -98,7 +87,7 @@ def encode_request(domain: str, descriptors: Iterable[Sequence[tuple[str, str]]]
     """A serialized ``RateLimitRequest``: ``domain`` (1), ``descriptors`` (2), ``hits_addend`` (3)."""
     body = _field(1, domain.encode()) + b"".join(_field(2, encode_descriptor(entries)) for entries in descriptors)
     if hits:
-        body += _varint(3 << 3) + _varint(hits)
+        body += varint(3 << 3) + varint(hits)
     return body
 
 
