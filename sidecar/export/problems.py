@@ -37,3 +37,19 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{'note' if self.exported else 'not exported'}: {self.where}: {self.reason}"
+
+
+def refusal(command: str, dropped: int) -> str:
+    """The last line of an export refused for the limits it would leave out."""
+    return (
+        f"{command}: error: {dropped} limit(s) or descriptor(s) above would be left out; nothing written. "
+        "Change the config, or accept the loss with --allow-dropped"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal(Problem):
+    """The refusal itself, listed after the problems that caused it (printed as its reason alone)."""
+
+    def __str__(self) -> str:
+        return self.reason

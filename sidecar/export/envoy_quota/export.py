@@ -49,7 +49,7 @@ from sidecar.export.envoy_routes import (
     ratelimit_filter,
     read_envoy,
 )
-from sidecar.export.problems import ExportError, Problem
+from sidecar.export.problems import ExportError, Problem, refusal
 from sidecar.export.rules import pick_domain, subtree_rules, where_of
 
 COMMAND = "export-envoy-quota"
@@ -336,11 +336,8 @@ def run_quota_export(arguments: argparse.Namespace) -> QuotaOutput:
         per_request=arguments.per_request or (),
     )
     if export.dropped and not arguments.allow_dropped:
-        refusal = (
-            f"{COMMAND}: error: {len(export.dropped)} limit(s) or descriptor(s) above would be left out; "
-            "nothing written. Change the config, or accept the loss with --allow-dropped"
-        )
-        return QuotaOutput("", (*(str(problem) for problem in export.problems), refusal), True)
+        last = refusal(COMMAND, len(export.dropped))
+        return QuotaOutput("", (*(str(problem) for problem in export.problems), last), True)
     body: Any = export.filters
     if arguments.full:
         body = quota_document(document, origin, export.filters, arguments.cluster, export.per_request)

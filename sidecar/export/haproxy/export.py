@@ -17,7 +17,7 @@ from sidecar.export.haproxy.plan import ExportOptions, Planner
 from sidecar.export.haproxy.render import Renderer
 from sidecar.export.haproxy.routes import sources_from_envoy
 from sidecar.export.haproxy.words import CONTROL
-from sidecar.export.problems import ExportError, Problem
+from sidecar.export.problems import ExportError, Problem, Refusal, refusal
 from sidecar.export.rules import pick_domain, where_of
 
 
@@ -28,7 +28,12 @@ class Export:
     text: str
     problems: tuple[Problem, ...]
     failed: bool = False
-    """Always False: what cannot be exported is listed in ``problems``, the rest is exported."""
+    """True when a limit would be left out and ``--allow-dropped`` was not given (``text`` empty)."""
+
+    @property
+    def dropped(self) -> tuple[Problem, ...]:
+        """The limits or descriptors left out (notes are differences, not losses)."""
+        return tuple(problem for problem in self.problems if not problem.exported)
 
 
 def export(domain: DomainConfig, sources: Sources, options: ExportOptions) -> Export:
@@ -71,6 +76,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--table-size", default=DEFAULT_TABLE_SIZE, help="entries per stick table (k, m, g suffixes)")
     parser.add_argument("--peers", help="peers section to name in every stick-table line")
+    parser.add_argument(
+        "--allow-dropped", action="store_true", help="export even when a limit cannot be translated (listed on stderr)"
+    )
 
 
 def parse_pairs(items: Sequence[str], flag: str) -> dict[str, str]:
@@ -113,6 +121,8 @@ def command_line(arguments: argparse.Namespace) -> str:
         words += ["--table-size", arguments.table_size]
     if arguments.peers:
         words += ["--peers", arguments.peers]
+    if arguments.allow_dropped:
+        words.append("--allow-dropped")
     return shlex.join(words)
 
 
@@ -140,4 +150,8 @@ def run_export(arguments: argparse.Namespace) -> Export:
     else:
         domain = pick_domain(config.domains, arguments.domain)
         sources = sources_from_flags(domain, fetches, whens)
-    return export(domain, sources, options)
+    result = export(domain, sources, options)
+    if result.dropped and not arguments.allow_dropped:
+        last = Refusal("export-haproxy", refusal("export-haproxy", len(result.dropped)), True)
+        return Export("", (*result.problems, last), True)
+    return result

@@ -92,6 +92,8 @@ class Route:
     label: str
     match: Test | None
     producers: tuple[Producer, ...]
+    host: Test | None = None
+    """With several virtual hosts: the test that Envoy would give the request this route's host."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,3 +104,5 @@ class Sources:
     origin: str
     routes: tuple[Route, ...]
     problems: tuple[Problem, ...] = ()
+    hosts: tuple[tuple[int, Test], ...] = ()
+    """With several virtual hosts: ``(host number, domain test)`` in the order Envoy tries domains."""

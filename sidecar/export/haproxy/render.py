@@ -154,15 +154,27 @@ class Renderer:
         routes = self.plan.sources.routes
         if not routes or routes[0].match is None:
             return []
-        lines = ["# 1. the route Envoy would pick: the first whose match holds"]
+        lines = self._hosts()
+        lines.append("# 1. the route Envoy would pick: the first whose match holds")
         routed = Test("var(txn.rl_route) -m found", "routed")
         for index, route in enumerate(routes):
             assert route.match is not None
             guard = "" if index == 0 else f"!{self.acls.name(routed)} "
-            lines.append(
-                f"http-request set-var(txn.rl_route) int({index}) if {guard}{self.acls.condition([route.match])}"
-            )
+            tests = [route.match] if route.host is None else [route.host, route.match]
+            lines.append(f"http-request set-var(txn.rl_route) int({index}) if {guard}{self.acls.condition(tests)}")
             lines[-1] += f"  # {route.label}"
+        return lines
+
+    def _hosts(self) -> list[str]:
+        """The virtual host Envoy would pick, from the Host header (several hosts only)."""
+        hosts = self.plan.sources.hosts
+        if not hosts:
+            return []
+        lines = ["# 0. the virtual host Envoy would pick: exact domains, then wildcards longest first, then '*'"]
+        chosen = Test("var(txn.rl_host) -m found", "host_chosen")
+        for index, (number, test) in enumerate(hosts):
+            guard = "" if index == 0 else f"!{self.acls.name(chosen)} "
+            lines.append(f"http-request set-var(txn.rl_host) int({number}) if {guard}{self.acls.condition([test])}")
         return lines
 
     def _replacements(self) -> list[str]:

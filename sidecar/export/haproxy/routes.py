@@ -8,7 +8,7 @@ this module writes route matches and actions as HAProxy ACLs and samples, into :
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from sidecar.export.haproxy.model import (
     Test,
 )
 from sidecar.export.haproxy.words import full_regex, hint_of, patterns, quote, unquotable
+from sidecar.export.hosts import Domain, HostTest, host_tests
 from sidecar.export.problems import ExportError, Problem
 
 _HEADER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -51,9 +52,39 @@ def sources_from_envoy(path: Path, overrides: Mapping[str, str]) -> Sources:
     try:
         reader = EnvoyReader(str(path), filter_stage(limiter), overrides)
         routes = reader.virtual_hosts(route_config)
+        hosts = host_choice(host_tests(route_config, str(path)))
     except (AttributeError, TypeError, ValueError) as error:
         raise ExportError(f"{path}: not the shape of an Envoy v3 config ({error})") from None
-    return Sources(domain, str(path), tuple(routes), tuple(reader.problems))
+    return Sources(domain, str(path), tuple(routes), tuple(reader.problems), hosts)
+
+
+_RANK = {"exact": 0, "suffix": 1, "prefix": 2, "any": 3}
+
+
+def host_choice(tests: Sequence[HostTest]) -> tuple[tuple[int, Test], ...]:
+    """How HAProxy picks the virtual host Envoy would: ``(host number, domain test)`` in Envoy's
+    order (exact domains, then suffix wildcards longest first, then prefix ones, then ``*``), the
+    first that holds setting ``txn.rl_host``; empty when one host takes every request."""
+    if len(tests) == 1 and tests[0].everything:
+        return ()
+    domains = [(number, domain, test.ignore_port) for number, test in enumerate(tests) for domain, _ in test.choices]
+    domains.sort(key=lambda item: (_RANK[item[1].kind], -len(item[1].text)))
+    return tuple((number, domain_test(domain, ignore_port)) for number, domain, ignore_port in domains)
+
+
+def domain_test(domain: Domain, ignore_port: bool) -> Test:
+    """The ACL of one ``domains`` entry on the Host header (lower-cased; a wildcard stands for
+    one character or more; the port optional when Envoy ignores it)."""
+    hint = "host_" + (hint_of(str(domain)) if domain.kind != "any" else "any")
+    if domain.kind == "any":
+        return Test("req.hdr(host) -m found", hint)
+    if domain.kind == "exact" and not ignore_port:
+        return Test(f"req.hdr(host),lower -m str {patterns([domain.text])}", hint)
+    text = re.escape(domain.text)
+    rest = "[^:]+" if ignore_port else ".+"
+    body = {"exact": text, "suffix": rest + text, "prefix": text + rest}[domain.kind]
+    port = "(?::[0-9]*)?" if ignore_port else ""
+    return Test(f"req.hdr(host),lower -m reg {quote('^' + body + port + '$')}", hint)
 
 
 @dataclass(slots=True)
@@ -66,20 +97,18 @@ class EnvoyReader:
     problems: list[Problem] = field(default_factory=list)
 
     def virtual_hosts(self, route_config: Mapping[str, Any]) -> list[Route]:
-        """Routes of the one virtual host, in match order. With several hosts nothing is exported:
-        an HAProxy route test reads only the path, so one host's limits would count the others'
-        requests (reported for every route, a limit left out)."""
+        """Every route of every virtual host, in match order; with several hosts each route
+        also tests its host (``txn.rl_host``, set by :func:`host_choice`)."""
         found = list(routed_limits(route_config, self.origin, self._problem))
-        if len({item.host.name for item in found}) > 1:
-            for item in found:
-                for where, _ in item.entries:
-                    self._problem(where, "several virtual hosts: export-haproxy tests no host; descriptor not exported")
-            return []
+        numbers = {name: number for number, name in enumerate(dict.fromkeys(item.host.name for item in found))}
+        several = len(numbers) > 1 or any(not item.host.everything for item in found)
         routes: list[Route] = []
         for item in found:
             exported = self.route(item)
             if exported is not None:
-                routes.append(exported)
+                number = numbers[item.host.name]
+                host = Test(f"var(txn.rl_host) -m int {number}", f"host{number}") if several else None
+                routes.append(replace(exported, host=host))
         return routes
 
     def route(self, found: RoutedLimits) -> Route | None:
@@ -92,7 +121,7 @@ class EnvoyReader:
             where = f"{self.origin}: route {found.index}"
             self._problem(where, f"{text}; its requests fall through to later routes in HAProxy")
             return None
-        label = f"route {found.index} ({text})"
+        label = found.label
         test = replace(test, hint=hint_of(text))
         producers = []
         for where, entry in found.entries:

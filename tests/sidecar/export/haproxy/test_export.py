@@ -60,11 +60,14 @@ def envoy_config(routes: str, domain: str = "t") -> str:
     return minimal_envoy_config(routes, domain)
 
 
-def run_cli(tmp_path: Path, config: str, *args: str, envoy: str | None = None) -> SimpleNamespace:
-    """``ratelimit-sidecar export-haproxy`` in-process on a config text (and an Envoy config text)."""
+def run_cli(
+    tmp_path: Path, config: str, *args: str, envoy: str | None = None, allow_dropped: bool = True
+) -> SimpleNamespace:
+    """``ratelimit-sidecar export-haproxy`` in-process on a config text (and an Envoy config text);
+    with ``--allow-dropped`` unless told (these tests look at what is left out)."""
     config_file = tmp_path / "rules.yaml"
     config_file.write_text(textwrap.dedent(config))
-    argv = ["export-haproxy", str(config_file), *args]
+    argv = ["export-haproxy", str(config_file), *args, *(["--allow-dropped"] if allow_dropped else [])]
     if envoy is not None:
         envoy_file = tmp_path / "envoy.yaml"
         envoy_file.write_text(envoy)
@@ -625,7 +628,8 @@ EXTENSIONS_FILE = EXTENSIONS / "extensions.yaml"
 
 
 def extensions_export(tmp_path: Path, flavour: Flavour, *args: str, envoy: bool = True) -> SimpleNamespace:
-    argv = ["export-haproxy", str(EXTENSIONS), "--flavour", flavour, *args]
+    """The extensions example exported (its token-bucket rule is left out: ``--allow-dropped``)."""
+    argv = ["export-haproxy", str(EXTENSIONS), "--flavour", flavour, "--allow-dropped", *args]
     if envoy:
         envoy_file = tmp_path / "envoy.yaml"
         envoy_file.write_text(envoy_config(EXTENSIONS_ROUTES, domain="extensions"))
@@ -908,3 +912,62 @@ def test_suppressed_overload_is_not_exported() -> None:
     problem = rule_problem(domain.rules[0], "fixed")
     assert problem is not None and problem.startswith("overload: suppress")
     assert rule_problem(domain.rules[1], "fixed") is None
+
+
+def test_a_limit_left_out_fails_the_export_unless_allowed(tmp_path: Path) -> None:
+    """The extensions example holds a token-bucket rule HAProxy cannot enforce: without
+    ``--allow-dropped`` nothing is written and stderr says which rule and why."""
+    envoy = envoy_config(EXTENSIONS_ROUTES, domain="extensions")
+    strict = run_cli(tmp_path, (EXTENSIONS / "extensions.yaml").read_text(), envoy=envoy, allow_dropped=False)
+    assert (strict.code, strict.out) == (1, "")
+    assert any(line.startswith("not exported: ") and "token_bucket" in line for line in strict.err), strict.err
+    assert strict.err[-1].startswith("export-haproxy: error: 1 limit(s) or descriptor(s) above would be left out")
+    allowed = run_cli(tmp_path, (EXTENSIONS / "extensions.yaml").read_text(), envoy=envoy)
+    assert allowed.code == 0
+    assert "--allow-dropped" in allowed.out.splitlines()[0]
+    assert strict.err[:-1] == allowed.err
+
+
+def test_several_virtual_hosts_pick_the_host_as_envoy_does_then_the_route(tmp_path: Path) -> None:
+    """Exact domains first, then wildcards longest first, then '*'; each route tests its host."""
+    envoy = textwrap.dedent(
+        """\
+        static_resources:
+          listeners:
+            - name: ingress
+              filter_chains:
+                - filters:
+                    - name: envoy.filters.network.http_connection_manager
+                      typed_config:
+                        route_config:
+                          ignore_port_in_host_matching: true
+                          virtual_hosts:
+                            - {name: rest, domains: ["*"], routes: [{match: {prefix: /}, route: {cluster: a}}]}
+                            - name: tenants
+                              domains: ["*.example.com", "api.*"]
+                              routes: [{match: {prefix: /}, route: {rate_limits: [{actions: [{remote_address: {}}]}]}}]
+                            - name: api
+                              domains: [API.example.com]
+                              routes: [{match: {prefix: /}, route: {cluster: a}}]
+                        http_filters:
+                          - name: envoy.filters.http.ratelimit
+                            typed_config: {domain: t}
+        """
+    )
+    rules = "domain: t\ndescriptors:\n  - {key: remote_address, rate_limit: {unit: second, requests_per_unit: 5}}\n"
+    result = run_cli(tmp_path, rules, envoy=envoy, allow_dropped=False)
+    assert result.code == 0, result.err
+    lines = [line.strip() for line in result.out.splitlines()]
+    port = "(?::[0-9]*)?$'"
+    assert "acl rl_host_api_example_com req.hdr(host),lower -m reg '^api\\.example\\.com" + port in lines
+    assert "acl rl_host_example_com req.hdr(host),lower -m reg '^[^:]+\\.example\\.com" + port in lines
+    assert "acl rl_host_any req.hdr(host) -m found" in lines
+    picks = [line for line in lines if line.startswith("http-request set-var(txn.rl_host)")]
+    assert picks == [
+        "http-request set-var(txn.rl_host) int(2) if rl_host_api_example_com",
+        "http-request set-var(txn.rl_host) int(1) if !rl_host_chosen rl_host_example_com",
+        "http-request set-var(txn.rl_host) int(1) if !rl_host_chosen rl_host_api",
+        "http-request set-var(txn.rl_host) int(0) if !rl_host_chosen rl_host_any",
+    ]
+    routes = [line.split("  #")[0] for line in lines if line.startswith("http-request set-var(txn.rl_route)")]
+    assert routes[1] == "http-request set-var(txn.rl_route) int(1) if !rl_routed rl_host1 rl_prefix"

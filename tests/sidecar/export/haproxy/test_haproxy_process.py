@@ -256,8 +256,9 @@ def frontend_around(fragment: str, peers: bool = False) -> str:
 
 
 def export_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``export-haproxy ARGS --allow-dropped`` (tests here export rules HAProxy leaves out on purpose)."""
     return subprocess.run(
-        [sys.executable, "-m", "sidecar", "export-haproxy", *args],
+        [sys.executable, "-m", "sidecar", "export-haproxy", *args, "--allow-dropped"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -896,3 +897,81 @@ def test_the_fixed_flavour_computes_the_sidecars_sliding_window(
     assert [(offset, got) for offset, got, _ in results] == [(offset, want) for offset, _, want in results]
     admitted = [sum(got) for _, got, _ in results]
     assert admitted[0] == 5 and admitted[1] < 5, "the previous second weighs in: fewer than a fixed window's 5"
+
+
+HOSTS_RULES = textwrap.dedent(
+    """\
+    domain: hosts
+    descriptors:
+      - {key: generic_key, value: vh, rate_limit: {unit: second, requests_per_unit: 2}}
+      - {key: generic_key, value: wild, rate_limit: {unit: second, requests_per_unit: 3}}
+    """
+)
+HOSTS_ENVOY = textwrap.dedent(
+    """\
+    static_resources:
+      listeners:
+        - name: ingress
+          filter_chains:
+            - filters:
+                - name: envoy.filters.network.http_connection_manager
+                  typed_config:
+                    route_config:
+                      virtual_hosts:
+                        - name: api
+                          domains: [api.example.com]
+                          routes: [{match: {prefix: /}, route: {cluster: app}}]
+                        - name: tenants
+                          domains: ["*.example.com"]
+                          routes:
+                            - match: {prefix: /}
+                              route: {cluster: app, rate_limits: [{actions: [{generic_key: {descriptor_value: wild}}]}]}
+                        - name: rest
+                          domains: ["*"]
+                          routes:
+                            - match: {prefix: /}
+                              route: {cluster: app, rate_limits: [{actions: [{generic_key: {descriptor_value: vh}}]}]}
+                    http_filters:
+                      - name: envoy.filters.http.ratelimit
+                        typed_config: {domain: hosts}
+    """
+)
+
+
+@pytest.mark.slow
+def test_each_virtual_host_keeps_its_limits_in_haproxy(tmp_path: Path) -> None:
+    """Issue 29 on the HAProxy side: a host's limits never count another host's requests
+    (api.example.com has none; *.example.com and '*' have their own), Host read as Envoy does."""
+    rules, envoy = tmp_path / "rules.yaml", tmp_path / "envoy.yaml"
+    rules.write_text(HOSTS_RULES)
+    envoy.write_text(HOSTS_ENVOY)
+    fragments = []
+    for flavour in ("fixed", "sliding"):
+        completed = export_cli(str(rules), "--envoy", str(envoy), "--flavour", flavour)
+        assert completed.returncode == 0, completed.stderr
+        assert completed.stderr == ""
+        fragments.append(completed.stdout)
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(two_frontends(*fragments))
+    ports = HAProxyPorts.free(app=1)
+    checked = check_config(config, ports.env())
+    assert checked.ok, checked.output
+    group = ProcessGroup()
+    try:
+        haproxy = HAProxyProcess("haproxy", ports, tmp_path, config=config)
+        group.start(haproxy)
+        haproxy.wait_ready()
+        for flavour in ("fixed", "sliding"):
+            client = Client(ports.port(flavour))
+
+            def burst(client: Client = client) -> list[int]:
+                hosts = ("api.example.com", "www.example.com", "API.example.com", "other.org", "example.com")
+                return [client.statuses(5, headers={"Host": host}).count(200) for host in hosts]
+
+            # api: no limit; *.example.com: 3/s; the exact domain wins whatever its case; '*': 2/s,
+            # shared by other.org and example.com (not *.example.com: the wildcard needs a character).
+            assert in_one_window(burst) == [5, 3, 5, 2, 0], flavour
+            client.close()
+            time.sleep(1.1)  # the sliding flavour's rate: the next flavour starts on other tables anyway
+    finally:
+        group.close()
