@@ -212,6 +212,23 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_seconds_of(pids: Sequence[int]) -> float | None:
+    """User + system CPU seconds of the processes (None when one is gone)."""
+    seconds = [cpu_seconds(pid) for pid in pids]
+    return None if any(value is None for value in seconds) else sum(value or 0.0 for value in seconds)
+
+
+def proc_status(pid: int, field: str) -> int | None:
+    """A ``kB`` field of ``/proc/<pid>/status`` in bytes (``VmRSS``, ``VmHWM``), None if gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def percentile(ordered: Sequence[float], fraction: float) -> float:
     """Nearest-rank percentile of an ascending sequence (0 when empty)."""
     if not ordered:

@@ -80,6 +80,7 @@ import uvloop
 
 from loadtest.common import (
     bounded_float,
+    cpu_seconds_of,
     machine_facts,
     percentile,
     positive_int,
@@ -191,7 +192,7 @@ class Campaign:
     def closed_loop(self, name: str, number: int) -> dict[str, Any]:
         path = self.bench.paths[name]
         arguments = self.arguments
-        before_cpu = paths.cpu_seconds_of(path.pids)
+        before_cpu = cpu_seconds_of(path.pids)
         before = path.envoy_counters()
         result = uvloop.run(
             client.closed_loop(
@@ -203,7 +204,7 @@ class Campaign:
                 first_address=self.addresses_used,
             )
         )
-        after_cpu = paths.cpu_seconds_of(path.pids)
+        after_cpu = cpu_seconds_of(path.pids)
         after = path.envoy_counters()
         self.addresses_used += result.total
         latencies = sorted(result.latencies)

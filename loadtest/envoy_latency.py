@@ -60,6 +60,7 @@ import uvloop
 
 from loadtest.common import (
     bounded_float,
+    cpu_seconds_of,
     dash,
     machine_facts,
     md_table,
@@ -250,18 +251,6 @@ async def drive(
         "max_ms": (latencies[-1] if latencies else 0.0) * 1000,
         "lag_p99_ms": percentile(lags, 0.99) * 1000,
     }
-
-
-def cpu_seconds_of(pids: Sequence[int]) -> float | None:
-    """User + system CPU seconds of the processes (None when one is gone)."""
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def measure(servers: Servers, variant: str, round_number: int, arguments: argparse.Namespace) -> RunResult:

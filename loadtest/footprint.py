@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from loadtest.common import proc_status
 from stack import redis as stack_redis
 from stack.processes import free_port, process_group, spawn
 from stack.redis import RedisProcess
@@ -35,6 +36,7 @@ from stack.sidecar import serve_argv
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "config"
 TICKS = os.sysconf("SC_CLK_TCK")
+MIB = 1024 * 1024
 
 
 def cpu_seconds(pid: int) -> float:
@@ -45,12 +47,7 @@ def cpu_seconds(pid: int) -> float:
 
 def memory_mib(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) in MiB."""
-    values = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            values[name] = int(rest.split()[0]) / 1024
-    return values["VmRSS"], values["VmHWM"]
+    return (proc_status(pid, "VmRSS") or 0) / MIB, (proc_status(pid, "VmHWM") or 0) / MIB
 
 
 @contextmanager

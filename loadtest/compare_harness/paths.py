@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import cpu_seconds, scrape_metrics
+from loadtest.common import scrape_metrics
 from loadtest.compare_harness import haproxy_config
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.haproxy import HAProxyPorts, HAProxyProcess
@@ -238,9 +238,3 @@ def sidecar_shutdown_stats(bench: Bench) -> dict[str, dict[str, Any]]:
                 continue
             stats[sidecar.label] = {key: value for key, value in event.items() if isinstance(value, int)}
     return stats
-
-
-def cpu_seconds_of(pids: Sequence[int]) -> float | None:
-    """User + system CPU seconds of the processes (None when one is gone)."""
-    seconds = [cpu_seconds(pid) for pid in pids]
-    return None if any(value is None for value in seconds) else sum(value or 0.0 for value in seconds)

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from loadtest.accuracy_harness.redis_watch import parse_key
-from loadtest.common import METHOD, cpu_seconds, overall_code, percentile
+from loadtest.common import METHOD, cpu_seconds, overall_code, percentile, proc_status
 from loadtest.common import scrape_metrics as scrape
 from loadtest.reliability_harness import Context, Row
 from sidecar.service.wire import length_delimited, varint
@@ -54,6 +54,7 @@ __all__ = [
     "free_port",
     "overall_code",
     "percentile",
+    "proc_status",
     "process_group",
     "scrape",
 ]
@@ -274,17 +275,6 @@ def compare_counts(expected: dict[str, int], held: dict[str, int]) -> tuple[int,
 # ---------------------------------------------------------------------------------
 # Measurements
 # ---------------------------------------------------------------------------------
-
-
-def proc_status(pid: int, field: str) -> int | None:
-    """A ``kB`` field of ``/proc/<pid>/status`` in bytes (``VmRSS``, ``VmHWM``), None if gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def rss(pid: int) -> int:
