@@ -55,7 +55,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtest.accuracy_harness import processes, report, runner
+from loadtest.accuracy_harness import overload, processes, report, runner
 from loadtest.accuracy_harness.processes import REDIS_SERVER, RedisServer
 from loadtest.accuracy_harness.scenarios import Scenario, catalogue
 from loadtest.common import bounded_float, machine_facts, parse_cpus, positive_int, reproduce_command, run_cli
@@ -77,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     names = ", ".join(catalogue(quick=True))
-    parser.add_argument("--scenario", default="all", help=f"comma-separated scenarios or 'all' ({names})")
+    parser.add_argument(
+        "--scenario",
+        default="all",
+        help=f"comma-separated scenarios, 'all' ({names}) or 'overload' (plain and suppressed windows, 1.5x to 10x)",
+    )
     parser.add_argument("--modes", default=",".join(runner.MODES), help="comma-separated: local, sync, strict")
     parser.add_argument("--quick", action="store_true", help="short scenarios and reduced rates (CI)")
     parser.add_argument("--replicas", type=positive_int, default=4, help="sidecar processes (default 4)")
@@ -250,7 +254,12 @@ def run(arguments: argparse.Namespace) -> int:
     if arguments.throughput_rounds is None:
         arguments.throughput_rounds = 1 if arguments.quick else 3
     scenarios = catalogue(arguments.quick, arguments.limit, arguments.windows)
-    chosen = select(arguments.scenario, list(scenarios), "scenario")
+    extra = overload.overload_scenarios(arguments.quick, arguments.limit, arguments.windows)
+    if arguments.scenario == overload.GROUP:
+        arguments.scenario = ",".join(scenario.name for scenario in extra)
+    everything = {**scenarios, **{scenario.name: scenario for scenario in extra}}
+    chosen = select(arguments.scenario, list(everything if arguments.scenario != "all" else scenarios), "scenario")
+    scenarios = everything  # 'all' leaves the overload ones out: --scenario overload runs them
     modes = select(arguments.modes, list(runner.MODES), "mode")
     env = environment()
     command = command_line(arguments)
@@ -267,10 +276,11 @@ def run(arguments: argparse.Namespace) -> int:
     print()
     print(report.table(rows))
     print()
-    extra = report.algorithm_tables(rows)
-    if extra:
-        print(extra)
+    tables = report.algorithm_tables(rows)
+    if tables:
+        print(tables)
         print()
+    print_overload(rows)
     goal_items = report.goals(rows, arguments.replicas)
     print(report.goals_table(goal_items))
     print()
@@ -300,6 +310,15 @@ def run(arguments: argparse.Namespace) -> int:
     else:
         _remove(workdir)
     return 1 if any(row.get("status") == "failed" for row in rows) else 0
+
+
+def print_overload(rows: Sequence[dict[str, Any]]) -> None:
+    """The table of the overload scenarios, when any ran (loadtest/accuracy_harness/overload.py)."""
+    suppressed = overload.table(rows)
+    if suppressed:
+        print("overload: suppress against plain fixed windows (figures: loadtest/accuracy_harness/overload.py):")
+        print(suppressed)
+        print()
 
 
 def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

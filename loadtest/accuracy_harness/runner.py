@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.accuracy_harness import algorithms, analysis, scenarios
+from loadtest.accuracy_harness import algorithms, analysis, overload, scenarios
 from loadtest.accuracy_harness.driver import RUN_GRACE, WARMUP_CALLS, ReplicaRecord, WorkerSpec, worker_main
 from loadtest.accuracy_harness.processes import (
     REPO,
@@ -312,6 +312,8 @@ class Run:
             )
         outcome.update(status="ok", start=start, traffic=traffic, loadavg_1m_after=round(os.getloadavg()[0], 2))
         outcome["accuracy"] = analysis.accuracy_figures(calls, scenario.limit, scenario.unit_seconds)
+        if scenario.name.startswith(overload.NAMES):
+            outcome["overload"] = overload.figures(calls, scenario, start)
         if scenario.algorithm == scenarios.SLIDING_WINDOW:
             outcome["algorithm_accuracy"] = algorithms.sliding_figures(calls, scenario.limit, scenario.unit_seconds)
         elif scenario.algorithm == scenarios.TOKEN_BUCKET:

@@ -91,6 +91,8 @@ class Scenario:
     """Pin the sidecars to these cpus (redis-server and the load generators stay off them)."""
     hogs: int = 0
     """CPU-bound busy-loop processes pinned to ``sidecar_cpus`` during the traffic."""
+    overload: str = ""
+    """``overload:`` of the rule under test (``suppress``; empty: not set, the plain window)."""
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -429,6 +431,8 @@ def config_yaml(scenario: Scenario) -> str:
         extra = f", algorithm: {scenario.algorithm}"
     if scenario.algorithm == TOKEN_BUCKET:
         extra += f", burst: {scenario.burst}"
+    if scenario.overload:
+        extra += f", overload: {scenario.overload}"
     second_extra = extra if scenario.unit == "second" else ""
     minute_extra = extra if scenario.unit == "minute" else ""
     return (
