@@ -55,7 +55,9 @@ def test_the_table_puts_both_side_by_side() -> None:
     rows = []
     for name in ("plain_3x", "suppress_3x"):
         calls, scenario = recorded(name)
-        rows.append({"status": "ok", "mode": "local", "replicas": 1, "overload": overload.figures(calls, scenario, BASE)})
+        rows.append(
+            {"status": "ok", "mode": "local", "replicas": 1, "overload": overload.figures(calls, scenario, BASE)}
+        )
     text = overload.table(rows)
     lines = text.splitlines()
     assert len(lines) == 4 and "| refuse |" in lines[2] and "| suppress |" in lines[3]
