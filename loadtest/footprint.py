@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import proc_status
+from loadtest.common import health_serving, proc_status
 from stack import redis as stack_redis
 from stack.processes import free_port, process_group, spawn
 from stack.redis import RedisProcess
@@ -131,20 +131,14 @@ async def drive(address: str, rate: int, seconds: float, clients: int) -> int:
 
 
 def wait_serving(address: str, process: subprocess.Popen[bytes]) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+    """Until the sidecar at ``address`` answers its health check SERVING (30 s at most)."""
     deadline = time.monotonic() + 30
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise SystemExit(f"the sidecar exited with {process.returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.1)
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the sidecar exited with {process.returncode}")
+        if health_serving(address, timeout=1):
+            return
+        time.sleep(0.1)
     raise SystemExit("the sidecar did not report SERVING within 30 s")
 
 
