@@ -13,10 +13,15 @@ route ``rate_limits`` say it. What they share lives here, each exporter importin
 
 ``problems``
     :class:`ExportError` (nothing can be exported) and :class:`Problem` (one thing left out, or
-    exported with a difference, listed on stderr: nothing is left out silently).
-``envoy_config``
+    exported with a difference, listed on stderr: nothing is left out silently, and a limit
+    left out fails the export unless ``--allow-dropped``).
+``envoy_routes``
     Reading an Envoy config: the one HTTP connection manager with the ``ratelimit`` filter, its
-    inline routes, header matchers' string matches.
+    inline virtual hosts and routes, the ``rate_limits`` entries applied to each route (virtual
+    host ones included), header matchers' string matches.
+``hosts``
+    Which requests Envoy gives each virtual host (exact domains, then wildcards, then ``*``),
+    so that a host's limits are never applied to another host's requests.
 ``rules``
     The descriptor config as an exporter reads it: which domain, the limits of a tree node, which
     nodes an entry can land on, how a problem names a rule.

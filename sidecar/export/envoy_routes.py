@@ -1,10 +1,12 @@
 """Reading the Envoy config both exporters start from: which descriptors do requests carry?
 
 The answer is in the HTTP connection manager that runs the ``ratelimit`` filter: its inline
-routes, in match order, and each route's ``rate_limits`` entries, whose actions build the
-descriptors. This module finds those and applies the rules both exporters share (the
-virtual host serving every domain, the filter's stage, one action per item, header matchers'
-string matches); each exporter translates route matches and actions into its own terms
+virtual hosts and routes, in match order, and the ``rate_limits`` entries the filter applies
+to each route (the route's, then its host's as Envoy decides: :func:`routed_limits`), whose
+actions build the descriptors. This module finds those and applies the rules both exporters
+share (which host's limits a route gets, the filter's stage, the entry fields read, one
+action per item, header matchers' string matches); which requests each host takes is
+:mod:`sidecar.export.hosts`. Each exporter translates route matches and actions into its own terms
 (:mod:`sidecar.export.haproxy.routes`: HAProxy ACLs; :mod:`sidecar.export.envoy_quota.routes`:
 matcher predicates and bucket values).
 """

@@ -4,11 +4,11 @@ One filter puts a request in one bucket only, so a route sending several descrip
 several filters. A descriptor sent by several routes is always in the same filter, so that its
 bucket (its counter) is shared by those routes as in the sidecar; the filters are few: a greedy
 colouring of "sent by the same route". In a filter, one matcher entry per route sending a
-descriptor for it: the route's path test, the tests of its actions, and "none of the earlier
-routes that could have taken the request", and, when the config has several virtual hosts, the
-test of the route's host (:mod:`sidecar.export.hosts`), since Envoy picks the first matching route and the
-matcher list the first matching entry, but an earlier route without a bucket here leaves the
-request to later entries.
+descriptor for it: the test of the route's virtual host (when there is more than one host:
+:mod:`sidecar.export.hosts`), the route's path test, the tests of its actions, and "none of
+the earlier routes of that host that could have taken the request", since Envoy picks the
+first matching route and the matcher list the first matching entry, but an earlier route
+without a bucket here leaves the request to later entries.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The Envoy config's routes as the ``rate_limit_quota`` filter sees them: each route's path test
-and the descriptors its ``rate_limits`` send, as matcher predicates and bucket values
-(:class:`RouteReader`).
+"""The Envoy config's routes as the ``rate_limit_quota`` filter sees them: each route's host and
+path tests and the descriptors its (and its host's) ``rate_limits`` send, as matcher predicates
+and bucket values (:class:`RouteReader`).
 
 Finding the routes and the rules both exporters share are :mod:`sidecar.export.envoy_routes`;
 this module writes route matches and actions in the quota filter's terms: a predicate on
-request headers (``:path`` included) and, for each entry of a descriptor, where the bucket id
-builder takes its value (a constant, a header, the client address).
+request headers (``:authority`` and ``:path`` included) and query parameters and, for each
+entry of a descriptor, where the bucket id builder takes its value (a constant, a header, a
+query parameter, the client address). What has no such terms is named, route and action.
 """
 
 from __future__ import annotations
