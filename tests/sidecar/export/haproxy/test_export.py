@@ -971,3 +971,43 @@ def test_several_virtual_hosts_pick_the_host_as_envoy_does_then_the_route(tmp_pa
     ]
     routes = [line.split("  #")[0] for line in lines if line.startswith("http-request set-var(txn.rl_route)")]
     assert routes[1] == "http-request set-var(txn.rl_route) int(1) if !rl_routed rl_host1 rl_prefix"
+
+
+def test_virtual_host_rate_limits_reach_the_routes_without_their_own(tmp_path: Path) -> None:
+    """Envoy's default: a host's rate_limits apply to its routes with none of their own."""
+    envoy = textwrap.dedent(
+        """\
+        static_resources:
+          listeners:
+            - name: ingress
+              filter_chains:
+                - filters:
+                    - name: envoy.filters.network.http_connection_manager
+                      typed_config:
+                        route_config:
+                          virtual_hosts:
+                            - name: app
+                              domains: ["*"]
+                              rate_limits: [{actions: [{remote_address: {}}]}]
+                              routes:
+                                - match: {prefix: /static}
+                                  route: {rate_limits: [{actions: [{generic_key: {descriptor_value: s}}]}]}
+                                - {match: {prefix: /}, route: {cluster: a}}
+                        http_filters:
+                          - name: envoy.filters.http.ratelimit
+                            typed_config: {domain: t}
+        """
+    )
+    rules = """\
+    domain: t
+    descriptors:
+      - {key: remote_address, rate_limit: {unit: second, requests_per_unit: 5}}
+      - {key: generic_key, value: s, rate_limit: {unit: second, requests_per_unit: 9}}
+    """
+    result = run_cli(tmp_path, rules, envoy=envoy, allow_dropped=False)
+    assert result.code == 0, result.err
+    lines = [line.strip() for line in result.out.splitlines()]
+    assert "http-request set-var(txn.rl_v0) src" in lines
+    keys = {line.rsplit(" if ", 1)[1]: line for line in lines if line.startswith("http-request set-var(txn.rl_k")}
+    assert "txn.rl_v0" in keys["rl_route1"]  # the catch-all route: the host's per-address limit
+    assert "txn.rl_v0" not in keys["rl_route0"]  # /static has its own rate_limits: not the host's
