@@ -188,7 +188,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             decision = await self.limiter.check(checks, now, budget)
         self._record(checks, applied, decision, now)
         if self.log_every and self.stats.requests % self.log_every == 0:
-            log_decision(request, checks, decision)
+            log_decision(request, checks, decision, getattr(self.limiter, "suppression", None))
         admitted = decision.admitted
         response = self._respond(checks, applied, decision, now, admitted)
         if self.response_headers or domain.warns:
@@ -310,8 +310,10 @@ def check_of(match: Match, hits: int) -> Check:
     )
 
 
-def log_decision(request: Any, checks: Sequence[Check], decision: Decision) -> None:
-    """One sampled request at debug level: enough to see what a client sends and gets."""
+def log_decision(request: Any, checks: Sequence[Check], decision: Decision, suppression: Any = None) -> None:
+    """One sampled request at debug level: enough to see what a client sends and gets, and,
+    for ``overload: suppress`` checks, the ``p`` their counter is drawn with now."""
+    demands = suppression.demands if suppression is not None else {}
     log.debug(
         "decision",
         domain=request.domain,
@@ -321,6 +323,7 @@ def log_decision(request: Any, checks: Sequence[Check], decision: Decision) -> N
         limits=list(decision.limits),
         hits=[check.hits for check in checks],
         suppressed=list(decision.suppressed),
+        p=[round(demands[check.key].p, 4) if check.suppress and check.key in demands else None for check in checks],
     )
 
 
