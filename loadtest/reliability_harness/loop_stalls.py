@@ -121,10 +121,14 @@ def live_buckets(sidecar: SidecarProcess) -> int:
     return int(scrape(sidecar.metrics_url, timeout=60).get("ratelimit_sidecar_quota_buckets", 0))
 
 
-def make_live(sidecar: SidecarProcess, reports: list[bytes], count: int) -> tuple[QuotaStream, int]:
-    """A stream holding ``count`` buckets: each report sent once the previous one is answered
-    (so no reply has to carry more than one report's actions), then waited for until live."""
+def make_live(
+    sidecar: SidecarProcess, reports: list[bytes], count: int, streams: list[QuotaStream]
+) -> tuple[QuotaStream, int]:
+    """A stream holding ``count`` buckets (added to ``streams``, closed after the row): each report
+    sent once the previous one is answered (so no reply has to carry more than one report's
+    actions), then waited for until live."""
     stream = QuotaStream(sidecar.address)
+    streams.append(stream)
     for report in reports:
         since = time.perf_counter()
         stream.send(report)
@@ -206,8 +210,7 @@ def outage(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[Qu
     redis = group.start_ready(lambda: RedisProcess(context.directory / "stalls-redis"))
     args = sidecar_args(config, "--backend", "redis", "--redis-url", redis.url, "--redis-prefix", "stalls")
     sidecar = start_sidecar(group, context, "stalls-outage", args)
-    stream, live = make_live(sidecar, bucket_reports(DOMAIN, "user", sizes.buckets), sizes.buckets)
-    streams.append(stream)
+    stream, live = make_live(sidecar, bucket_reports(DOMAIN, "user", sizes.buckets), sizes.buckets, streams)
     before = stream.reply_count()
 
     def hostile() -> Figures:
@@ -257,8 +260,7 @@ def config_reader(group: ProcessGroup, context: Context, sizes: Sizes, streams: 
     config = write_config(context.directory / "stalls-config")
     sidecar = start_sidecar(group, context, "stalls-config", sidecar_args(config))
     reports = bucket_reports(DOMAIN, "user", sizes.config_buckets, value_bytes=1000, budget=CONFIG_REPORT_BYTES)
-    stream, live = make_live(sidecar, reports, sizes.config_buckets)
-    streams.append(stream)
+    _, live = make_live(sidecar, reports, sizes.config_buckets, streams)
     reads: list[tuple[float, int]] = []
     failures: Counter[str] = Counter()
 
@@ -288,8 +290,7 @@ def config_reader(group: ProcessGroup, context: Context, sizes: Sizes, streams: 
 def reload(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
     config = write_config(context.directory / "stalls-reload")
     sidecar = start_sidecar(group, context, "stalls-reload", sidecar_args(config))
-    stream, live = make_live(sidecar, bucket_reports(DOMAIN, "user", sizes.buckets), sizes.buckets)
-    streams.append(stream)
+    stream, live = make_live(sidecar, bucket_reports(DOMAIN, "user", sizes.buckets), sizes.buckets, streams)
     seen: dict[str, float] = {}
 
     def reloads() -> int:
