@@ -179,10 +179,9 @@ class StrictLimiter:
             return await self._check(checks, now, budget, None)
         drawn = self.suppression.refused(checks, [check.limit for check in checks], now)
         attempts = attempt_call(self.suppression, self.prefix, checks, now)
-        if drawn is None:
-            return await self._check(checks, now, budget, attempts)
-        decision = await self._check(lowered_where(checks, drawn, unbanned=True), now, budget, attempts)
-        return decision._replace(suppressed=drawn)
+        lowered = lowered_where(checks, drawn, unbanned=True, drawn_once=True)
+        decision = await self._check(lowered, now, budget, attempts)
+        return decision if drawn is None else decision._replace(suppressed=drawn)
 
     async def _check(
         self, checks: Sequence[Check], now: float, budget: float | None, attempts: AttemptFlush | None

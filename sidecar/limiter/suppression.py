@@ -233,14 +233,23 @@ class Suppression:
         return shown[:limit]
 
 
-def lowered_where(checks: Sequence[Check], drawn: Sequence[bool], *, unbanned: bool = False) -> list[Check]:
-    """``checks`` with those a draw refused decided against :data:`SUPPRESSED_LIMIT`;
-    ``unbanned``: without their ban duration too, for a backend whose script would ban
-    every over check (a draw is no full window)."""
-    return [
-        check._replace(limit=SUPPRESSED_LIMIT, ban_seconds=0 if unbanned else check.ban_seconds) if out else check
-        for check, out in zip(checks, drawn, strict=True)
-    ]
+def lowered_where(
+    checks: Sequence[Check], drawn: Sequence[bool] | None, *, unbanned: bool = False, drawn_once: bool = False
+) -> list[Check]:
+    """``checks`` with those a draw refused decided against :data:`SUPPRESSED_LIMIT`.
+
+    ``unbanned``: without their ban duration too, for a backend whose script would ban every
+    over check (a draw is no full window). ``drawn_once``: every check loses its
+    ``suppress`` flag, so a fallback that decides them again (strict mode's failure policy,
+    a memory backend) does not draw a second time.
+    """
+    lowered = []
+    for index, check in enumerate(checks):
+        made = check
+        if drawn is not None and drawn[index]:
+            made = made._replace(limit=SUPPRESSED_LIMIT, ban_seconds=0 if unbanned else check.ban_seconds)
+        lowered.append(made._replace(suppress=False) if drawn_once and check.suppress else made)
+    return lowered
 
 
 MAX_SHOWN_SCAN = 1000

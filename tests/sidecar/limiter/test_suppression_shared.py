@@ -110,3 +110,17 @@ async def test_the_others_attempts_count_once_redis_told(fleet) -> None:
         await second.check([check("view")], now)
     demand = second.suppression.demands[("view",)]
     assert demand.count(slot_of(now, demand.length_ms)) == 31
+
+
+async def test_with_redis_away_strict_draws_once(limiters) -> None:
+    """The failure policy decides with a memory backend of its own: the request was drawn
+    already, so that backend must not draw again (p twice would be p squared)."""
+    from tests.support.sidecars import free_port
+
+    limiter = limiters(f"redis://127.0.0.1:{free_port()}", redis_failure_mode="local")
+    limiter.suppression.random.seed(0)
+    now = time.time()
+    decisions = [await limiter.check([check("away")], now + index / 3000) for index in range(60)]
+    assert any(decision.suppressed for decision in decisions)
+    assert limiter.suppression.demands[("away",)].count(slot_of(now, 100)) > 0
+    assert not limiter.policy._local.suppression.demands, "the fallback drew again"
