@@ -78,7 +78,8 @@ def envoy_version(binary: Path) -> str:
 
 
 def run_suite(version: str, suite: str, binary: Path, timeout: float) -> Outcome:
-    """``pytest -m envoy`` on the suite's files with ``SIDECAR_ENVOY_BIN=binary``."""
+    """``pytest -m envoy`` on the suite's files with ``SIDECAR_ENVOY_BIN=binary``; pytest's
+    output is kept beside the binary's directory (``<version>-<suite>.log``)."""
     env = {**os.environ, "SIDECAR_ENVOY_BIN": str(binary)}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "envoy", *SUITES[suite]]
     started = time.monotonic()
@@ -88,6 +89,7 @@ def run_suite(version: str, suite: str, binary: Path, timeout: float) -> Outcome
     except subprocess.TimeoutExpired as expired:
         partial = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout or ""
         output = f"{partial}\nTIMEOUT after {timeout:g} s"
+    (binary.parents[2].parent / f"{version}-{suite}.log").write_text(output)
     lines = output.splitlines()
     summary = next((line for line in reversed(lines) if _SUMMARY.search(line)), "")
     counts = {word: int(number) for number, word in _SUMMARY.findall(summary)}
