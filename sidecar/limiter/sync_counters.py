@@ -135,7 +135,9 @@ class AttemptFlush:
 
 def attempt_flush(suppression: Suppression, prefix: str, now: float) -> AttemptFlush | None:
     """The attempted hits to send and the slots to read, for the counters attempted since the
-    last flush (so the work follows the traffic, not the number of counters followed)."""
+    last flush (so the work follows the traffic, not the number of counters followed); each is
+    read once more by the first flush after the sub-interval of its last attempt ends, so every
+    replica learns that sub-interval's final total even if no attempt follows."""
     touched = suppression.take_touched()
     if not touched:
         return None
@@ -150,6 +152,8 @@ def attempt_flush(suppression: Suppression, prefix: str, now: float) -> AttemptF
             name = attempt_key(prefix, key, slot)
             if name not in flush.sent:
                 flush.reads[name] = (demand, slot)
+        if current <= max(demand.slots) + 1:
+            suppression.touched.setdefault(key, demand)  # read again once its last slot is complete
     return flush
 
 

@@ -6,6 +6,7 @@ each request's own script call, which answers with the total)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -21,8 +22,8 @@ from tests.support.redis_servers import RedisServer, fresh_prefix, redis_setting
 
 pytestmark = pytest.mark.slow
 
-LIMIT = 100
-"""Per second: 10 hits per 100 ms sub-interval."""
+LIMIT = 50
+"""Per second: 5 hits per 100 ms sub-interval."""
 RATE = 3 * LIMIT
 SECONDS = 1.5
 
@@ -59,37 +60,46 @@ async def fleet(
     await asyncio.gather(*(limiter.close() for limiter in made))
 
 
-async def drive(replicas: list[Replica], name: str) -> tuple[list[float], int]:
-    """Send :data:`RATE` requests a second for :data:`SECONDS`, round robin over ``replicas``;
-    return each replica's ``p`` at the end and how many were admitted in the last second."""
+async def drive(alone: Replica, three: list[Replica]) -> float:
+    """Send :data:`RATE` requests a second for about :data:`SECONDS`: each to the lone replica
+    (counter ``alone``) and, round robin, to one of the three (counter ``three``): the same
+    demand. Returns when it stopped: the end of a sub-interval."""
     started = time.time()
-    sent = admitted_late = 0
-    while (elapsed := time.time() - started) < SECONDS:
-        due = int(elapsed * RATE)
-        while sent < due:
+    stop = math.ceil((started + SECONDS) * 10) / 10  # on a sub-interval's end: the last one is whole
+    sent = 0
+    while (elapsed := time.time() - started) < stop - started:
+        while sent < int(elapsed * RATE):
             now = time.time()
-            decision = await replicas[sent % len(replicas)].check([check(name)], now)
-            admitted_late += decision.admitted and elapsed >= SECONDS - 1.0
+            await alone.check([check("alone")], now)
+            await three[sent % len(three)].check([check("three")], now)
             sent += 1
         await asyncio.sleep(0.005)
-    now = time.time()
-    ps = []
-    for limiter in replicas:
-        demand = limiter.suppression.demands[(name,)]
-        ps.append(demand.probability(slot_of(now, demand.length_ms), LIMIT))
-    return ps, admitted_late
+    return stop
+
+
+async def settled(replica: Replica, name: str) -> tuple[list[int], float]:
+    """The counts of the last two complete sub-intervals and the ``p`` they give, once every
+    replica's attempts in them are in (sync: a flush reads them back; strict: each script call
+    answered with the total then)."""
+    if isinstance(replica, SyncLimiter):
+        await replica.sync_once()
+    demand = replica.suppression.demands[(name,)]
+    slot = slot_of(time.time(), demand.length_ms)
+    return [demand.count(slot - 1), demand.count(slot - 2)], demand.probability(slot, LIMIT)
 
 
 async def test_three_replicas_apply_the_global_p_of_one_seeing_everything(fleet, redis_server: RedisServer) -> None:
-    alone = await fleet(1)
-    (p_alone,), _ = await drive(alone, "alone")
+    (alone,) = await fleet(1)
     three = await fleet(3)
-    p_three, _ = await drive(three, "three")
-    assert 0.2 <= p_alone <= 0.5, p_alone  # 1/3 at 3x the limit
-    for p in p_three:
-        assert abs(p - p_alone) <= 0.15, (p_alone, p_three)
-    # Each replica alone sees the limit's own rate: without sharing, none would suppress.
-    assert all(p < 0.7 for p in p_three)
+    stop = await drive(alone, three)
+    await asyncio.sleep(max(0.0, stop + 0.01 - time.time()))  # the last sub-interval complete, none in progress
+    counts, p_alone = await settled(alone, "alone")
+    assert min(counts) > LIMIT // 10, counts  # over the limit's rate: p < 1 (about 1/3 when on time)
+    views = [await settled(replica, "three") for replica in three]
+    for seen, p in views:
+        # Each replica saw a third of these attempts itself; it knows every replica's.
+        assert all(abs(mine - total) <= 3 for mine, total in zip(seen, counts, strict=True)), (counts, views)
+        assert abs(p - p_alone) <= 0.1, (p_alone, views)
     # The attempted hits are in Redis, one key per counter and sub-interval.
     keys = redis_server.client().keys(f"{three[0].prefix}:{{{counter_digest(('three',))}}}:att:*")
     assert len(keys) >= 10
@@ -124,3 +134,31 @@ async def test_with_redis_away_strict_draws_once(limiters) -> None:
     assert any(decision.suppressed for decision in decisions)
     assert limiter.suppression.demands[("away",)].count(slot_of(now, 100)) > 0
     assert not limiter.policy._local.suppression.demands, "the fallback drew again"
+
+
+async def test_sync_reads_a_sub_interval_again_once_it_is_complete(redis_server: RedisServer) -> None:
+    """A replica that stops attempting still learns the final total of its last sub-interval:
+    the first flush after that sub-interval ends reads it again."""
+    settings = redis_settings(redis_server.url, "sync", 2.0, redis_prefix=fresh_prefix("sup"), sync_interval=60.0)
+    first, second = (build_redis_limiter(settings) for _ in range(2))
+    assert isinstance(first, SyncLimiter) and isinstance(second, SyncLimiter)
+    await first.store.start()
+    await second.store.start()
+    try:
+        now = time.time()
+        first.clock = second.clock = lambda: now
+        for _ in range(30):
+            await first.check([check("late")], now)
+        await first.sync_once()
+        await second.check([check("late")], now)
+        await second.sync_once()  # reads 31
+        for _ in range(10):
+            await first.check([check("late")], now)
+        await first.sync_once()
+        second.clock = lambda: now + 0.1  # the next sub-interval: no attempt of its own since
+        await second.sync_once()
+        demand = second.suppression.demands[("late",)]
+        assert demand.count(slot_of(now, demand.length_ms)) == 41
+    finally:
+        await first.store.close()
+        await second.store.close()
