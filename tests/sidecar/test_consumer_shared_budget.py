@@ -7,14 +7,17 @@ keys, read every 250 ms, are the authority on what was admitted. The test holds:
 
 * every full window admitted exactly the limit, within sync mode's bound
   (``(R - 1) * Q`` with ``Q = floor(0.05 * 20 / 1) = 1``: at most 21; docs/redis.md);
-* no call took longer than its ``max_wait`` plus the client's answer slack
-  (:data:`~sidecar.consumer.ANSWER_SLACK`), plus :data:`SCHEDULING` for a loaded loop;
-* a call that failed did so before its ``max_wait``, having seen the next budget come
-  too late; with a minute's budget spent, a 3 s ``max_wait`` fails in milliseconds;
+* a call that failed had seen the next budget come too late for its ``max_wait``; with a
+  minute's budget spent, a 3 s ``max_wait`` fails with the minute's end as its retry time;
 * Redis's counters equal the hits the sidecars admitted (``stats.granted``): cancelled
   waits spent nothing, and asks admitted after their caller left are counted there; the
   one unknown is an ask cut by its gRPC deadline (``stats.unanswered``), which Redis may
   hold or not.
+
+How long a call waits (never past ``max_wait`` plus the answer slack; failing without
+waiting when the next budget comes too late) is asserted on a virtual clock in
+``test_consumer_herd.py``: measured here in wall time it would say more about the
+machine's load than about the consumer.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.consumer import ANSWER_SLACK, WAIT, Consumer, RateLimitExceeded
+from sidecar.consumer import WAIT, Consumer, RateLimitExceeded
 from tests.support.redis_servers import RedisServer, fresh_prefix
 from tests.support.sidecars import SidecarFactory, write_config
 
@@ -39,8 +42,6 @@ BOUND = 1
 """Sync mode's overshoot bound here: (R - 1) * floor(0.05 * LIMIT / (R - 1)) with R = 2."""
 RUN_SECONDS = 5.0
 MAX_WAIT = 1.5
-SCHEDULING = 0.1
-"""Slack for the event loop on a shared 2-core machine: timers fire late, never early."""
 
 CONFIG = f"""\
 domain: consume
@@ -148,11 +149,9 @@ async def test_consumers_share_the_limit_wait_within_max_wait_and_spend_only_wha
     for start in full:
         assert LIMIT <= windows[start] <= LIMIT + BOUND, (start, windows)
 
-    assert max(elapsed for _, elapsed, _, _ in calls) <= MAX_WAIT + ANSWER_SLACK + SCHEDULING
     failures = [(elapsed, retry_after) for _, elapsed, admitted, retry_after in calls if not admitted]
     assert failures, "the demand was meant to exceed what 1.5 s of waiting can serve"
     for elapsed, retry_after in failures:
-        assert elapsed < MAX_WAIT + ANSWER_SLACK + SCHEDULING
         if retry_after is not None:  # failed fast: the next budget came after the deadline, less the
             # time kept for an answer (twice the average round trip: tens of ms on a loaded machine)
             assert elapsed + retry_after > MAX_WAIT - 0.15
@@ -166,12 +165,11 @@ async def test_consumers_share_the_limit_wait_within_max_wait_and_spend_only_wha
     for s in stats:
         assert s.granted == s.acquired - s.reused + s.orphaned
 
-    # A spent minute: a 3 s max_wait cannot be served and fails at once, not after 3 s.
+    # A spent minute: a 3 s max_wait cannot be served; the failure names the minute's end.
     async with Consumer(replicas[0].address) as consumer:
         for _ in range(5):
             await consumer.acquire("consume", {"daily_provider": "x"})
         if 60 - time.time() % 60 > 3.5:
-            started = time.monotonic()
-            with pytest.raises(RateLimitExceeded):
+            with pytest.raises(RateLimitExceeded) as spent:
                 await consumer.acquire("consume", {"daily_provider": "x"}, max_wait=3)
-            assert time.monotonic() - started < 0.1
+            assert spent.value.retry_after is not None and spent.value.retry_after > 3
