@@ -100,6 +100,10 @@ def host_tests(route_config: Mapping[str, Any], origin: str) -> list[HostTest]:
     ]
     seen: dict[Domain, str] = {}
     for host, domains in zip(hosts, parsed, strict=True):
+        if not domains:
+            raise ExportError(
+                f"{origin}: virtual host {host.get('name', '?')!r} has no domains: Envoy refuses the config"
+            )
         for domain in domains:
             if domain in seen:
                 raise ExportError(

@@ -291,3 +291,9 @@ def test_two_hosts_with_one_domain_is_refused_as_envoy_refuses_it(tmp_path: Path
     """
     with pytest.raises(ExportError, match=r"domain 'x\.org' is in virtual hosts 'a' and 'b'"):
         export(tmp_path, hosts)
+
+
+def test_a_host_without_domains_is_refused_as_envoy_refuses_it(tmp_path: Path) -> None:
+    hosts = "- {name: a, domains: [], routes: [{match: {prefix: /}, route: {cluster: a}}]}"
+    with pytest.raises(ExportError, match="virtual host 'a' has no domains"):
+        export(tmp_path, hosts)
