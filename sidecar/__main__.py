@@ -135,6 +135,11 @@ def _add_quota_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep this route (its name, or VHOST:INDEX) on the per-request ratelimit filter; repeatable",
     )
     parser.add_argument(
+        "--per-request-untranslated",
+        action="store_true",
+        help="keep every route with a limit quota mode cannot express on the per-request ratelimit filter",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="only check --envoy's rate_limit_quota filters (exit 1 when refused)"
     )
 

@@ -81,17 +81,20 @@ def export_quota(
     cluster: str = DEFAULT_CLUSTER,
     fallback: Fallback = "allow",
     per_request: Collection[str] = (),
+    untranslated_per_request: bool = False,
 ) -> QuotaExport:
     """The quota filters standing for the ``ratelimit`` filter and routes of the Envoy ``document``;
-    the routes ``per_request`` names (route names or ``HOST:INDEX``) keep the ``ratelimit`` filter."""
+    the routes ``per_request`` names (route names or ``HOST:INDEX``) keep the ``ratelimit``
+    filter, and with ``untranslated_per_request`` so does every route with a limit quota mode
+    cannot express."""
     manager, limiter = envoy_parts(document, origin)
     domain_name = filter_domain(limiter, origin)
     domain = pick_domain(domains, domain_name)
-    reader = RouteReader(str(origin), filter_stage(limiter), local_cluster(document), frozenset(per_request))
-    try:
-        routes = reader.virtual_hosts(inline_routes(manager, origin))
-    except (AttributeError, TypeError, ValueError) as error:
-        raise ExportError(f"{origin}: not the shape of an Envoy v3 config ({error})") from None
+    reader = read_routes(document, manager, limiter, origin, per_request)
+    if untranslated_per_request and reader.lossy:  # read again, those routes kept per request
+        reader = read_routes(document, manager, limiter, origin, [*per_request, *reader.lossy])
+        reader.chosen |= set(reader.lossy)
+    routes = reader.routes
     unknown = sorted(set(per_request) - reader.chosen)
     if unknown:
         known = ", ".join(
@@ -134,6 +137,22 @@ def counted_apart(routes: Sequence[QuotaRoute]) -> list[Problem]:
                 )
                 found.append(Problem(item.where, reason))
     return found
+
+
+def read_routes(
+    document: Mapping[str, Any],
+    manager: Mapping[str, Any],
+    limiter: Mapping[str, Any],
+    origin: Path,
+    per_request: Collection[str],
+) -> RouteReader:
+    """The routes of the manager's inline route config, read (``reader.routes``), and what was found."""
+    reader = RouteReader(str(origin), filter_stage(limiter), local_cluster(document), frozenset(per_request))
+    try:
+        reader.routes = reader.virtual_hosts(inline_routes(manager, origin))
+    except (AttributeError, TypeError, ValueError) as error:
+        raise ExportError(f"{origin}: not the shape of an Envoy v3 config ({error})") from None
+    return reader
 
 
 def local_cluster(document: Mapping[str, Any]) -> str | None:
@@ -285,6 +304,8 @@ def command_line(arguments: argparse.Namespace) -> str:
         words.append("--full")
     for route in arguments.per_request or ():
         words += ["--per-request", route]
+    if arguments.per_request_untranslated:
+        words.append("--per-request-untranslated")
     if arguments.allow_dropped:
         words.append("--allow-dropped")
     return shlex.join(words)
@@ -324,7 +345,7 @@ def run_quota_export(arguments: argparse.Namespace) -> QuotaOutput:
                            tuple(errors), bool(errors))  # fmt: skip
     if not arguments.config:
         raise ExportError("a descriptor config is required (only --check works without one)")
-    if arguments.per_request and not arguments.full:
+    if (arguments.per_request or arguments.per_request_untranslated) and not arguments.full:
         raise ExportError("--per-request changes the routes too: it needs --full")
     config = load_config(arguments.config)
     export = export_quota(
@@ -334,6 +355,7 @@ def run_quota_export(arguments: argparse.Namespace) -> QuotaOutput:
         cluster=arguments.cluster,
         fallback=arguments.no_assignment,
         per_request=arguments.per_request or (),
+        untranslated_per_request=arguments.per_request_untranslated,
     )
     if export.dropped and not arguments.allow_dropped:
         last = refusal(COMMAND, len(export.dropped))

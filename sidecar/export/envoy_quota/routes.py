@@ -76,6 +76,11 @@ class RouteReader:
     problems: list[Problem] = field(default_factory=list)
     chosen: set[str] = field(default_factory=set)
     """The ``per_request`` selectors that matched a route."""
+    routes: list[QuotaRoute] = field(default_factory=list)
+    """What :meth:`virtual_hosts` read, when the caller keeps it here."""
+    lossy: list[str] = field(default_factory=list)
+    """``HOST:INDEX`` of the routes some of whose limits were left out."""
+    dropped: int = 0
 
     def virtual_hosts(self, route_config: Mapping[str, Any]) -> list[QuotaRoute]:
         """Every route of every virtual host, in match order, with the host's test."""
@@ -84,7 +89,10 @@ class RouteReader:
         for found in routed_limits(route_config, self.origin, self.problem):
             if found.host.name not in tests:
                 tests[found.host.name] = objects.host_predicate(found.host)
+            before = self.dropped
             routes.append(self.route(found, tests[found.host.name]))
+            if self.dropped > before:
+                self.lossy.append(f"{found.host.name}:{found.index}")
         self.report_fallthrough(routes)
         return routes
 
@@ -200,6 +208,7 @@ class RouteReader:
 
     def problem(self, where: str, reason: str, exported: bool = False) -> None:
         self.problems.append(Problem(where, reason, exported))
+        self.dropped += not exported
 
 
 _UNTRANSLATABLE = {

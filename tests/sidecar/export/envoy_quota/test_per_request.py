@@ -101,3 +101,19 @@ def test_an_unknown_route_and_a_missing_full_are_refused(tmp_path: Path) -> None
     assert code == 0, err
     assert "--full --per-request legacy" in out.splitlines()[0]
     assert "Routes kept on the per-request envoy.filters.http.ratelimit filter" in out
+
+
+def test_untranslated_routes_can_be_kept_per_request_at_once(tmp_path: Path) -> None:
+    """``--per-request-untranslated``: every route with a limit quota mode cannot express keeps
+    the per-request filter, so nothing is left out."""
+    result = export_quota(domains(tmp_path), document(), ORIGIN, untranslated_per_request=True)
+    assert result.dropped == ()
+    assert result.per_request == (("app", 0),)
+    assert buckets(result.filters, Request("/legacy")) == []
+    assert buckets(result.filters, Request("/x")) == [generic("api")]
+    envoy = tmp_path / "envoy.yaml"
+    envoy.write_text(yaml.safe_dump(document()))
+    rules = str(tmp_path / "rules.yaml")
+    code, out, err = run_cli("export-envoy-quota", rules, "--envoy", str(envoy), "--per-request-untranslated", "--full")
+    assert code == 0, err
+    assert "Routes kept on the per-request envoy.filters.http.ratelimit filter (off on every other route): app:0" in out
