@@ -93,7 +93,6 @@ def export_quota(
     reader = read_routes(document, manager, limiter, origin, per_request)
     if untranslated_per_request and reader.lossy:  # read again, those routes kept per request
         reader = read_routes(document, manager, limiter, origin, [*per_request, *reader.lossy])
-        reader.chosen |= set(reader.lossy)
     routes = reader.routes
     unknown = sorted(set(per_request) - reader.chosen)
     if unknown:
@@ -104,23 +103,25 @@ def export_quota(
     problems = reader.problems
     problems.extend(counted_apart(routes))
     routes = keep_reachable(domain, routes, problems)
-    problems.extend(filter_differences(limiter, origin, fallback))
-    problems.extend(rule_refusals(domain))
-    if any(value.header for route in routes for item in route.descriptors for _, value in item.entries):
-        problems.append(
-            Problem(
-                str(origin),
-                "a header sent twice in one request: the bucket holds both values joined "
-                "with ',' where the ratelimit filter sends the first",
-                True,
-            )
-        )
+    problems.extend([*filter_differences(limiter, origin, fallback), *rule_refusals(domain)])
+    problems.extend(repeated_header_note(routes, origin))
     filters = build_filters(domain_name, routes, cluster, fallback)
     unique = tuple(dict.fromkeys(problems))
     if not filters:
         raise ExportError(f"{origin}: no route sends a descriptor that could be exported", unique)
     kept = tuple((route.host, route.index) for route in routes if route.per_request)
     return QuotaExport(domain_name, filters, unique, kept)
+
+
+def repeated_header_note(routes: Sequence[QuotaRoute], origin: Path) -> list[Problem]:
+    """The note for bucket values read from a header, which a request may repeat."""
+    if not any(value.header for route in routes for item in route.descriptors for _, value in item.entries):
+        return []
+    reason = (
+        "a header sent twice in one request: the bucket holds both values joined "
+        "with ',' where the ratelimit filter sends the first"
+    )
+    return [Problem(str(origin), reason, True)]
 
 
 def counted_apart(routes: Sequence[QuotaRoute]) -> list[Problem]:
