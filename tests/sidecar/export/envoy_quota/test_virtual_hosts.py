@@ -297,3 +297,58 @@ def test_a_host_without_domains_is_refused_as_envoy_refuses_it(tmp_path: Path) -
     hosts = "- {name: a, domains: [], routes: [{match: {prefix: /}, route: {cluster: a}}]}"
     with pytest.raises(ExportError, match="virtual host 'a' has no domains"):
         export(tmp_path, hosts)
+
+
+def envoy_picks(hosts: list[list[str]], authority: str) -> int | None:
+    """Envoy's virtual host choice, written from its documented order: exact, then the
+    longest suffix wildcard, then the longest prefix wildcard, then '*' (wildcards need a character)."""
+    host = authority.lower()
+    owner = {domain.lower(): number for number, domains in enumerate(hosts) for domain in domains}
+    if host in owner:
+        return owner[host]
+    suffixes = sorted((d for d in owner if d.startswith("*") and d != "*"), key=len, reverse=True)
+    for domain in suffixes:
+        if len(host) > len(domain) - 1 and host.endswith(domain[1:]):
+            return owner[domain]
+    prefixes = sorted((d for d in owner if d.endswith("*") and d != "*"), key=len, reverse=True)
+    for domain in prefixes:
+        if len(host) > len(domain) - 1 and host.startswith(domain[:-1]):
+            return owner[domain]
+    return owner.get("*")
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        [["a.example.com"], ["*.example.com"], ["*"]],
+        [["*"], ["*.com", "a.*"], ["*.example.com"], ["a.example.com", "b.org"]],
+        [["a.*"], ["a.b.*"], ["*.b.example.com"]],
+        [["x.org", "*"], ["*.x.org"]],
+    ],
+)
+def test_the_bucket_of_a_request_is_its_envoy_hosts_bucket(tmp_path: Path, hosts: list[list[str]]) -> None:
+    """Each host's route sends a descriptor naming the host; every authority gets the bucket of
+    the host Envoy picks, and only that one (none when no host takes it)."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "domain: t\ndescriptors:\n"
+        + "".join(
+            f"  - {{key: generic_key, value: h{n}, rate_limit: {{unit: second, requests_per_unit: 1}}}}\n"
+            for n in range(len(hosts))
+        )
+    )
+    listed = "\n".join(
+        f"- {{name: h{n}, domains: {domains!r}, routes: [{{match: {{prefix: /}}, route: {{cluster: a, rate_limits: "
+        f"{key(f'h{n}')}}}}}]}}"
+        for n, domains in enumerate(hosts)
+    )
+    filters = export_quota(load_config(str(rules)).domains, envoy_config(listed), ORIGIN).filters
+    authorities = [
+        "a.example.com", "A.EXAMPLE.com", "b.example.com", "example.com", ".example.com", "a.b.example.com",
+        "x.b.example.com", "a.", "a.b.", "a.org", "b.org", "x.org", "y.x.org", "com", "q.com", "other",
+        "a.example.com:80",
+    ]  # fmt: skip
+    for authority in authorities:
+        picked = envoy_picks(hosts, authority)
+        expected = [] if picked is None else [generic(f"h{picked}")]
+        assert buckets(filters, Request(host=authority)) == expected, authority
