@@ -1,4 +1,4 @@
-"""``overload: suppress`` through real Envoys, three sync-mode sidecars and a real redis-server.
+"""``overload: suppress`` through real Envoys, three sidecars (sync, then strict) and a real redis-server.
 
 One client address sends three times its limit, round robin over three Envoys: each
 sidecar sees the limit's own rate, so only the shared attempted count makes them
@@ -38,13 +38,15 @@ descriptors:
 """
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=["sync", "strict"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("suppress")
     config = directory / "config"
     config.mkdir()
     (config / "demo.yaml").write_text(CONFIG)
-    with running_stack(directory / "stack", StackOptions(replicas=3, config=Path(config))) as running:
+    options = StackOptions(replicas=3, config=Path(config), mode=request.param)
+    with running_stack(directory / "stack", options) as running:
+        assert running.mode == request.param, running.backend_note
         yield running
         for replica in running.replicas:
             assert replica.sidecar.alive(), replica.sidecar.log_tail()
@@ -75,13 +77,17 @@ def test_three_times_the_limit_is_admitted_steadily_across_three_replicas(stack:
     session.close()
     first = int(replies[0][0])
     seconds: dict[int, list[float]] = {}
-    for sent, answered, reply in replies:
+    # A reply without the rate-limit headers was not decided by a sidecar: Envoy failed open
+    # (its 25 ms timeout, on a loaded machine). Those say nothing about suppression.
+    decided = [(sent, answered, reply) for sent, answered, reply in replies if reply.header("x-ratelimit-limit")]
+    assert len(decided) >= 0.9 * len(replies), f"{len(replies) - len(decided)} of {len(replies)} failed open"
+    for sent, answered, reply in decided:
+        assert reply.status in (200, 429), reply
         if reply.status == 200 and int(sent) == int(answered):  # decided in a known window
             seconds.setdefault(int(sent), []).append(sent % 1)
-        else:
-            assert reply.status == 429 and reply.header("x-ratelimit-limit") is not None, reply
     # Whole seconds after the first (the estimate settles within it): the hard cap holds
-    # (sync's bound is 0 at this limit), most of the budget is used, and it is spread out.
+    # (strict is exact, sync's bound is 0 at this limit), most of the budget is used, and it
+    # is spread out.
     settled = [seconds.get(second, []) for second in range(first + 1, first + SECONDS)]
     for moments in settled:
         assert len(moments) <= LIMIT, [len(m) for m in settled]
