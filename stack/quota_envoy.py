@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from stack.envoy import ENVOY_CONFIGS, ROUTER, ConfiguredEnvoy, bootstrap, cluster
+from stack.envoy import ENVOY_CONFIGS, RATELIMIT_FILTER, ROUTER, ConfiguredEnvoy, bootstrap, cluster
 from stack.processes import free_port
 from stack.sidecar import SidecarProcess
 
@@ -229,33 +229,51 @@ SIDECAR_CLUSTERS = ("ratelimit", "rlqs")
 filter's own cluster and the exporter's default ``rlqs`` are found from the config too)."""
 
 
+PER_REQUEST_TIMEOUT = "2s"
+"""The ``ratelimit`` filter's ``timeout`` in a rendered user config (:func:`render_local`)."""
+
+
+def http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every HTTP filter of every listener's connection managers (the config's own objects)."""
+    return [
+        item
+        for listener in config["static_resources"]["listeners"]
+        for chain in listener.get("filter_chains") or []
+        for network in chain.get("filters") or []
+        for item in (network.get("typed_config") or {}).get("http_filters") or []
+    ]
+
+
 def sidecar_clusters(config: dict[str, Any]) -> set[str]:
     """The clusters of the config's rate-limit filters: ``ratelimit``'s ``rate_limit_service``
     and every ``rate_limit_quota`` filter's ``rlqs_server``."""
     found = set()
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener.get("filter_chains") or []:
-            for network in chain.get("filters") or []:
-                for item in (network.get("typed_config") or {}).get("http_filters") or []:
-                    typed = item.get("typed_config") or {}
-                    service = (typed.get("rate_limit_service") or {}).get("grpc_service") or typed.get("rlqs_server")
-                    name = ((service or {}).get("envoy_grpc") or {}).get("cluster_name")
-                    if name:
-                        found.add(str(name))
+    for item in http_filters(config):
+        typed = item.get("typed_config") or {}
+        service = (typed.get("rate_limit_service") or {}).get("grpc_service") or typed.get("rlqs_server")
+        name = ((service or {}).get("envoy_grpc") or {}).get("cluster_name")
+        if name:
+            found.add(str(name))
     return found
 
 
 def render_local(config: dict[str, Any], listen: int, admin: int, app: int, sidecar: int) -> dict[str, Any]:
     """A user's config (as Envoy's docs write one: one listener, upstreams by DNS name) on
     127.0.0.1: the listener on ``listen``, the admin on ``admin``, the rate-limit filters'
-    clusters on the sidecar (HTTP/2) and every other cluster on the ``app`` upstream. Routes,
-    virtual hosts and filters are kept as written."""
+    clusters on the sidecar (HTTP/2) and every other cluster on the ``app`` upstream, the
+    ``ratelimit`` filter's ``timeout`` set to :data:`PER_REQUEST_TIMEOUT`. Routes, virtual
+    hosts and the rest of the filters are kept as written."""
     rendered: dict[str, Any] = yaml.safe_load(yaml.safe_dump(config))
     rendered["admin"] = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}}
     resources = rendered["static_resources"]
     (listener,) = resources["listeners"]
     listener["address"] = {"socket_address": {"address": "127.0.0.1", "port_value": listen}}
     to_sidecar = sidecar_clusters(rendered)
+    for item in http_filters(rendered):
+        if item.get("name") == RATELIMIT_FILTER:
+            # Envoy's default is 20 ms, then the filter fails open: on a loaded test machine a
+            # late answer would admit a request the limit refuses. The limits are what is tested.
+            item["typed_config"]["timeout"] = PER_REQUEST_TIMEOUT
     resources["clusters"] = [
         cluster(item["name"], sidecar if item["name"] in to_sidecar else app, http2=item["name"] in to_sidecar)
         for item in resources.get("clusters") or []

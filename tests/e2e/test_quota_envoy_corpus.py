@@ -45,7 +45,7 @@ from tests.support.envoys import fresh_window
 pytestmark = [pytest.mark.slow, pytest.mark.envoy]
 CORPUS = Path(__file__).resolve().parent / "quota_corpus"
 CASES = sorted(path.name for path in CORPUS.iterdir() if path.is_dir())
-RATELIMIT_STATS = re.compile(r"^cluster\.[^.]+\.ratelimit\.(?:ok|over_limit|error|failure_mode_allowed): ")
+RATELIMIT_STATS = re.compile(r"^cluster\.[^.]+\.ratelimit\.(ok|over_limit|error|failure_mode_allowed): ")
 
 
 def export(*argv: str) -> tuple[int, str, str]:
@@ -133,22 +133,32 @@ def admitted(envoy: LocalEnvoy, groups: list[dict[str, Any]], services: SimpleNa
         sender.close()
 
 
-def ratelimit_calls(envoy: LocalEnvoy) -> int:
-    """Requests Envoy's per-request ``ratelimit`` filter asked the sidecar about (its answers'
-    counters, summed over the upstream clusters)."""
+def ratelimit_counters(envoy: LocalEnvoy) -> dict[str, int]:
+    """The per-request ``ratelimit`` filter's answer counters (``ok``, ``over_limit``, ``error``,
+    ``failure_mode_allowed``), summed over the upstream clusters."""
     text = admin_get(envoy.admin, "/stats?usedonly&filter=ratelimit")
-    return sum(int(line.rpartition(": ")[2]) for line in text.splitlines() if RATELIMIT_STATS.search(line))
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        matched = RATELIMIT_STATS.search(line)
+        if matched:
+            found[matched.group(1)] = found.get(matched.group(1), 0) + int(line.rpartition(": ")[2])
+    return found
 
 
 def run_config(
     services: SimpleNamespace, name: str, config: dict[str, Any], groups: list[dict[str, Any]]
 ) -> tuple[list[int], int]:
-    """The admitted count of each group through Envoy on ``config``, and the ``ratelimit`` filter's calls."""
+    """The admitted count of each group through Envoy on ``config``, and how many requests the
+    ``ratelimit`` filter asked the sidecar about (every answer in time: a late one would fail
+    open and admit what the limit refuses)."""
     envoy = services.group.start_ready(
         lambda: LocalEnvoy(name, config, services.dir, services.app.port, services.sidecar.port)
     )
     try:
-        return admitted(envoy, groups, services), ratelimit_calls(envoy)
+        counts = admitted(envoy, groups, services)
+        answers = ratelimit_counters(envoy)
+        assert answers.get("error", 0) == answers.get("failure_mode_allowed", 0) == 0, answers
+        return counts, answers.get("ok", 0) + answers.get("over_limit", 0)
     finally:
         assert envoy.alive(), envoy.log_tail()
         services.group.stop([envoy])
