@@ -219,18 +219,20 @@ class Suppression:
         Reads at most :data:`MAX_SHOWN_SCAN` counters (the most recently used), so a
         call costs a bounded amount of work on the event loop however many are followed.
         """
-        shown: list[dict[str, object]] = []
+        busy: list[tuple[float, CounterKey, float]] = []
         for key, demand in _recent(self.demands, MAX_SHOWN_SCAN):
             slot = slot_of(now, demand.length_ms)
             attempted = demand.rate(slot)
             if attempted <= 0:
                 continue
-            per_second = attempted * 1000 / demand.length_ms
             allowed = demand.limit / SLOTS_PER_WINDOW
             p = 1.0 if attempted <= allowed else allowed / attempted
-            shown.append({"counter": list(key), "attempted_per_second": round(per_second, 3), "p": round(p, 4)})
-        shown.sort(key=lambda item: -float(str(item["attempted_per_second"])))
-        return shown[:limit]
+            busy.append((attempted * 1000 / demand.length_ms, key, p))
+        busy.sort(key=lambda item: -item[0])
+        return [
+            {"counter": list(key), "attempted_per_second": round(rate, 3), "p": round(p, 4)}
+            for rate, key, p in busy[:limit]
+        ]
 
 
 def lowered_where(
