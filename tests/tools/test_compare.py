@@ -48,7 +48,7 @@ from sidecar.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.haproxy, pytest.mark.redis]
+pytestmark = [pytest.mark.haproxy, pytest.mark.redis, pytest.mark.serial]
 
 PATHS = ("envoy_memory", "envoy_sync", "haproxy_fixed", "haproxy_sliding", "envoy_sliding")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

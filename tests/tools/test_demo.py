@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.redis]
+pytestmark = [pytest.mark.redis, pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = [sys.executable, "-m", "stack.demo"]

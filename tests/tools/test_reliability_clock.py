@@ -14,6 +14,7 @@ from loadtest.reliability_harness import Context
 from loadtest.reliability_harness.clock_skew import run
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_redis_clock_removes_the_effect_of_skew(tmp_path: Path) -> None:
     rows = {

@@ -81,6 +81,7 @@ async def admitted(replicas: list[SyncLimiter], check: Check, tries: int) -> int
     return count
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("limit", [LIMIT, 400], ids=["exact-near-a-low-limit", "local-decisions"])
 async def test_sliding_window_weighs_the_previous_window_across_replicas(
     pair: list[SyncLimiter], redis_server: RedisServer, limit: int

@@ -833,6 +833,7 @@ def ban_run(port: int) -> BanRun:
     return BanRun([*before_ban, over.status], over.headers.get("retry-after", ""), during, after, not late)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["fixed", "sliding"])
 def test_a_ban_refuses_for_its_length_and_is_not_extended(
@@ -881,6 +882,7 @@ def sliding_run(port: int, rules: Path) -> tuple[list[tuple[float, list[bool], l
     return results, on_time
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_the_fixed_flavour_computes_the_sidecars_sliding_window(
     behaviour_haproxy: tuple[HAProxyProcess, Path],
