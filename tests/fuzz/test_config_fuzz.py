@@ -12,7 +12,6 @@ reliability report (``loadtest/reliability_harness/hostile_configs.py``); the ed
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -155,10 +154,10 @@ def test_structured_documents(fz, domain, descriptors):
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_files(fz, name):
-    started = time.monotonic()
+    """Each hostile file is accepted or refused as expected; ``load`` guards against a hang
+    (its time limit), and the bounds that keep a load short are counted in the tests below."""
     config = load(fz, HOSTILE[name])
     assert (config is not None) == (name in ACCEPTED_HOSTILE), name
-    assert time.monotonic() - started < 10
 
 
 @pytest.mark.parametrize("name", ["billion laughs", "laughs in descriptors", "merge bomb", "recursive alias"])
@@ -197,8 +196,22 @@ def test_aliases_within_the_bound_still_work(fz):
 def test_a_flat_node_flood_stops_at_the_node_cap_while_composing(fz, monkeypatch):
     """Regression: nodes were counted only once composed, so 8 MiB of ``[1,1,1,...]`` built
     four million node objects (gigabytes, a minute) before any count. With the cap lowered
-    the same path is checked in milliseconds."""
+    the same path is checked in milliseconds. Counted, not timed: composing stops at the
+    cap's next node, and nothing is constructed."""
     monkeypatch.setattr(yaml_source, "MAX_NODES", 2_000)
-    started = time.monotonic()
+    loader = yaml_source._MarkedLoader
+    calls = {"composed": 0, "constructed": 0}
+    compose, construct = loader.compose_node, loader.construct_object
+
+    def counting_compose(self: Any, parent: Any, index: int) -> Any:
+        calls["composed"] += 1
+        return compose(self, parent, index)
+
+    def counting_construct(self: Any, node: Any, deep: bool = False) -> Any:
+        calls["constructed"] += 1
+        return construct(self, node, deep=deep)
+
+    monkeypatch.setattr(loader, "compose_node", counting_compose)
+    monkeypatch.setattr(loader, "construct_object", counting_construct)
     assert load(fz, flat_node_flood(1_000_000).encode()) is None
-    assert time.monotonic() - started < 2
+    assert calls == {"composed": yaml_source.MAX_NODES + 1, "constructed": 0}
