@@ -307,6 +307,7 @@ class Sidecar:
                 remaining=settings.remaining_header,
                 reset=settings.reset_header,
                 warning=settings.warn_header,
+                style=settings.response_header_style,
             ),
             dynamic_metadata=settings.response_dynamic_metadata,
         )

@@ -25,6 +25,7 @@ from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.redis.connect import SCHEME, RedisUrlError, SentinelUrlError, check_url, is_sentinel_url
 from sidecar.quota.partition import HOLD_LEASES, AfterHold, lease_seconds
 from sidecar.reference_env import Note, ReferenceEnvError, reference_aliases
+from sidecar.service.headers import HeaderStyle
 
 ENV_PREFIX = "RLS_"
 REDIS_SCHEMES = (
@@ -347,6 +348,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "--response-headers: name of the seconds-until-reset header",
     ),
     Option(
+        "response_header_style",
+        _choice(HeaderStyle),
+        "--response-headers: draft-03 (RateLimit-Limit/-Remaining/-Reset), ietf (the RateLimit-Policy and "
+        "RateLimit structured fields of draft-ietf-httpapi-ratelimit-headers-11) or both",
+    ),
+    Option(
         "response_dynamic_metadata",
         _bool,
         "answer with envoyproxy/ratelimit's dynamic metadata (domain, descriptors, and the metadata of the "
@@ -459,6 +466,7 @@ class Settings:
     limit_header: str = "RateLimit-Limit"
     remaining_header: str = "RateLimit-Remaining"
     reset_header: str = "RateLimit-Reset"
+    response_header_style: HeaderStyle = "draft-03"
     response_dynamic_metadata: bool = False
     merge_domain_config: bool = False
     calendar_months: bool = False
@@ -542,12 +550,7 @@ def check_together(settings: Settings) -> None:
         raise SettingsError("--tls-cert and --tls-key (RLS_TLS_CERT, RLS_TLS_KEY) go together")
     if settings.tls_client_ca and not settings.tls_cert:
         raise SettingsError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
-    headers = [settings.limit_header, settings.remaining_header, settings.reset_header, settings.warn_header]
-    if len({name.lower() for name in [*headers, "retry-after"]}) != len(headers) + 1:
-        raise SettingsError(
-            "--limit-header, --remaining-header, --reset-header and --warn-header must differ "
-            f"from each other and from Retry-After (header names ignore case), got {', '.join(headers)}"
-        )
+    check_header_names(settings)
     if settings.quota_max_buckets_per_stream > settings.quota_max_buckets:
         raise SettingsError(
             f"--quota-max-buckets-per-stream ({settings.quota_max_buckets_per_stream}) must not exceed "
@@ -563,6 +566,24 @@ def check_together(settings: Settings) -> None:
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")
     if settings.redis_url:
         check_redis_url(settings)
+
+
+def check_header_names(settings: Settings) -> None:
+    """The headers a response may carry must have distinct names (ignoring case), and a
+    header style other than the default is only read with --response-headers."""
+    style = settings.response_header_style
+    if style != "draft-03" and not settings.response_headers:
+        raise SettingsError(
+            f"--response-header-style {style} (RLS_RESPONSE_HEADER_STYLE) needs --response-headers "
+            "(RLS_RESPONSE_HEADERS, or LIMIT_RESPONSE_HEADERS_ENABLED=true)"
+        )
+    headers = [settings.limit_header, settings.remaining_header, settings.reset_header, settings.warn_header]
+    fixed = ["Retry-After", *(["RateLimit-Policy", "RateLimit"] if style != "draft-03" else [])]
+    if len({name.lower() for name in [*headers, *fixed]}) != len(headers) + len(fixed):
+        raise SettingsError(
+            "--limit-header, --remaining-header, --reset-header and --warn-header must differ "
+            f"from each other and from {' and '.join(fixed)} (header names ignore case), got {', '.join(headers)}"
+        )
 
 
 def check_redis_url(settings: Settings) -> None:

@@ -10,7 +10,9 @@ so they work the same with every backend:
   window resets last: a refused client must wait for all of them), else the one with
   the fewest hits remaining (ties: the later reset). Unmatched, unlimited and
   shadow-mode descriptors are never reported: a shadow rule must not change what a
-  client sees.
+  client sees. ``--response-header-style`` picks these fields (``draft-03``, the
+  default), the IETF ``RateLimit-Policy`` and ``RateLimit`` structured fields
+  (``ietf``, :mod:`sidecar.service.ratelimit_fields`), or both.
 - soft limits (``warn_at`` in a ``rate_limit``): an admitted request whose count
   reaches ``warn_at`` of the limit gets a warning header, one per such rule, and the
   rule's ``warned`` metric counts its hits (shadow rules count, but send no header).
@@ -23,8 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
+from sidecar.service import ratelimit_fields
 from sidecar.service.reported import Applied, reported
 
 if TYPE_CHECKING:
@@ -36,16 +39,21 @@ RETRY_AFTER = "Retry-After"
 PARTS_PER_MILLION = 1_000_000
 """``warn_at`` is compared in integers at this resolution, so 0.85 of 100 is exactly 85."""
 MAX_LABEL_CHARS = 200
+HeaderStyle = Literal["draft-03", "ietf", "both"]
+"""``--response-header-style``: ``RateLimit-Limit``/``-Remaining``/``-Reset`` (as
+envoyproxy/ratelimit sends them), the IETF draft's structured fields, or both."""
 
 
 @dataclass(frozen=True, slots=True)
 class HeaderNames:
-    """The header names used (``--limit-header``, ``--remaining-header``, ``--reset-header``, ``--warn-header``)."""
+    """The header names used (``--limit-header``, ``--remaining-header``, ``--reset-header``,
+    ``--warn-header``) and which rate-limit fields are sent (``--response-header-style``)."""
 
     limit: str = "RateLimit-Limit"
     remaining: str = "RateLimit-Remaining"
     reset: str = "RateLimit-Reset"
     warning: str = "X-RateLimit-Warning"
+    style: HeaderStyle = "draft-03"
 
 
 def header_text(text: str) -> str:
@@ -115,6 +123,10 @@ class ResponseHeaders:
         self.names = names
         self.rate_limit_headers = rate_limit_headers
         """``--response-headers``: warnings are sent whether or not this is on."""
+        self.plain = names.style != "ietf"
+        """``RateLimit-Limit``/``-Remaining``/``-Reset`` are sent."""
+        self.structured = names.style != "draft-03"
+        """``RateLimit-Policy`` and ``RateLimit`` are sent."""
 
     def pairs(
         self,
@@ -136,9 +148,12 @@ class ResponseHeaders:
         chosen = reported(applied, checks, decision, now)
         if chosen is None:
             return headers
-        headers.append((names.limit, str(chosen.limit)))
-        headers.append((names.remaining, str(chosen.remaining)))
-        headers.append((names.reset, str(chosen.reset)))
+        if self.plain:
+            headers.append((names.limit, str(chosen.limit)))
+            headers.append((names.remaining, str(chosen.remaining)))
+            headers.append((names.reset, str(chosen.reset)))
+        if self.structured:
+            headers.extend(ratelimit_fields.fields(applied, checks, now, chosen))
         if chosen.over and not decision.admitted:
             headers.append((RETRY_AFTER, str(chosen.reset)))
         return headers
