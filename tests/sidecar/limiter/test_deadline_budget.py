@@ -179,22 +179,25 @@ async def test_a_backend_that_never_waits_costs_no_deadline_lookup() -> None:
 
 DEFAULTS = {"redis_timeout": DEFAULT_REDIS_TIMEOUT, "heartbeat_interval": 5}
 """Strict limiters here run at the default budget (the shared fixture's is generous)."""
+GUARD = 30.0
+"""Bounds a wait that must end far sooner; no test asserts how soon."""
 
 
 @pytest.mark.redis
 async def test_a_paused_redis_is_answered_within_the_callers_budget(own_redis: RedisServer, limiters: Factory) -> None:
-    limiter = limiters(own_redis.url, **DEFAULTS, redis_prefix=fresh_prefix())
+    """Only the caller's 8 ms can end the wait: ``--redis-timeout`` is an hour here, so a
+    check that returns at all (within a guard far below that hour) was bounded by the
+    budget. No wall time is asserted."""
+    limiter = limiters(own_redis.url, **{**DEFAULTS, "redis_timeout": 3600.0}, redis_prefix=fresh_prefix())
     await limiter.start()
     assert own_redis.process is not None
     os.kill(own_redis.process.pid, signal.SIGSTOP)
     try:
-        began = time.perf_counter()
-        decision = await limiter.check([Check(("k",), 60, 5, 1)], time.time(), budget=0.008)
-        took = time.perf_counter() - began
+        asked = limiter.check([Check(("k",), 60, 5, 1)], time.time(), budget=0.008)
+        decision = await asyncio.wait_for(asked, GUARD)
     finally:
         os.kill(own_redis.process.pid, signal.SIGCONT)
     assert decision.admitted
-    assert took < 0.008 + 0.05, "waited past the caller's budget"
     assert limiter.reasons.counts["deadline"] == 1
     assert limiter.store.available, "one late answer within a budget is not an outage"
 
