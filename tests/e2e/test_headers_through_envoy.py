@@ -5,6 +5,8 @@ own Envoy running ``envoy/front.yaml``: one with ``--response-headers``, one wit
 (and with a renamed warning header). What we check is what Envoy's rate-limit filter
 does with ``response_headers_to_add``: it must pass them to the client on 200 and on
 its own 429, next to the ``x-ratelimit-*`` headers of ``enable_x_ratelimit_headers``.
+A third pair (``--response-header-style both``) sends the IETF ``RateLimit-Policy`` and
+``RateLimit`` fields, which the client reads back with an RFC 9651 parser (``http_sf``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 
+import http_sf
 import pytest
 
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
@@ -148,3 +151,93 @@ def test_without_the_flag_only_the_warning_is_added_under_its_configured_name(po
         "per_address: 100% of 10/hour used",
         None,
     ]
+
+
+# -- --response-header-style both: the IETF fields (draft-ietf-httpapi-ratelimit-headers-11) --------
+
+IETF_CONFIG = textwrap.dedent(
+    """\
+    domain: demo
+    descriptors:
+      - key: remote_address
+        rate_limits:
+          - {name: per_address_minute, unit: minute, requests_per_unit: 4, algorithm: sliding_window}
+          - {unit: hour, requests_per_unit: 50}
+      - key: generic_key
+        value: api
+        descriptors:
+          - key: api_key
+            rate_limit: {name: per_api_key, unit: minute, requests_per_unit: 1, algorithm: token_bucket, burst: 3}
+    """
+)
+Parsed = dict[str, dict[str, object]]
+
+
+@pytest.fixture(scope="module")
+def ietf_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of an Envoy (front.yaml, in front of a real upstream) whose sidecar sends both
+    header styles. Fail closed with a 2 s filter timeout: a late sidecar is a 500, never a
+    reply that passes without headers."""
+    directory = tmp_path_factory.mktemp("ietf")
+    config = directory / "rules.yaml"
+    config.write_text(IETF_CONFIG)
+    flags = ["--config", str(config), "--response-headers", "--response-header-style", "both"]
+    with process_group() as group:
+        app = group.start(UpstreamProcess("app", directory))
+        sidecar = group.start_ready(functools.partial(SidecarProcess, "sidecar-ietf", flags, directory))
+        app.wait_ready()
+        ports = EnvoyPorts.free(app=app.port, ratelimit=sidecar.port)
+        envoy = group.start(
+            EnvoyProcess(
+                "envoy-ietf", ENVOY_CONFIGS / "front.yaml", ports, directory, failure_mode_deny=True, timeout_seconds=2
+            )
+        )
+        envoy.wait_ready()
+        yield envoy.url
+        for child in (sidecar, envoy):
+            assert child.alive(), child.log_tail()
+
+
+def structured(reply: Reply) -> tuple[Parsed, tuple[str, dict[str, object]]]:
+    """RateLimit-Policy and RateLimit as the client got them, read by an RFC 9651 parser
+    (which raises on anything malformed); both must be Lists of Strings with parameters."""
+    policy_text, limit_text = reply.header("ratelimit-policy"), reply.header("ratelimit")
+    assert policy_text is not None and limit_text is not None, reply.headers
+    policy = http_sf.parse(policy_text.encode("ascii"), tltype="list")
+    (limit,) = http_sf.parse(limit_text.encode("ascii"), tltype="list")
+    assert all(type(name) is str for name, _ in [*policy, limit])
+    return dict(policy), limit
+
+
+def test_ietf_fields_reach_the_client_and_parse_on_200_and_429(ietf_pod: str) -> None:
+    left = fresh_window(60, needed=5)
+    replies = burst(ietf_pod, 5, "/", client())
+    assert [reply.status for reply in replies] == [200] * 4 + [429]
+    for sent, reply in enumerate(replies, start=1):
+        policy, (name, limit) = structured(reply)
+        assert list(policy) == ["per_address_minute", "demo.remote_address#2"]
+        assert {key: policy["per_address_minute"][key] for key in ("q", "w")} == {"q": 4, "w": 60}
+        assert {key: policy["demo.remote_address#2"][key] for key in ("q", "w")} == {"q": 50, "w": 3600}
+        assert name == "per_address_minute", "the sliding minute is closer to refusal than the hour"
+        assert limit["r"] == max(0, 4 - sent)
+        assert abs(int(str(limit["t"])) - math.ceil(left)) <= 2
+        assert isinstance(limit["pk"], bytes) and limit["pk"] == policy[name]["pk"]
+        # The draft-03 headers describe the same limit (--response-header-style both).
+        assert reply.header("ratelimit-remaining") == str(limit["r"])
+        assert reply.header("ratelimit-limit") == str(policy[name]["q"])
+    refused = replies[4]
+    assert refused.header("retry-after") == str(structured(refused)[1][1]["t"])
+
+
+def test_ietf_token_bucket_and_several_descriptors_through_envoy(ietf_pod: str) -> None:
+    replies = burst(ietf_pod, 4, "/api/items", client({"x-api-key": f"key-{time.time_ns()}"}))
+    assert [reply.status for reply in replies] == [200, 200, 200, 429]
+    for sent, reply in enumerate(replies[:3], start=1):
+        policy, (name, limit) = structured(reply)
+        assert list(policy) == ["per_address_minute", "demo.remote_address#2", "per_api_key"]
+        # burst 3 at 1 token a minute: 180 s from empty to full
+        assert (policy["per_api_key"]["q"], policy["per_api_key"]["w"]) == (3, 180)
+        assert (name, limit["r"], limit["t"]) == ("per_api_key", 3 - sent, 60 * sent)
+    policy, (name, limit) = structured(replies[3])
+    assert (name, limit["r"]) == ("per_api_key", 0)
+    assert replies[3].header("retry-after") == str(limit["t"])
