@@ -329,19 +329,22 @@ async def test_live_replicas_follow_heartbeats_and_size_the_blind_cap(redis_serv
 
 
 async def test_a_new_replica_is_seen_within_a_flush_not_a_heartbeat(redis_server: RedisServer, fleet: Fleet) -> None:
-    # Heartbeats every 30 s: only the flushes' membership read can tell the first replica.
-    first, second = fleet.group(2, redis_server.url, heartbeat_interval=30.0)
+    # Heartbeats every hour: only the flushes' membership read can tell the first replica.
+    # Counted, not timed: the flush in flight when the second one beat, then the next.
+    first, second = fleet.group(2, redis_server.url, heartbeat_interval=3600.0)
     await first.start()
     now = await steady_now()
     busy = item(100, name="membership")
     assert (await first.check([busy], now)).admitted
     assert first.replicas.live == 1
     await second.start()  # beats once before it would serve
-    started = time.monotonic()
-    while first.replicas.live != 2:
-        assert time.monotonic() - started < 2.0, "the running replica never counted the new one"
-        assert (await first.check([busy], now)).admitted  # keeps the counter active, so it is synced
+    flushes = first._flushes_delivered
+    deadline = time.monotonic() + SETTLE  # a guard only: the hour's beat is far beyond it
+    while first.replicas.live != 2 and time.monotonic() < deadline:
+        await first.check([busy], now)  # keeps the counter active, so it is synced
         await asyncio.sleep(0.01)
+    assert first.replicas.live == 2, "the running replica never counted the new one"
+    assert first._flushes_delivered - flushes <= 2, "counted only after several flushes"
     assert first.blind_cap(100, first.replicas.live) == 5, "floor(0.05 * 100 / (2 - 1))"
 
 
