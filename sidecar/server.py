@@ -37,6 +37,7 @@ from sidecar.service.headers import HeaderNames
 from sidecar.service.json_api import JsonEndpoint
 from sidecar.service.servicer import SERVICE_NAME, RateLimitService, add_to_server
 from sidecar.settings import Settings
+from sidecar.tls_files import TLS_RELOADS, RotatingServerCredentials, ServerTlsFiles, SettledReload, TlsFileError
 from sidecar.tracing import start_tracing
 
 if TYPE_CHECKING:
@@ -172,30 +173,17 @@ def build_strict_limiter(settings: Settings, clock: Clock = system_clock) -> Str
     return StrictLimiter(store, replicas, policy, prefix=settings.redis_prefix, admit_all=settings.shadow_mode)
 
 
-def read_pem(path: str, what: str) -> bytes:
-    """A PEM file's bytes; :class:`StartupError` naming the flag and the file otherwise."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise StartupError(f"{what} {path}: {error.strerror or error}") from None
-    if b"-----BEGIN " not in data:
-        raise StartupError(f"{what} {path}: not a PEM file")
-    return data
-
-
-def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
-    """TLS (and mutual TLS with ``--tls-client-ca``) for the gRPC server, or None for plaintext."""
+def server_credentials(settings: Settings) -> RotatingServerCredentials | None:
+    """TLS (and mutual TLS with ``--tls-client-ca``) for the gRPC server, or None for
+    plaintext; the certificate set follows its files (sidecar/tls_files.py)."""
     if not settings.tls_cert:
         return None
-    key = read_pem(settings.tls_key, "--tls-key")
-    chain = read_pem(settings.tls_cert, "--tls-cert")
-    client_ca = read_pem(settings.tls_client_ca, "--tls-client-ca") if settings.tls_client_ca else None
     try:
-        return grpc.ssl_server_credentials(
-            [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+        return RotatingServerCredentials(
+            ServerTlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca or None)
         )
-    except (RuntimeError, ValueError) as error:
-        raise StartupError(f"--tls-cert/--tls-key: {error}") from None
+    except TlsFileError as error:
+        raise StartupError(str(error)) from None
 
 
 def load_options(settings: Settings) -> LoadOptions:
@@ -330,7 +318,7 @@ class Sidecar:
         process = ProcessCollector(registry=self.registry)
         self.admin = AdminEndpoint(
             # Called on the event loop: copies the numbers; the text is made in a thread.
-            lambda: Scrape(self.collector.frozen(), process, heap.PAUSES.frozen()),
+            lambda: Scrape(self.collector.frozen(), process, heap.PAUSES.frozen(), TLS_RELOADS.frozen()),
             self._config_json,
             lambda: self.serving,
             write_timeout=settings.admin_write_timeout,
@@ -342,6 +330,9 @@ class Sidecar:
         """``POST /json`` (``--json-address``): the same request path as gRPC, as JSON over HTTP."""
         self.watcher: ConfigWatcher | None = None
         self._watch_task: asyncio.Task[None] | None = None
+        self.tls: RotatingServerCredentials | None = None
+        """The gRPC server's certificate set, reloaded when its files change."""
+        self._tls_tasks: list[asyncio.Task[None]] = []
         self.reloader = ConfigReloader(
             settings.config,
             lambda: self.service.config,
@@ -387,8 +378,8 @@ class Sidecar:
         names = (SERVICE_NAME, quota.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         address = self.settings.grpc_address
-        credentials = server_credentials(self.settings)
-        if credentials is None and not is_loopback(address):
+        self.tls = server_credentials(self.settings)
+        if self.tls is None and not is_loopback(address):
             log.warning(
                 "grpc_exposed_without_tls",
                 address=address,
@@ -396,10 +387,10 @@ class Sidecar:
             )
         try:
             with unix_socket_created_private(address):
-                if credentials is None:
+                if self.tls is None:
                     self.port = self.server.add_insecure_port(address)
                 else:
-                    self.port = self.server.add_secure_port(address, credentials)
+                    self.port = self.server.add_secure_port(address, self.tls.credentials())
         except RuntimeError as error:
             raise StartupError(f"cannot listen on {address}: {error} (port in use?)") from None
         if self.port == 0:
@@ -419,8 +410,24 @@ class Sidecar:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
         self._expire_task = asyncio.get_running_loop().create_task(self._expire_rows(), name="expire-rows")
+        if self.tls is not None:
+            await self._watch_tls(self.tls)
         if self.settings.watch_config:
             await self._watch_config()
+
+    async def _watch_tls(self, tls: RotatingServerCredentials) -> None:
+        """Reload the certificate set whenever one of its files may have changed (always:
+        a rotation must not wait for ``--watch-config``). The watchers' logic is the config's:
+        renames over a file and the kubelet's ``..data`` swap both count."""
+        settled = SettledReload(tls.reload)
+        loop = asyncio.get_running_loop()
+        self._tls_tasks.append(loop.create_task(settled.run(), name="tls-reload"))
+        for path in tls.files.paths():
+            watcher = ConfigWatcher(path, settled.kick)
+            self._tls_tasks.append(loop.create_task(watcher.run(), name=f"tls-watch {path}"))
+            await watcher.ready.wait()
+        # A change between the startup load and the watches being armed has no event: look once.
+        await settled.kick()
 
     async def _expire_rows(self) -> None:
         """Drop idle per-rule rows minted from request values, every minute."""
@@ -470,6 +477,9 @@ class Sidecar:
         if self.watcher is not None and self._watch_task is not None:
             self.watcher.stop()
             await self._watch_task
+        for task in self._tls_tasks:
+            task.cancel()
+        await asyncio.gather(*self._tls_tasks, return_exceptions=True)
         deadline = time.monotonic() + self.settings.shutdown_grace
         await self._wait_until_quiet(deadline)
         await self.server.stop(0)

@@ -15,6 +15,13 @@ authenticate to the sentinels themselves when they require it. With TLS the quer
 may also name ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` (paths) and
 ``ssl_cert_reqs`` (``none``, ``optional``, ``required``), as for ``rediss://``.
 
+TLS files are re-read when they change (a certificate rotation, sidecar/tls_files.py): each
+connection, when it (re)connects, compares its files with those its SSL context was built
+from and builds a new context if they changed; a set that does not load keeps the old one.
+redis-py alone would read them once per connection object and reuse them on every reconnect.
+(Redis Cluster clients are left as redis-py makes them: their files are read per node
+connection object, as before.)
+
 Settings validate URLs at startup with this module without importing redis-py, so
 redis-py is imported only inside :func:`connect`, once a Redis backend is chosen.
 """
@@ -22,9 +29,12 @@ redis-py is imported only inside :func:`connect`, once a Redis backend is chosen
 from __future__ import annotations
 
 import re
+import ssl
 import urllib.parse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from sidecar.tls_files import REDIS_TLS, file_identity
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -269,7 +279,51 @@ def connect(url: str, cluster: bool, redis_timeout: float) -> Redis | RedisClust
         return sentinel_client(parse_sentinel_url(url), options)
     if cluster:
         return RedisCluster.from_url(url, **options)
-    return Redis.from_url(url, **options)
+    client = Redis.from_url(url, **options)
+    pool = client.connection_pool
+    pool.connection_class = rotating_tls(pool.connection_class)
+    return client
+
+
+def rotating_tls(base: type[Any]) -> type[Any]:
+    """``base`` if it is not a redis-py TLS connection class; else a subclass whose
+    connections re-read their TLS files when they changed (see the module docstring)."""
+    from redis.asyncio.connection import SSLConnection  # noqa: PLC0415 - see the module docstring
+
+    if not issubclass(base, SSLConnection):
+        return base
+
+    class RotatingTLS(base):  # type: ignore[misc]
+        _tls_identity: object = None
+
+        def _connection_arguments(self) -> Any:
+            refresh_tls(self)
+            return super()._connection_arguments()
+
+    RotatingTLS.__name__ = RotatingTLS.__qualname__ = f"Rotating{base.__name__}"
+    return RotatingTLS
+
+
+def refresh_tls(connection: Any) -> None:
+    """Before ``connection`` (a redis-py SSLConnection) connects: if its certificate, key or
+    CA file changed since its SSL context was built, build it again; if the new files do
+    not load (a half-written file, a key that does not match), keep the old context."""
+    holder = connection.ssl_context  # redis-py's RedisSSLContext: builds once, caches .context
+    paths = (holder.certfile, holder.keyfile, holder.ca_certs)
+    identity = tuple(file_identity(path) for path in paths)
+    if identity == connection._tls_identity and holder.context is not None:
+        return
+    previous, holder.context = holder.context, None
+    try:
+        holder.get()
+    except (ssl.SSLError, OSError, ValueError) as error:
+        if previous is None:
+            raise  # nothing to keep: the first connect fails as redis-py's would
+        holder.context = previous
+        REDIS_TLS.refused(paths, identity, f"{type(error).__name__}: {error}")
+        return
+    connection._tls_identity = identity
+    REDIS_TLS.built(paths, identity)
 
 
 def sentinel_client(target: SentinelTarget, options: dict[str, Any]) -> Redis:
@@ -279,11 +333,12 @@ def sentinel_client(target: SentinelTarget, options: dict[str, Any]) -> Redis:
     when one fails or finds the old master turned replica, so after a failover the
     store's reconnection lands on the new master.
     """
-    from redis.asyncio.sentinel import Sentinel  # noqa: PLC0415 - see the module docstring
+    from redis.asyncio.sentinel import Sentinel, SentinelManagedSSLConnection  # noqa: PLC0415 - see the module docstring
 
     tls: dict[str, Any] = {"ssl": True, **dict(target.tls_options)} if target.tls else {}
-    options = options | tls
     sentinel_options = {key: options[key] for key in ("socket_timeout", "socket_connect_timeout")} | tls
+    if target.tls:  # the master's connections: "ssl" would pick redis-py's own class
+        options = options | dict(target.tls_options) | {"connection_class": rotating_tls(SentinelManagedSSLConnection)}
     if target.sentinel_password:
         sentinel_options |= {"username": target.sentinel_username, "password": target.sentinel_password}
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
