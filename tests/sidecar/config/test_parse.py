@@ -624,8 +624,8 @@ def test_typo_requestsperunit_is_named_and_the_real_field_reported_missing(h):
     )
     assert [str(issue) for issue in issues] == [
         f"{FILE}:6: descriptors[0].rate_limit.requestsperunit: unknown field "
-        "(expected one of algorithm, ban_duration, burst, count_past_limit, name, overload, replaces, requests_per_unit, "
-        "unit, unit_multiplier, unlimited, warn_at): fix or remove it",
+        "(expected one of algorithm, ban_duration, burst, count_past_limit, name, overload, replaces, "
+        "requests_per_unit, unit, unit_multiplier, unlimited, warn_at): fix or remove it",
         f"{FILE}:5: descriptors[0].rate_limit.requests_per_unit: is required (write 0 to refuse every request, "
         "as a missing one does in envoyproxy/ratelimit)",
     ]
