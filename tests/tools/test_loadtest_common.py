@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,23 @@ def test_every_loadtest_module_imports() -> None:
         if name not in skipped and not name.endswith("__main__"):
             importlib.import_module(name)
     assert "loadtest.reliability_harness.loop_stalls" in names
+
+
+def python_lines(root: Path, skip: str | None = None) -> dict[Path, int]:
+    """Lines per ``.py`` file under ``root`` (``skip``: a sub-folder left out)."""
+    return {
+        path: len(path.read_text(encoding="utf-8").splitlines())
+        for path in root.rglob("*.py")
+        if skip is None or skip not in path.relative_to(root).parts
+    }
+
+
+def test_loadtest_stays_within_its_line_budget() -> None:
+    """docs/performance.md's budget: the benchmarks stay smaller than the product they
+    measure (sidecar/ without its generated protos), and no module has over 600 lines."""
+    repo = Path(__file__).resolve().parents[2]
+    tools = python_lines(repo / "loadtest")
+    product = python_lines(repo / "sidecar", skip="protos")
+    assert sum(tools.values()) < sum(product.values()), (sum(tools.values()), sum(product.values()))
+    too_long = {str(path.relative_to(repo)): lines for path, lines in tools.items() if lines > 600}
+    assert too_long == {}
