@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
+from sidecar import consumer as consumer_module
 from sidecar.consumer import (
     FAIL_FAST,
     WAIT,
@@ -35,11 +36,16 @@ from sidecar.consumer import (
 from sidecar.consumer_pace import pace_interval
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from tests.support.sidecars import Sidecar, free_port
+from tests.support.virtual_time import run_virtual
 
 pytestmark = pytest.mark.slow
 
 MINUTE = rls_pb2.RateLimitResponse.RateLimit.MINUTE
 SECOND = rls_pb2.RateLimitResponse.RateLimit.SECOND
+
+
+WAITERS_MAX_WAIT = 30.0
+"""Far more than the three windows seven waiters need: only a broken wait can run out of it."""
 
 
 def fresh() -> str:
@@ -115,27 +121,32 @@ def test_the_pace_spends_what_is_left_evenly_until_the_window_ends():
     assert pace_interval(unlimited, 1, wall=1000.0) == (0.0, False)
 
 
-async def test_fresh_asks_wait_their_turn_unless_their_deadline_comes_first() -> None:
-    ok = rls_pb2.RateLimitResponse.OK
-    wall = [1000.0]
-    consumer = Consumer("127.0.0.1:1", wall=lambda: wall[0])
-    # 1 s window: 9 left after the first ask, so one ask every 0.1 s.
-    script = [
-        (0.0, rls_pb2.RateLimitResponse(overall_code=ok, statuses=[status(ok, SECOND, 1, 9 - n)])) for n in range(5)
-    ]
-    asks = scripted_asks(consumer, script)
-    started = time.monotonic()
-    await asyncio.gather(*(consumer.acquire("it", {"k": "v"}, max_wait=WAIT) for _ in range(3)))
-    gaps = [later - earlier for earlier, later in itertools.pairwise(asks)]
-    assert len(asks) == 3 and all(gap > 0.08 for gap in gaps), gaps
-    assert consumer.stats.paced == 2
-    # The next turn is 0.1 s away: a caller with 0.02 s to wait asks at once, out of turn.
-    started = time.monotonic()
-    await consumer.acquire("it", {"k": "v"}, max_wait=0.02)
-    assert time.monotonic() - started < 0.015
-    assert consumer.stats.out_of_turn == 1
-    assert Consumer("127.0.0.1:1", pace=False).pace is False
-    await consumer.close()
+def test_fresh_asks_wait_their_turn_unless_their_deadline_comes_first() -> None:
+    """On virtual time (the consumer's clock is the loop's): the gaps are the pace's, whatever the load."""
+
+    async def main() -> None:
+        ok = rls_pb2.RateLimitResponse.OK
+        wall = [1000.0]
+        clock = asyncio.get_running_loop().time
+        consumer = Consumer("127.0.0.1:1", wall=lambda: wall[0], monotonic=clock)
+        # 1 s window: 9 left after the first ask, so one ask every 0.1 s.
+        script = [
+            (0.0, rls_pb2.RateLimitResponse(overall_code=ok, statuses=[status(ok, SECOND, 1, 9 - n)])) for n in range(5)
+        ]
+        asks = scripted_asks(consumer, script)
+        await asyncio.gather(*(consumer.acquire("it", {"k": "v"}, max_wait=WAIT) for _ in range(3)))
+        gaps = [later - earlier for earlier, later in itertools.pairwise(asks)]
+        assert len(asks) == 3 and all(gap > 0.08 for gap in gaps), gaps
+        assert consumer.stats.paced == 2
+        # The next turn is 0.1 s away: a caller with 0.02 s to wait asks at once, out of turn.
+        before, now = len(asks), clock()
+        await consumer.acquire("it", {"k": "v"}, max_wait=0.02)
+        assert asks[before:] == [now], "one ask, at once: no time passed before it"
+        assert consumer.stats.out_of_turn == 1
+        assert Consumer("127.0.0.1:1", pace=False).pace is False
+        await consumer.close()
+
+    run_virtual(main())
 
 
 def test_requests_outside_the_bounds_fail_before_asking():
@@ -155,9 +166,9 @@ def test_requests_outside_the_bounds_fail_before_asking():
 async def test_admitted_at_once(shared_sidecar: Sidecar) -> None:
     async with Consumer(shared_sidecar.address) as consumer:
         permit = await consumer.acquire("it", {"generous": fresh()})
-        assert permit.attempts == 1
+        assert permit.attempts == 1  # at once: one ask, no retry or turn waited for
         assert permit.remaining == 999_999
-        assert permit.waited < 1
+        assert consumer.stats.paced == consumer.stats.failed_fast == 0
 
 
 async def test_waiters_get_the_next_windows_and_no_window_admits_more_than_its_limit(shared_sidecar: Sidecar) -> None:
@@ -166,35 +177,66 @@ async def test_waiters_get_the_next_windows_and_no_window_admits_more_than_its_l
     async with Consumer(shared_sidecar.address) as consumer:
 
         async def one() -> None:
-            await consumer.acquire("it", {"per_second": value}, max_wait=4)
+            await consumer.acquire("it", {"per_second": value}, max_wait=WAITERS_MAX_WAIT)
             admitted_at.append(time.time())
 
-        started = time.monotonic()
         await asyncio.gather(*(one() for _ in range(7)))  # 3 per second: three windows
-        assert time.monotonic() - started < 4
         windows: dict[int, int] = {}
         for moment in admitted_at:
             windows[math.floor(moment)] = windows.get(math.floor(moment), 0) + 1
         assert max(windows.values()) <= 3
+        assert len(windows) >= 3, f"7 at 3 a second need three windows: {windows}"
         assert consumer.stats.granted == consumer.stats.acquired == 7
 
 
-async def test_fail_fast_and_no_waiting_in_vain(shared_sidecar: Sidecar) -> None:
+class CountedWaits:
+    """``asyncio`` as ``sidecar.consumer`` sees it, recording every sleep and bounded wait it starts."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    def sleep(self, delay: float, *args: Any) -> Any:
+        self.calls.append(("sleep", delay))
+        return asyncio.sleep(delay, *args)
+
+    def wait_for(self, awaitable: Any, timeout: float | None) -> Any:
+        self.calls.append(("wait_for", timeout))
+        return asyncio.wait_for(awaitable, timeout)
+
+    def wait(self, tasks: Any, **options: Any) -> Any:
+        self.calls.append(("wait", options.get("timeout")))
+        return asyncio.wait(tasks, **options)
+
+    def timeout(self, delay: float | None) -> Any:
+        self.calls.append(("timeout", delay))
+        return asyncio.timeout(delay)
+
+
+async def test_fail_fast_and_no_waiting_in_vain(shared_sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch) -> None:
     value = fresh()
     async with Consumer(shared_sidecar.address) as consumer:
         for _ in range(5):
             await consumer.acquire("it", {"per_minute": value})
-        started = time.monotonic()
         with pytest.raises(RateLimitExceeded) as failed:
             await consumer.acquire("it", {"per_minute": value}, max_wait=FAIL_FAST)
         assert failed.value.attempts == 1
+        fails = 1
         seconds_left = 60 - time.time() % 60
         if seconds_left > 2.5:  # the minute's budget comes back after the deadline: fail now, not in 2 s
+            waits = CountedWaits()
+            monkeypatch.setattr(consumer_module, "asyncio", waits)
             with pytest.raises(RateLimitExceeded) as failed:
                 await consumer.acquire("it", {"per_minute": value}, max_wait=2)
+            monkeypatch.undo()
             assert failed.value.retry_after is not None and failed.value.retry_after > 2
-        assert time.monotonic() - started < 0.5
-        assert consumer.stats.failed_fast >= 1
+            # Counted, not timed: the pace's known refusal; no ask, no sleep, no wait.
+            assert failed.value.attempts == 0 and consumer.stats.asks == 6
+            assert waits.calls == [], "waited before failing"
+            fails = 2
+        assert consumer.stats.failed_fast == fails and consumer.stats.timed_out == 0
         assert consumer.stats.granted == 5
 
 
@@ -277,7 +319,7 @@ def scripted_asks(consumer: Consumer, script: list[tuple[float, Any]]) -> list[f
     started: list[float] = []
 
     async def ask(payload: bytes, timeout: float) -> Any:
-        started.append(time.monotonic())
+        started.append(consumer.monotonic())
         delay, response = script.pop(0)
         await asyncio.sleep(delay)
         consumer.stats.asks += 1
@@ -289,29 +331,41 @@ def scripted_asks(consumer: Consumer, script: list[tuple[float, Any]]) -> list[f
     return started
 
 
-async def test_an_ask_admitted_after_its_caller_left_is_kept_for_the_next_caller() -> None:
-    # Refused 10 ms before a second ends; the retry at the boundary is admitted, but answers
-    # after the caller's deadline (within its gRPC deadline, 0.1 s later). Then a caller
-    # cancelled while its ask is in flight (unpaced: paced, it would wait for the answer
-    # of the ask still on its way instead of asking).
-    consumer = Consumer("127.0.0.1:1", wall=lambda: 1000.99 if len(asks) < 2 else 1001.0, spread=False, pace=False)
-    asks = scripted_asks(consumer, [(0.0, refused_response()), (0.35, admitted_response()), (0.2, admitted_response())])
-    started = time.monotonic()
-    with pytest.raises(RateLimitExceeded) as failed:
-        await consumer.acquire("it", {"k": "v"}, max_wait=0.3)
-    assert 0.29 < time.monotonic() - started < 0.35  # left at its deadline, not when the answer came
-    assert failed.value.retry_after is None
-    assert len(asks) == 2
-    caller = asyncio.ensure_future(consumer.acquire("it", {"k": "v"}, max_wait=WAIT))
-    await asyncio.sleep(0.05)
-    caller.cancel()  # cancelled with its ask in flight
-    with pytest.raises(asyncio.CancelledError):
-        await caller
-    await asyncio.sleep(0.5)
-    stats = consumer.stats
-    assert (stats.timed_out, stats.cancelled, stats.orphaned, stats.granted) == (1, 1, 2, 2)
-    permit = await consumer.acquire("it", {"k": "v"})  # handed over: no ask
-    assert permit.handed_over
-    assert len(asks) == 3
-    assert stats.granted == stats.acquired - stats.reused + stats.orphaned
-    await consumer.close()
+def test_an_ask_admitted_after_its_caller_left_is_kept_for_the_next_caller() -> None:
+    """On virtual time (the consumer's clock is the loop's)."""
+
+    async def main() -> None:
+        # Refused 10 ms before a second ends; the retry at the boundary is admitted, but answers
+        # after the caller's deadline (within its gRPC deadline, 0.1 s later). Then a caller
+        # cancelled while its ask is in flight (unpaced: paced, it would wait for the answer
+        # of the ask still on its way instead of asking).
+        clock = asyncio.get_running_loop().time
+        consumer = Consumer(
+            "127.0.0.1:1", wall=lambda: 1000.99 if len(asks) < 2 else 1001.0, spread=False, pace=False, monotonic=clock
+        )
+        asks = scripted_asks(
+            consumer, [(0.0, refused_response()), (0.35, admitted_response()), (0.2, admitted_response())]
+        )
+        started = clock()
+        with pytest.raises(RateLimitExceeded) as failed:
+            await consumer.acquire("it", {"k": "v"}, max_wait=0.3)
+        # Left at its deadline, not when the answer came (virtual time: exact, whatever the load).
+        assert clock() - started == pytest.approx(0.3)
+        assert clock() < asks[1] + 0.35
+        assert failed.value.retry_after is None
+        assert len(asks) == 2
+        caller = asyncio.ensure_future(consumer.acquire("it", {"k": "v"}, max_wait=WAIT))
+        await asyncio.sleep(0.05)
+        caller.cancel()  # cancelled with its ask in flight
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.5)
+        stats = consumer.stats
+        assert (stats.timed_out, stats.cancelled, stats.orphaned, stats.granted) == (1, 1, 2, 2)
+        permit = await consumer.acquire("it", {"k": "v"})  # handed over: no ask
+        assert permit.handed_over
+        assert len(asks) == 3
+        assert stats.granted == stats.acquired - stats.reused + stats.orphaned
+        await consumer.close()
+
+    run_virtual(main())
