@@ -11,7 +11,7 @@ query parameter, the client address). What has no such terms is named, route and
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,19 +290,7 @@ def request_headers(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Pr
 def header_value_match(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
     """Envoy's ``header_value_match``: a constant, sent when all header matchers hold (or, with
     ``expect_match: false``, when they do not all hold)."""
-    key = str(body.get("descriptor_key") or "header_match")
-    tests = []
-    for matcher in body.get("headers") or []:
-        test = header_matcher(matcher)
-        if isinstance(test, str):
-            return test
-        tests.append(test)
-    if not tests:
-        return "header_value_match without headers is not supported"
-    condition = objects.all_of(tests)
-    if body.get("expect_match") is False:
-        condition = objects.negate(condition)
-    return key, BucketValue(constant=str(body.get("descriptor_value", ""))), (condition,)
+    return _constant_when_all_match(body, "header_value_match", "headers", "header_match", header_matcher)
 
 
 def query_parameters(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
@@ -335,18 +323,33 @@ def query_matcher(matcher: Mapping[str, Any]) -> Predicate | str:
 def query_parameter_value_match(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
     """Envoy's ``query_parameter_value_match``: a constant, sent when all parameter matchers hold
     (or, with ``expect_match: false``, when they do not all hold)."""
-    key = str(body.get("descriptor_key") or "query_match")
+    return _constant_when_all_match(
+        body, "query_parameter_value_match", "query_parameters", "query_match", query_matcher
+    )
+
+
+def _constant_when_all_match(
+    body: Mapping[str, Any],
+    action: str,
+    field: str,
+    default_key: str,
+    predicate: Callable[[Mapping[str, Any]], Predicate | str],
+) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
+    """The ``*_value_match`` actions: ``descriptor_value`` under ``descriptor_key`` (Envoy's
+    default key when absent), sent when every matcher of ``field`` holds, or, with
+    ``expect_match: false``, when they do not all hold; or why not."""
     tests = []
-    for matcher in body.get("query_parameters") or []:
-        test = query_matcher(matcher)
+    for matcher in body.get(field) or []:
+        test = predicate(matcher)
         if isinstance(test, str):
             return test
         tests.append(test)
     if not tests:
-        return "query_parameter_value_match without query_parameters is not supported"
+        return f"{action} without {field} is not supported"
     condition = objects.all_of(tests)
     if body.get("expect_match") is False:
         condition = objects.negate(condition)
+    key = str(body.get("descriptor_key") or default_key)
     return key, BucketValue(constant=str(body.get("descriptor_value", ""))), (condition,)
 
 
