@@ -109,20 +109,34 @@ def load_server_tls(files: ServerTlsFiles) -> ServerTls:
 
 def check_pair(chain: bytes, key: bytes, what: str) -> None:
     """Raise :class:`TlsFileError` unless ``key`` is the private key of ``chain``'s first
-    certificate and both parse whole. :mod:`ssl` loads only from files, so the bytes
-    already read go to a private temporary directory for the moment of the check (the
-    bytes checked are exactly the bytes then served)."""
+    certificate and both parse whole. :mod:`ssl` loads only from paths, so the bytes
+    already read (exactly those then served) are handed to it as in-memory files."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    with tempfile.TemporaryDirectory(prefix="tls-check-") as directory:  # mode 0700
-        cert_path, key_path = Path(directory, "cert.pem"), Path(directory, "key.pem")
-        cert_path.write_bytes(chain)
-        descriptor = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(key)
+    with _memory_file(chain) as cert_path, _memory_file(key) as key_path:
         try:
             context.load_cert_chain(cert_path, key_path)
         except ssl.SSLError as error:
             raise TlsFileError(f"{what}: {_ssl_reason(error)}") from None
+
+
+@contextlib.contextmanager
+def _memory_file(data: bytes) -> Iterator[str]:
+    """A path that reads ``data``: an anonymous in-memory file (Linux ``memfd``), so no key
+    touches a disk and a read-only root filesystem (the shipped manifests) is no obstacle;
+    elsewhere a file in a private temporary directory."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        with tempfile.TemporaryDirectory(prefix="tls-check-") as directory:  # mode 0700
+            path = Path(directory, "pem")
+            path.write_bytes(data)
+            yield str(path)
+        return
+    descriptor = os.memfd_create("tls-check", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(descriptor, "wb", closefd=False) as handle:
+            handle.write(data)
+        yield f"/proc/self/fd/{descriptor}"
+    finally:
+        os.close(descriptor)
 
 
 def _ssl_reason(error: ssl.SSLError) -> str:

@@ -5,6 +5,7 @@ builds a new context. The handshakes themselves are in test_tls_rotation.py."""
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,11 @@ def test_a_redis_connection_builds_a_context_only_when_its_files_changed(
     assert first.ssl_context.context is not built
     refresh_tls(second)  # a second connection to the same files: no second announcement
     assert (notes.counts.get("redis", "ok"), notes.counts.get("redis", "refused")) == (1, 1)
+
+
+def test_checking_a_pair_writes_no_file(
+    sets: tuple[Certificates, Certificates], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped manifests mount the root filesystem read-only: no temporary file."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "nowhere"))
+    assert load_server_tls(served(tmp_path, sets[0])).key == sets[0].server_key.read_bytes()
