@@ -102,6 +102,14 @@ def test_tls_clients_get_the_rotating_connection_class(tmp_path: Path) -> None:
     assert tls.connection_pool.connection_class.__name__ == "RotatingSSLConnection"  # type: ignore[union-attr]
     master_class = sentinel.connection_pool.connection_class  # type: ignore[union-attr]
     assert master_class.__name__ == "RotatingSentinelManagedSSLConnection"
+    asking = sentinel.connection_pool.sentinel_manager.sentinels  # type: ignore[union-attr]
+    assert [client.connection_pool.connection_class.__name__ for client in asking] == ["RotatingSSLConnection"]
+    cluster = connect("rediss+cluster://127.0.0.1:1", False, 1.0)
+    nodes = cluster.nodes_manager.startup_nodes.values()  # type: ignore[union-attr]
+    assert [node.connection_class.__name__ for node in nodes] == ["RotatingSSLConnection"]
+    assert cluster.connection_kwargs["connection_class"].__name__ == "RotatingSSLConnection"  # type: ignore[union-attr]
+    plain_cluster = connect("redis+cluster://127.0.0.1:1", False, 1.0)
+    assert plain_cluster.connection_kwargs["connection_class"].__name__ == "Connection"  # type: ignore[union-attr]
 
 
 def test_a_redis_connection_builds_a_context_only_when_its_files_changed(

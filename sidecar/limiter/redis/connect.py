@@ -19,8 +19,8 @@ TLS files are re-read when they change (a certificate rotation, sidecar/tls_file
 connection, when it (re)connects, compares its files with those its SSL context was built
 from and builds a new context if they changed; a set that does not load keeps the old one.
 redis-py alone would read them once per connection object and reuse them on every reconnect.
-(Redis Cluster clients are left as redis-py makes them: their files are read per node
-connection object, as before.)
+Plain, Cluster (every node's connections) and Sentinel (the master's and the sentinels')
+clients alike.
 
 Settings validate URLs at startup with this module without importing redis-py, so
 redis-py is imported only inside :func:`connect`, once a Redis backend is chosen.
@@ -278,10 +278,21 @@ def connect(url: str, cluster: bool, redis_timeout: float) -> Redis | RedisClust
     if is_sentinel_url(url):
         return sentinel_client(parse_sentinel_url(url), options)
     if cluster:
-        return RedisCluster.from_url(url, **options)
+        return rotating_cluster(RedisCluster.from_url(url, **options))
     client = Redis.from_url(url, **options)
     pool = client.connection_pool
     pool.connection_class = rotating_tls(pool.connection_class)
+    return client
+
+
+def rotating_cluster(client: RedisCluster) -> RedisCluster:
+    """``client`` with :func:`rotating_tls` connections to every node: the nodes it starts
+    from, and those it discovers later (made from the client's shared ``connection_kwargs``)."""
+    kwargs = client.connection_kwargs
+    if "connection_class" in kwargs:
+        kwargs["connection_class"] = rotating_tls(kwargs["connection_class"])
+    for node in client.nodes_manager.startup_nodes.values():
+        node.connection_class = rotating_tls(node.connection_class)
     return client
 
 
@@ -342,6 +353,8 @@ def sentinel_client(target: SentinelTarget, options: dict[str, Any]) -> Redis:
     if target.sentinel_password:
         sentinel_options |= {"username": target.sentinel_username, "password": target.sentinel_password}
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
+    for asked in sentinel.sentinels:  # the clients that ask for the master: their files rotate too
+        asked.connection_pool.connection_class = rotating_tls(asked.connection_pool.connection_class)
     return sentinel.master_for(  # type: ignore[no-any-return]
         target.service, db=target.db, username=target.username, password=target.password, **options
     )
