@@ -65,6 +65,20 @@ def answers(address: str, certs: Certificates, mutual: bool) -> bool:
         return bool(int(reply.overall_code) == OK)
 
 
+def client_answers(address: str, sets: tuple[Certificates, Certificates], client: Certificates) -> bool:
+    """One call presenting ``client``'s certificate, trusting both sets' CAs (so only the
+    server's verdict on the client certificate decides)."""
+    roots = b"".join(certs.ca.read_bytes() for certs in sets)
+    both = grpc.ssl_channel_credentials(roots, client.client_key.read_bytes(), client.client_cert.read_bytes())
+    with grpc.secure_channel(address, both, options=CHANNEL_OPTIONS) as fresh:
+        try:
+            rls_pb2_grpc.RateLimitServiceStub(fresh).ShouldRateLimit(request("it", [("r", "x")]), timeout=2)
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+            return False
+        return True
+
+
 def poll(condition: Callable[[], bool], what: str, budget: float = BUDGET) -> None:
     deadline = time.monotonic() + budget
     while not condition():
@@ -158,6 +172,9 @@ def test_files_renamed_over_are_served_and_open_connections_keep_calling(
         calls_after_swap = len(caller.codes)
         poll(lambda: len(caller.codes) > calls_after_swap + 20, "calls go on on the connection opened before")
     assert not answers(sidecar.address, old, mutual), "the old CA no longer verifies a new connection"
+    if mutual:  # the client CA rotated too: a client trusting both servers, with the old client certificate
+        assert not client_answers(sidecar.address, sets, old), "a client certificate of the old CA is refused"
+        assert client_answers(sidecar.address, sets, new)
     assert set(caller.codes) == {"OK"}, f"calls on the connection opened before the swap: {set(caller.codes)}"
     assert reloads(metrics_port, "ok") >= 1
     reloaded = [event for event in log_events(sidecar.stderr()) if event["event"] == "tls_reloaded"]
