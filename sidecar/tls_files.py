@@ -60,7 +60,8 @@ class ServerTlsFiles:
     client_ca: str | None = None
 
     def paths(self) -> tuple[str, ...]:
-        return tuple(path for path in (self.cert, self.key, self.client_ca) if path)
+        """The distinct files to watch (a combined PEM may be both the cert and the key)."""
+        return tuple(dict.fromkeys(path for path in (self.cert, self.key, self.client_ca) if path))
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,3 +150,7 @@ def test_checking_a_pair_writes_no_file(
     """The shipped manifests mount the root filesystem read-only: no temporary file."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "nowhere"))
     assert load_server_tls(served(tmp_path, sets[0])).key == sets[0].server_key.read_bytes()
+
+
+def test_a_combined_pem_is_watched_once() -> None:
+    assert ServerTlsFiles("/s/both.pem", "/s/both.pem", "/s/ca.pem").paths() == ("/s/both.pem", "/s/ca.pem")
