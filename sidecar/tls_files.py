@@ -73,6 +73,17 @@ class ServerTls:
     client_ca: bytes | None
     digest: str
 
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the leaf certificate, as ``openssl x509 -noout -fingerprint -sha256``
+        prints it (without the colons): what an operator compares with the issued one."""
+        text = self.chain.decode("ascii", "replace")
+        end = text.find("-----END CERTIFICATE-----")
+        start = text.rfind("-----BEGIN CERTIFICATE-----", 0, end)
+        if start < 0 or end < 0:
+            return "unknown"
+        return hashlib.sha256(ssl.PEM_cert_to_DER_cert(text[start : end + 25])).hexdigest().upper()
+
     def configuration(self) -> grpc.ServerCertificateConfiguration:
         return grpc.ssl_server_certificate_configuration([(self.key, self.chain)], root_certificates=self.client_ca)
 
@@ -223,7 +234,8 @@ class RotatingServerCredentials:
             loaded = load_server_tls(self.files)
         except TlsFileError as error:
             self.counts.add("server", "refused")
-            log.warning("tls_reload_refused", side="server", reason=str(error), kept=self.active.digest[:12])
+            kept = self.active.fingerprint
+            log.warning("tls_reload_refused", side="server", reason=str(error), kept_fingerprint=kept)
             return False
         if loaded.digest == self.active.digest:
             return None
@@ -234,8 +246,8 @@ class RotatingServerCredentials:
             "tls_reloaded",
             side="server",
             cert=self.files.cert,
-            digest=loaded.digest[:12],
-            previous=previous.digest[:12],
+            fingerprint=loaded.fingerprint,
+            previous_fingerprint=previous.fingerprint,
             hint="new handshakes use it; open connections keep theirs",
         )
         return True

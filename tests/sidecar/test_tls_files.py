@@ -5,6 +5,7 @@ builds a new context. The handshakes themselves are in test_tls_rotation.py."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -154,3 +155,12 @@ def test_checking_a_pair_writes_no_file(
 
 def test_a_combined_pem_is_watched_once() -> None:
     assert ServerTlsFiles("/s/both.pem", "/s/both.pem", "/s/ca.pem").paths() == ("/s/both.pem", "/s/ca.pem")
+
+
+def test_the_logged_fingerprint_is_openssls(sets: tuple[Certificates, Certificates], tmp_path: Path) -> None:
+    assert OPENSSL is not None
+    printed = subprocess.run(
+        [OPENSSL, "x509", "-noout", "-fingerprint", "-sha256", "-in", str(sets[0].server_cert)],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    assert load_server_tls(served(tmp_path, sets[0])).fingerprint == printed.split("=", 1)[1].strip().replace(":", "")
