@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -226,13 +227,23 @@ async def test_a_directory_removed_and_recreated_is_watched_again(tmp_path: Path
     config.mkdir()
     (config / "demo.yaml").write_text(domain_yaml(1))
     recorder = Recorder()
-    async with watching(config, recorder):
+    async with watching(config, recorder) as watcher:
+        roots: list[Path] = []
+        arm = watcher._armed
+        watcher._armed = lambda plan: (roots.append(plan.root), arm(plan))[1]  # type: ignore[method-assign]
         shutil.rmtree(config)
         await asyncio.sleep(3 * RECHECK)
-        config.mkdir()
-        (config / "demo.yaml").write_text(domain_yaml(2))
+        ready = tmp_path / "ready"  # the new directory appears whole: nothing changes in it after
+        ready.mkdir()
+        (ready / "demo.yaml").write_text(domain_yaml(2))
+        ready.rename(config)
         await recorder.reach(1)  # the removal, the re-arming, or both
-        await asyncio.sleep(SETTLE)
+        # Re-armed on the new directory: its signal came first, so no callback of the gap
+        # is still to come (an ordering, not a quiet period a loaded machine may overrun).
+        deadline = time.monotonic() + ARRIVE
+        while config not in roots and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert config in roots, f"never re-armed on the new directory: {roots}"
         seen = recorder.calls
         (config / "demo.yaml").write_text(domain_yaml(3))  # the new directory is really watched
         await recorder.exactly(seen + 1)
