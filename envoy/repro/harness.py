@@ -22,6 +22,7 @@ import http.server
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -301,6 +302,7 @@ def main(probe: Callable[[str], Observed], describe: str) -> None:
     parser.add_argument("--envoy", default=default, help=f"the envoy binary (default {default})")
     parser.add_argument("--json", action="store_true", help="print the observation as one JSON line")
     arguments = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so Envoy is stopped on the way out
     observed = {"envoy": envoy_version(arguments.envoy), **probe(arguments.envoy)}
     if arguments.json:
         print(json.dumps(observed))
