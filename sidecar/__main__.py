@@ -29,20 +29,29 @@ DEFAULT_ADDRESS = "127.0.0.1:8081"
 
 
 def local_address(environ: Mapping[str, str] = os.environ) -> str:
-    """Where this host's sidecar listens: ``RLS_GRPC_ADDRESS`` (a wildcard host means
-    loopback), else the default. So ``health`` and ``query`` inside a container that
-    moved the port need no ``--address``."""
-    configured = environ.get("RLS_GRPC_ADDRESS", "").strip()
-    if not configured:
-        return DEFAULT_ADDRESS
+    """Where this host's sidecar listens, read as ``serve`` reads it: ``RLS_GRPC_ADDRESS``,
+    else the reference's ``GRPC_UDS`` or ``GRPC_HOST``/``GRPC_PORT``, else the default (a
+    wildcard host means loopback). So ``health`` and ``query`` inside a container that
+    moved the port need no ``--address``; :class:`SettingsError` for a value serve refuses."""
+    configured = str(option_value("grpc_address", None, environ)).strip()
     host, _, port = configured.rpartition(":")
+    if configured.startswith("unix:"):
+        return configured
     return f"127.0.0.1:{port}" if host in ("0.0.0.0", "[::]", "::", "") else configured
+
+
+def _address(arguments: argparse.Namespace) -> str:
+    """``--address``, else :func:`local_address`."""
+    return str(arguments.address) if arguments.address else local_address()
 
 
 def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     """``--address`` and the TLS options shared by ``query`` and ``health``."""
     parser.add_argument(
-        "--address", default=local_address(), help="sidecar address (default: RLS_GRPC_ADDRESS or 127.0.0.1:8081)"
+        "--address",
+        default=None,
+        help="sidecar address, HOST:PORT or unix:PATH (default: where serve listens: RLS_GRPC_ADDRESS, "
+        f"GRPC_UDS, GRPC_HOST/GRPC_PORT, else {DEFAULT_ADDRESS})",
     )
     parser.add_argument("--tls-ca", default="", help="PEM CA of a sidecar serving TLS (turns TLS on)")
     parser.add_argument("--tls-cert", default="", help="PEM client certificate, for mutual TLS")
@@ -88,8 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ask.add_argument(
         "--config",
-        default=os.environ.get("RLS_CONFIG", ""),
-        help="the sidecar's descriptor config (default: RLS_CONFIG): tells a rule `replaces` dropped from no match",
+        default=None,
+        help="the sidecar's descriptor config (default: serve's, from RLS_CONFIG or RUNTIME_ROOT ...): tells a "
+        "rule `replaces` dropped from no match",
     )
     ask.add_argument(
         "descriptors",
@@ -184,16 +194,18 @@ def _check_config(
 
 
 def _query(arguments: argparse.Namespace) -> int:
+    address = ""
     try:
+        address = _address(arguments)
         request = build_request(arguments.domain, arguments.descriptors, arguments.hits)
-        response = query(arguments.address, request, tls=_client_tls(arguments))
-    except ValueError as error:
+        response = query(address, request, tls=_client_tls(arguments))
+    except ValueError as error:  # SettingsError too
         return _fail(str(error))
     except OSError as error:
         return _fail(f"{error.filename}: {error.strerror}")
     except grpc.RpcError as error:
-        return _fail(f"{arguments.address}: {error.code().name}: {error.details()}")
-    print("\n".join(describe(response, _replaced(arguments.config, request))))
+        return _fail(f"{address}: {error.code().name}: {error.details()}")
+    print("\n".join(describe(response, _replaced(_config_path(arguments.config), request))))
     if any(status.HasField("current_limit") for status in response.statuses):
         # There is no dry run: the protocol counts a hits_addend of 0 as 1.
         print(
@@ -201,6 +213,17 @@ def _query(arguments: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _config_path(flag: str | None) -> str:
+    """``query --config``, else serve's config path when the environment names one (none is
+    not an error here: the answer is printed without what the config would tell)."""
+    if flag is not None:
+        return flag
+    try:
+        return str(option_value("config", None) or "")
+    except SettingsError:
+        return ""
 
 
 def _replaced(config_path: str, request: Any) -> dict[int, Replaced] | None:
@@ -216,12 +239,16 @@ def _replaced(config_path: str, request: Any) -> dict[int, Replaced] | None:
 
 
 def _health(arguments: argparse.Namespace) -> int:
+    address = ""
     try:
-        status = health_status(arguments.address, arguments.service, tls=_client_tls(arguments))
+        address = _address(arguments)
+        status = health_status(address, arguments.service, tls=_client_tls(arguments))
+    except SettingsError as error:
+        return _fail(str(error))
     except OSError as error:
         return _fail(f"{error.filename}: {error.strerror}")
     except grpc.RpcError as error:
-        return _fail(f"{arguments.address}: {error.code().name}: {error.details()}")
+        return _fail(f"{address}: {error.code().name}: {error.details()}")
     print(status)
     return 0 if status == "SERVING" else 1
 

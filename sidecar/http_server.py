@@ -53,6 +53,8 @@ class Request:
     method: str
     path: str
     body: bytes = b""
+    peer: str = ""
+    """The client's IP address ("" when the socket has none to give, a unix socket)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +189,8 @@ class Exchange:
         self.bounds = server.bounds
         self.reader = reader
         self.writer = writer
+        peer = writer.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.loop = asyncio.get_running_loop()
         self.deadline = 0.0
@@ -238,7 +242,7 @@ class Exchange:
                 body += event.data
             else:
                 raise ClientGoneError
-        return Request(method, path, bytes(body))
+        return Request(method, path, bytes(body), self.peer)
 
     def _content_length(self, request: h11.Request, method: str) -> int:
         """The body's announced length, refused (411, 413) before any of it is read."""

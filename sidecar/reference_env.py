@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 RUNTIME_ROOT_DEFAULT = "/srv/runtime_data/current"
 RUNTIME_APPDIRECTORY_DEFAULT = "config"
+RUNTIME = ("RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY", "RUNTIME_APPDIRECTORY")
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 GO_TRUE = frozenset({"1", "t", "true"})
 GO_FALSE = frozenset({"0", "f", "false"})
 LOG_LEVELS = {"trace": "debug", "debug": "debug", "info": "info", "warn": "warning", "warning": "warning"}
@@ -55,8 +57,13 @@ TRACING = "tracing is configured with the standard OTEL_* variables (OTEL_EXPORT
 MEMCACHE = "memcached is not a backend here: use Redis, or the embedded memory backend"
 
 REFERENCE_VARIABLES: tuple[ReferenceVariable, ...] = (
-    ReferenceVariable("HOST", "0.0.0.0", "host of `--json-address` (serves `/json` and `/healthcheck`), with PORT"),
-    ReferenceVariable("PORT", "8080", "`--json-address` HOST:PORT (serves `/json` and `/healthcheck`)"),
+    ReferenceVariable("HOST", "0.0.0.0", "host of `--json-address` (serves `/healthcheck`, and `/json`), with PORT"),
+    ReferenceVariable(
+        "PORT",
+        "8080",
+        "`--json-address` HOST:PORT, also at its default when a RUNTIME_* variable is set: `/healthcheck` for "
+        "everyone, `/json` for loopback clients unless `--json-remote`",
+    ),
     _ignored("DEBUG_HOST", "0.0.0.0", "no debug port: /config on `--metrics-address` shows the loaded rules"),
     _ignored("DEBUG_PORT", "6070", "no debug port: /config on `--metrics-address` shows the loaded rules"),
     ReferenceVariable("GRPC_UDS", "", "`--grpc-address unix:PATH` (wins over GRPC_HOST and GRPC_PORT)"),
@@ -144,7 +151,11 @@ REFERENCE_VARIABLES: tuple[ReferenceVariable, ...] = (
     ),
     ReferenceVariable("REDIS_SOCKET_TYPE", "unix", "tcp: REDIS_URL is HOST:PORT; unix: a socket path"),
     ReferenceVariable("REDIS_TYPE", "SINGLE", "SINGLE, CLUSTER (`redis+cluster://`, first address as seed), SENTINEL"),
-    ReferenceVariable("REDIS_URL", "/var/run/nutcracker/ratelimit.sock", "`--redis-url` and `--backend redis`"),
+    ReferenceVariable(
+        "REDIS_URL",
+        "/var/run/nutcracker/ratelimit.sock",
+        "`--redis-url` and `--backend redis`; a `redis://`, `rediss://` or `unix://` URL is taken as written",
+    ),
     _ignored("REDIS_POOL_SIZE", "10", POOL),
     ReferenceVariable("REDIS_AUTH", "", "the password (or user:password) in `--redis-url`"),
     ReferenceVariable("REDIS_TLS", "false", "`rediss://` (TLS)"),
@@ -291,7 +302,9 @@ class Translation:
         elif "GRPC_HOST" in env or "GRPC_PORT" in env:
             address = f"{env.get('GRPC_HOST') or '0.0.0.0'}:{env.get('GRPC_PORT') or '8081'}"
             self.set("grpc_address", address, "GRPC_HOST", "GRPC_PORT")
-        if "HOST" in env or "PORT" in env:
+        if "HOST" in env or "PORT" in env or self.runtime_config():
+            # The reference always listens on HOST:PORT: its deployments probe /healthcheck there.
+            # /json on it answers loopback clients only, unless --json-remote (see docs/migrating.md).
             self.set("json_address", f"{env.get('HOST') or '0.0.0.0'}:{env.get('PORT') or '8080'}", "HOST", "PORT")
         if self.flag("USE_PROMETHEUS"):
             address = listen_address(env.get("PROMETHEUS_ADDR", ":9090"), "0.0.0.0")
@@ -327,11 +340,15 @@ class Translation:
         kind = env.get("CONFIG_TYPE", "FILE").strip().upper()
         if kind != "FILE":
             raise ReferenceEnvError(f"CONFIG_TYPE={env['CONFIG_TYPE']!r}: only FILE is supported (config from files)")
-        names = ("RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY", "RUNTIME_APPDIRECTORY")
-        if any(name in env for name in names):
+        if self.runtime_config():
             root = (env.get("RUNTIME_ROOT") or RUNTIME_ROOT_DEFAULT).rstrip("/") or "/"
             below = [env.get("RUNTIME_SUBDIRECTORY", ""), env.get("RUNTIME_APPDIRECTORY") or "config"]
-            self.set("config", "/".join([root, *(part.strip("/") for part in below if part.strip("/"))]), *names)
+            self.set("config", "/".join([root, *(part.strip("/") for part in below if part.strip("/"))]), *RUNTIME)
+
+    def runtime_config(self) -> bool:
+        """Whether the config is read where the reference reads it (a RUNTIME_* variable is
+        set): the sign of a reference deployment, which also gets the reference's HTTP port."""
+        return any(name in self.env for name in RUNTIME)
 
     def _redis(self) -> None:
         env = self.env
@@ -342,7 +359,9 @@ class Translation:
             if "BACKEND_TYPE" in env:
                 self.notes.append(("BACKEND_TYPE", "no REDIS_URL: the embedded memory backend decides"))
             return
-        self.set("redis_url", redis_url(env), "REDIS_URL", "REDIS_TYPE", "REDIS_SOCKET_TYPE", "REDIS_AUTH", "REDIS_TLS")
+        given = env["REDIS_URL"].strip()
+        url = url_as_given(env, given) if "://" in given else redis_url(env)
+        self.set("redis_url", url, "REDIS_URL", "REDIS_TYPE", "REDIS_SOCKET_TYPE", "REDIS_AUTH", "REDIS_TLS")
         self.set("backend", "redis", "REDIS_URL")
         if env.get("REDIS_TYPE", "").strip().lower() == "cluster" and "," in env["REDIS_URL"]:
             self.notes.append(("REDIS_URL", "Redis Cluster: the first address is the seed; the others are discovered"))
@@ -425,6 +444,31 @@ def redis_url(env: Mapping[str, str]) -> str:
     if kind == "cluster":
         return f"redis{secure}+cluster://{userinfo}{address.split(',')[0].strip()}{suffix}"
     return f"redis{secure}://{userinfo}{address}{suffix}"
+
+
+def url_as_given(env: Mapping[str, str], address: str) -> str:
+    """``REDIS_URL`` already written as a URL (``redis://host:port``, where the reference takes
+    ``host:port``): used as given when it is a plain Redis URL and nothing else would have to
+    be folded into it; otherwise :class:`ReferenceEnvError` says what to write instead. The
+    message never repeats the URL (it may hold a password)."""
+    scheme = address.partition("://")[0].lower() + "://"
+    if scheme not in REDIS_URL_SCHEMES:
+        raise ReferenceEnvError(
+            "REDIS_URL: takes HOST:PORT (or a socket path, or a redis://, rediss:// or unix:// URL), "
+            f"not a {scheme} URL; for Cluster or Sentinel set REDIS_TYPE and list HOST:PORT addresses"
+        )
+    folded = ("REDIS_AUTH", "REDIS_TLS_CACERT", "REDIS_TLS_CLIENT_CERT", "REDIS_TLS_CLIENT_KEY")
+    clashing = [name for name in folded if env.get(name)]
+    if env.get("REDIS_TYPE", "SINGLE").strip().lower() != "single":
+        clashing.append("REDIS_TYPE")
+    if "REDIS_TLS" in env and go_bool("REDIS_TLS", env["REDIS_TLS"]) != (scheme == "rediss://"):
+        clashing.append("REDIS_TLS")
+    if clashing:
+        raise ReferenceEnvError(
+            f"REDIS_URL is a URL, so {', '.join(clashing)} cannot be added to it: write REDIS_URL as HOST:PORT "
+            "(the reference's form), or put everything in the URL and unset them"
+        )
+    return address
 
 
 def reference_aliases(environ: Mapping[str, str]) -> tuple[Aliases, list[Note]]:

@@ -326,7 +326,7 @@ class Sidecar:
             config_version=lambda: self.service.config,
         )
         self._expire_task: asyncio.Task[None] | None = None
-        self.json = JsonEndpoint(self.service, serving=lambda: self.serving)
+        self.json = JsonEndpoint(self.service, serving=lambda: self.serving, remote=settings.json_remote)
         """``POST /json`` (``--json-address``): the same request path as gRPC, as JSON over HTTP."""
         self.watcher: ConfigWatcher | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -439,7 +439,7 @@ class Sidecar:
                 log.info("metric_rows_expired", rows=dropped, left=len(rules.rows))
 
     async def _start_json(self, address: str) -> None:
-        if not is_loopback(address):
+        if self.settings.json_remote and not is_loopback(address):
             log.warning(
                 "json_exposed",
                 address=address,

@@ -4,7 +4,8 @@ Each setting is declared once in :data:`SERVE_OPTIONS`; the flag, the environmen
 variable, the parser and the README table all come from that declaration, so they
 cannot drift apart. A flag wins over its environment variable, which wins over an
 envoyproxy/ratelimit variable standing for it (:mod:`sidecar.reference_env`), which
-wins over the default.
+wins over ``RLS_<NAME>_DEFAULT`` (a default an image can bake in without shadowing
+what a user sets: the Dockerfile's ``RLS_CONFIG_DEFAULT``), which wins over the default.
 """
 
 from __future__ import annotations
@@ -325,6 +326,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "loopback, for example 127.0.0.1:8082); empty turns it off",
     ),
     Option(
+        "json_remote",
+        _bool,
+        "answer POST /json from clients beyond loopback too (plain HTTP, no TLS: they can spend every limit); "
+        "without it they get 403, and only /healthcheck answers everyone",
+        is_flag=True,
+    ),
+    Option(
         "near_limit_ratio",
         _fraction,
         "a hit counts as near_limit in the metrics once its counter reaches this fraction of the limit",
@@ -461,6 +469,7 @@ class Settings:
     admin_write_timeout: float = admin.WRITE_TIMEOUT
     admin_max_connections: int = admin.MAX_CONNECTIONS
     json_address: str = ""
+    json_remote: bool = False
     near_limit_ratio: float = 0.8
     response_headers: bool = False
     limit_header: str = "RateLimit-Limit"
@@ -493,14 +502,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(option.flag, dest=option.name, metavar=option.name.upper(), help=help_text)
 
 
+DEFAULT_SUFFIX = "_DEFAULT"
+
+
 def _value(option: Option, raw: str | None, environ: Mapping[str, str], alias: tuple[str, str] | None = None) -> Any:
     """One option's value: the flag's text, else its variable's, else the envoyproxy/ratelimit
-    variable that stands for it (``alias``: its text and name), else the default."""
+    variable that stands for it (``alias``: its text and name), else ``RLS_<NAME>_DEFAULT``
+    (an image's default, below everything a user sets), else the default."""
     source = option.flag
     if raw is None:
         raw, source = environ.get(option.env), option.env
     if raw is None and alias is not None:
         raw, source = alias
+    if raw is None:
+        raw, source = environ.get(option.env + DEFAULT_SUFFIX), option.env + DEFAULT_SUFFIX
     if raw is None:
         if option.default is None:
             raise SettingsError(f"{option.flag} (or {option.env}) is required")
@@ -512,10 +527,15 @@ def _value(option: Option, raw: str | None, environ: Mapping[str, str], alias: t
 
 
 def option_value(name: str, flag: str | None, environ: Mapping[str, str] = os.environ) -> Any:
-    """One serve option read as :func:`resolve` reads it, for another command that takes
-    it too (``check-config --max-config-bytes``); ``flag`` is the flag's text, if given."""
+    """One serve option read as :func:`resolve` reads it (envoyproxy/ratelimit's variables
+    included), for another command that takes it too (``check-config --max-config-bytes``,
+    ``health``'s address); ``flag`` is the flag's text, if given."""
     (option,) = (option for option in SERVE_OPTIONS if option.name == name)
-    return _value(option, flag, environ)
+    try:
+        aliases, _ = reference_aliases(environ)
+    except ReferenceEnvError as error:
+        raise SettingsError(str(error)) from None
+    return _value(option, flag, environ, aliases.get(name))
 
 
 def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Settings:
@@ -540,11 +560,13 @@ def resolve_with_notes(
             notes.append((alias[1], f"{option.flag if flag is not None else option.env} is set and wins"))
         values[option.name] = _value(option, flag, environ, alias)
     settings = Settings(**values)
-    check_together(settings)
+    from_reference = "redis_url" in aliases and getattr(arguments, "redis_url", None) is None
+    from_reference = from_reference and "RLS_REDIS_URL" not in environ
+    check_together(settings, "REDIS_URL (read as --redis-url)" if from_reference else "--redis-url / RLS_REDIS_URL")
     return settings, notes
 
 
-def check_together(settings: Settings) -> None:
+def check_together(settings: Settings, redis_source: str = "--redis-url / RLS_REDIS_URL") -> None:
     """Settings that are valid alone but not together; :class:`SettingsError` says which."""
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise SettingsError("--tls-cert and --tls-key (RLS_TLS_CERT, RLS_TLS_KEY) go together")
@@ -565,7 +587,7 @@ def check_together(settings: Settings) -> None:
     if settings.backend == "redis" and not settings.redis_url:
         raise SettingsError("--backend redis needs --redis-url (or RLS_REDIS_URL)")
     if settings.redis_url:
-        check_redis_url(settings)
+        check_redis_url(settings, redis_source)
 
 
 def check_header_names(settings: Settings) -> None:
@@ -586,7 +608,7 @@ def check_header_names(settings: Settings) -> None:
         )
 
 
-def check_redis_url(settings: Settings) -> None:
+def check_redis_url(settings: Settings, source: str = "--redis-url / RLS_REDIS_URL") -> None:
     """The Redis URL must have a scheme we know and parse as redis-py will read it; a
     Sentinel URL cannot also be a Cluster.
 
@@ -600,16 +622,13 @@ def check_redis_url(settings: Settings) -> None:
         known = [option.removesuffix("://") for option in REDIS_SCHEMES]
         close = difflib.get_close_matches(scheme.lower(), known, n=1) if named else []
         hint = f" (did you mean {close[0]}://?)" if close else ""
-        raise SettingsError(
-            f"--redis-url / RLS_REDIS_URL: unknown scheme{named}{hint}; "
-            f"must start with one of {', '.join(REDIS_SCHEMES)}"
-        )
+        raise SettingsError(f"{source}: unknown scheme{named}{hint}; must start with one of {', '.join(REDIS_SCHEMES)}")
     try:
         check_url(url)
     except SentinelUrlError as error:
-        raise SettingsError(f"--redis-url / RLS_REDIS_URL (Sentinel): {error}") from None
+        raise SettingsError(f"{source} (Sentinel): {error}") from None
     except RedisUrlError as error:
-        raise SettingsError(f"--redis-url / RLS_REDIS_URL: {error}") from None
+        raise SettingsError(f"{source}: {error}") from None
     if is_sentinel_url(url) and settings.redis_cluster:
         raise SettingsError("--redis-cluster cannot be combined with a Sentinel URL: Sentinel serves one master")
 

@@ -28,13 +28,16 @@ before reading (413), a request head cap, a deadline for each request to arrive 
 has begun (:data:`READ_TIMEOUT`, else 408), a deadline for the client to read its answer
 (:data:`WRITE_TIMEOUT`), an idle limit between requests (:data:`IDLE_TIMEOUT`), and a cap
 on open connections (503 beyond it), as the admin endpoint bounds its own. It listens
-only when ``--json-address`` is set, loopback in the documented examples: it has no TLS,
-so anything that reaches it can spend every limit.
+only when ``--json-address`` is set (or the reference's ``HOST``/``PORT``, whose
+deployments probe ``/healthcheck`` there). It has no TLS, so anything that reaches it can
+spend every limit: ``POST /json`` answers loopback clients only (others get 403) unless
+``--json-remote`` says otherwise; ``/healthcheck`` answers everyone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 from collections.abc import Callable
 from typing import Any
@@ -204,8 +207,11 @@ class JsonEndpoint:
         write_timeout: float = WRITE_TIMEOUT,
         max_body: int = MAX_BODY_BYTES,
         serving: Callable[[], bool] = lambda: True,
+        remote: bool = False,
     ) -> None:
         self.service = service
+        self.remote = remote
+        """``--json-remote``: decisions for clients beyond loopback too."""
         self.serving = serving
         """Whether ``GET /healthcheck`` answers 200 (envoyproxy/ratelimit's health path on its HTTP port)."""
         bounds = Bounds(
@@ -243,4 +249,21 @@ class JsonEndpoint:
             return Answer(404, error_body("NOT_FOUND", f"the decision endpoint is POST {PATH}"))
         if request.method != "POST":
             return Answer(405, error_body("BAD_REQUEST", f"{PATH} takes POST"), allow="POST")
+        if not self.remote and not is_local_peer(request.peer):
+            return Answer(403, error_body("PERMISSION_DENIED", REMOTE_REFUSED))
         return await decide_json(self.service, request.body)
+
+
+REMOTE_REFUSED = f"{PATH} answers clients on this host only; --json-remote (RLS_JSON_REMOTE=true) opens it"
+
+
+def is_local_peer(peer: str) -> bool:
+    """Whether a client address is this host's: loopback, or none (a unix socket)."""
+    if not peer:
+        return True
+    try:
+        address = ipaddress.ip_address(peer.partition("%")[0])
+    except ValueError:
+        return False
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return (mapped or address).is_loopback
