@@ -60,12 +60,24 @@ def parse_text(
     text: str, file: str, max_bytes: int = MAX_FILE_BYTES, options: LoadOptions = DEFAULT_OPTIONS
 ) -> tuple[DomainConfig | None, list[ConfigIssue]]:
     """Parse one file's text; returns the domain or the issues found."""
+    domain, issues, _ = parse_named(text, file, max_bytes, options)
+    return domain, issues
+
+
+def parse_named(
+    text: str, file: str, max_bytes: int = MAX_FILE_BYTES, options: LoadOptions = DEFAULT_OPTIONS
+) -> tuple[DomainConfig | None, list[ConfigIssue], tuple[str, int] | None]:
+    """:func:`parse_text`, plus the domain's name and line whenever the file names one,
+    valid or not: a file refused for another reason still claims its domain, so a
+    duplicate of it is reported in the same run (every error at once)."""
     try:
         document = load_yaml(text, max_bytes)
     except YamlError as problem:
-        return None, [ConfigIssue(file, problem.line, "", str(problem))]
+        return None, [ConfigIssue(file, problem.line, "", str(problem))], None
     parser = DomainParser(file, calendar_months=options.calendar_months)
-    return parser.parse(document, check_replaces=not options.merge_domains), parser.issues
+    domain = parser.parse(document, check_replaces=not options.merge_domains)
+    named = (parser.domain, document.line_of("domain")) if parser.domain else None
+    return domain, parser.issues, named
 
 
 SYNC_MODE = "sync"
@@ -123,6 +135,8 @@ def load_config(
     files = config_files(Path(path))
     issues: list[ConfigIssue] = []
     domains: dict[str, DomainConfig] = {}
+    claimed: dict[str, tuple[str, int]] = {}
+    """Domain name -> (file, line) of the first file naming it, refused files included."""
     digest = hashlib.sha256()
     for file in files:
         name = str(file)
@@ -142,23 +156,19 @@ def load_config(
             issues.append(ConfigIssue(name, line, "", problem))
             continue
         digest.update(name.encode() + b"\0" + raw + b"\0")
-        domain, found = parse_text(text, name, max_bytes, options)
+        domain, found, named = parse_named(text, name, max_bytes, options)
         issues.extend(found)
+        if named is not None and not options.merge_domains and named[0] in claimed:
+            first_file, first_line = claimed[named[0]]
+            problem = f"duplicate domain {named[0]!r} (also in {first_file}:{first_line}): {MERGE_HINT}"
+            issues.append(ConfigIssue(name, named[1], "domain", problem))
+            continue
+        if named is not None:
+            claimed.setdefault(named[0], (name, named[1]))
         if domain is None:
             continue
         if domain.name in domains:
-            first = domains[domain.name]
-            if options.merge_domains:
-                domains[domain.name] = merge_domains(first, domain, issues)
-                continue
-            issues.append(
-                ConfigIssue(
-                    name,
-                    domain.line,
-                    "domain",
-                    f"duplicate domain {domain.name!r} (also in {first.source}:{first.line}): {MERGE_HINT}",
-                )
-            )
+            domains[domain.name] = merge_domains(domains[domain.name], domain, issues)
             continue
         domains[domain.name] = domain
     if options.merge_domains:

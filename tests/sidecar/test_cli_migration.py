@@ -1,0 +1,78 @@
+"""The CLI as someone switching from envoyproxy/ratelimit uses it.
+
+``check-config`` lists every error at once (a file refused for a bad ``replaces`` still
+claims its domain, so a second file with the same domain is reported in the same run), and
+``health`` and ``query`` reach a sidecar started with the reference's GRPC_HOST/GRPC_PORT
+without being told its address.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from tests.support.sidecars import Sidecar, clean_env, free_port, run_cli
+
+REPLACES_NOTHING = """\
+domain: shop
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 5, name: per_user, replaces: [{name: missing}]}
+"""
+SAME_DOMAIN = """\
+domain: shop
+descriptors:
+  - key: cart
+    rate_limit: {unit: minute, requests_per_unit: 5}
+"""
+
+
+def test_check_config_reports_a_duplicate_domain_beside_a_bad_replaces(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "a.yaml").write_text(REPLACES_NOTHING)
+    (config / "b.yaml").write_text(SAME_DOMAIN)
+
+    result = run_cli("check-config", str(config))
+
+    assert result.returncode == 1
+    *issues, verdict = result.stderr.splitlines()
+    assert verdict == "2 error(s); config refused"
+    assert "missing" in issues[0] and "a.yaml" in issues[0]
+    assert issues[1].startswith(
+        f"{config / 'b.yaml'}:1: domain: duplicate domain 'shop' (also in {config / 'a.yaml'}:1)"
+    )
+
+
+def test_check_config_reports_a_duplicate_of_a_file_refused_for_anything(tmp_path: Path) -> None:
+    """The first file is refused for a bad unit: its domain still counts."""
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "a.yaml").write_text(SAME_DOMAIN.replace("minute", "fortnight"))
+    (config / "b.yaml").write_text(SAME_DOMAIN)
+    result = run_cli("check-config", str(config))
+    assert result.stderr.splitlines()[-1] == "2 error(s); config refused"
+    assert "duplicate domain 'shop'" in result.stderr
+
+
+def test_health_and_query_follow_the_reference_grpc_variables(tmp_path: Path) -> None:
+    root = tmp_path / "runtime"
+    (root / "config").mkdir(parents=True)
+    (root / "config" / "shop.yaml").write_text(SAME_DOMAIN)
+    port = free_port()
+    env = clean_env(RUNTIME_ROOT=str(root), GRPC_HOST="127.0.0.1", GRPC_PORT=str(port), PORT=str(free_port()))
+    sidecar = Sidecar(tmp_path, [], env).start(port=port, pass_address=False)
+    try:
+        health = run_cli("health", env=env)
+        assert (health.returncode, health.stdout.strip()) == (0, "SERVING"), health.stderr
+        asked = run_cli("query", "--domain", "shop", "cart=1", env=env)
+        assert asked.returncode == 0, asked.stderr
+        assert asked.stdout.splitlines()[1].strip().startswith("[0] OK limit=5/minute remaining=4")
+    finally:
+        sidecar.kill()
+
+
+def test_health_names_a_reference_variable_serve_would_refuse(tmp_path: Path) -> None:
+    result = run_cli("health", env=clean_env(GRPC_PORT="http"))
+    assert result.returncode == 1
+    assert textwrap.shorten(result.stderr, 200).startswith("ratelimit-sidecar: error: GRPC_HOST, GRPC_PORT=")
