@@ -6,6 +6,7 @@
 #   docker build -t ratelimit-sidecar:0.1.0-tracing --build-arg EXTRAS=tracing .  # ...with OpenTelemetry
 #   docker build -t ratelimit-sidecar-demo-upstream:0.1.0 --target demo-upstream .  # the demo app (compose)
 #   docker run --rm -v "$PWD/examples/config:/etc/ratelimit/config:ro" ratelimit-sidecar:0.1.0
+#   (or `/bin/ratelimit`, as envoyproxy/ratelimit's manifests run it: the same `serve`)
 #
 # Stages:
 #   builder        pip wheel: the project and every dependency as wheels, installed into
@@ -17,16 +18,21 @@
 #   sidecar        runtime + how to run the sidecar. Last, so it is what a plain build gives.
 #
 # Configuration: every `serve` flag has an RLS_* environment variable (README,
-# Configuration reference). The descriptor config is read from the directory
-# RLS_CONFIG=/etc/ratelimit/config: mount a directory of *.yaml files (a Kubernetes
-# ConfigMap, a bind mount) there. No config is baked in: a sidecar without one
-# refuses to start rather than enforce limits nobody chose.
+# Configuration reference), and envoyproxy/ratelimit's variables are read too
+# (docs/migrating.md). The descriptor config is read from the directory
+# /etc/ratelimit/config: mount a directory of *.yaml files (a Kubernetes ConfigMap, a
+# bind mount) there. That path is RLS_CONFIG_DEFAULT, a default that yields to anything
+# the user sets (RLS_CONFIG, or the reference's RUNTIME_ROOT/RUNTIME_SUBDIRECTORY): the
+# image sets no RLS_* variable a user's setting could lose to. No config is baked in: a
+# sidecar without one refuses to start rather than enforce limits nobody chose.
 #
 # Listening: gRPC on 127.0.0.1:8081 (the default). In a pod, Envoy shares the pod's
 # network namespace, so loopback is right and nothing else can call the service.
 # Set RLS_GRPC_ADDRESS=0.0.0.0:8081 only when Envoy runs in another network
 # namespace. 9090 is the metrics/admin HTTP port (/metrics, /config, /healthz;
-# RLS_METRICS_ADDRESS, loopback by default as well).
+# RLS_METRICS_ADDRESS, loopback by default as well). 8080 is envoyproxy/ratelimit's HTTP
+# port: with its RUNTIME_* variables (or HOST/PORT) set, the sidecar serves /healthcheck
+# there to everyone (the reference's probes keep working) and /json to loopback clients only.
 
 FROM python:3.11-slim-bookworm AS builder
 
@@ -92,16 +98,22 @@ CMD ["--host", "0.0.0.0", "--port", "8080", "--name", "app"]
 # The sidecar: the default target.
 FROM runtime AS sidecar
 
-ENV RLS_CONFIG=/etc/ratelimit/config
+# A default, not RLS_CONFIG: RLS_CONFIG and RUNTIME_ROOT (the reference's) both win over it.
+ENV RLS_CONFIG_DEFAULT=/etc/ratelimit/config
+
+# envoyproxy/ratelimit's entry point, for manifests that run `command: ["/bin/ratelimit"]`.
+COPY --chmod=0755 deploy/image/ratelimit /bin/ratelimit
 
 # 8081: gRPC (RateLimitService, grpc.health.v1, reflection). 9090: metrics/admin HTTP.
 # Both are the defaults of RLS_GRPC_ADDRESS and RLS_METRICS_ADDRESS (a test checks).
-EXPOSE 8081 9090
+# 8080: the reference's HTTP port (/healthcheck), served when its variables are set.
+EXPOSE 8081 9090 8080
 
 # Exit 0 only when the health service reports SERVING (config loaded, not draining).
-# It dials 127.0.0.1:8081; if you move the gRPC port, change --address here too.
+# It dials where serve listens, read from the same variables (RLS_GRPC_ADDRESS, or the
+# reference's GRPC_UDS / GRPC_HOST / GRPC_PORT), so moving the port needs no change here.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
-    CMD ["ratelimit-sidecar", "health", "--address", "127.0.0.1:8081"]
+    CMD ["ratelimit-sidecar", "health"]
 
 # Exec form: the sidecar is PID 1 and gets SIGTERM itself (drain, flush to Redis, exit 0).
 ENTRYPOINT ["ratelimit-sidecar"]

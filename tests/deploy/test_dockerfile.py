@@ -2,7 +2,8 @@
 
 Multi-stage: wheels are built in ``builder``; the default target ``sidecar`` runs as a
 non-root user with no build tools, is health-checked with ``ratelimit-sidecar health``,
-and reads its config from the directory named by ``RLS_CONFIG``.
+and reads its config from /etc/ratelimit/config unless the user names another
+(``RLS_CONFIG_DEFAULT``, below ``RLS_CONFIG`` and the reference's ``RUNTIME_*``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.__main__ import _parser
-from sidecar.settings import SERVE_OPTIONS
+from sidecar.__main__ import _parser, local_address
+from sidecar.reference_env import BY_NAME as REFERENCE
+from sidecar.settings import SERVE_OPTIONS, resolve
 from tests.support.deploy import (
     DOCKERFILE,
     DOCKERIGNORE,
@@ -152,28 +154,45 @@ def test_entrypoint_cmd_and_the_console_script(stages: list[Stage]) -> None:
     assert "ratelimit-sidecar" in scripts
 
 
-def test_healthcheck_runs_the_health_command_against_the_grpc_port(stages: list[Stage]) -> None:
-    check = effective(stage_chain(stages, "sidecar"), "HEALTHCHECK")
+def test_healthcheck_runs_the_health_command_where_serve_listens(stages: list[Stage]) -> None:
+    """No address in the command: ``health`` reads the same variables as ``serve`` (it dialed a
+    hard-coded 127.0.0.1:8081, so a reference deployment's GRPC_PORT failed every check)."""
+    chain = stage_chain(stages, "sidecar")
+    check = effective(chain, "HEALTHCHECK")
     assert check is not None
     argv = check.exec_form()
     assert argv[:2] == ["ratelimit-sidecar", "health"]
     arguments = _parser().parse_args(argv[1:])
-    host, _, port = arguments.address.rpartition(":")
-    assert (host, int(port)) == ("127.0.0.1", default_port("grpc_address"))
+    assert arguments.address is None
+    image = dockerfile_env(chain)
+    assert local_address(image) == f"127.0.0.1:{default_port('grpc_address')}"
+    assert local_address({**image, "GRPC_PORT": "9999"}) == "127.0.0.1:9999"
+    assert local_address({**image, "RLS_GRPC_ADDRESS": "10.0.0.5:7000"}) == "10.0.0.5:7000"
     assert {"interval", "timeout", "retries"} <= set(check.flags())
 
 
 def test_exposed_ports_and_config_directory(stages: list[Stage]) -> None:
     chain = stage_chain(stages, "sidecar")
     exposed = {int(port) for stage in chain for item in stage.all("EXPOSE") for port in item.arguments.split()}
-    wanted = {default_port("grpc_address")}
-    if "metrics_address" in OPTIONS:
-        wanted.add(default_port("metrics_address"))
+    wanted = {default_port("grpc_address"), default_port("metrics_address"), int(REFERENCE["PORT"].default)}
     assert exposed == wanted
     env = dockerfile_env(chain)
     settings = {option.env for option in SERVE_OPTIONS}
-    assert {key for key in env if key.startswith("RLS_")} <= settings
-    assert env["RLS_CONFIG"] == "/etc/ratelimit/config"
+    assert {key for key in env if key.startswith("RLS_")} == {"RLS_CONFIG_DEFAULT"}
+    assert env["RLS_CONFIG_DEFAULT"] == "/etc/ratelimit/config"
+    assert not settings & set(env), "a variable the image sets would win over the reference's the user sets"
+    assert not set(REFERENCE) & set(env)
+
+
+def test_the_image_default_config_yields_to_what_the_user_sets(stages: list[Stage]) -> None:
+    """The image's config path is a default: RLS_CONFIG and the reference's RUNTIME_* win."""
+    image = dockerfile_env(stage_chain(stages, "sidecar"))
+    arguments = _parser().parse_args(["serve"])
+    assert resolve(arguments, image).config == "/etc/ratelimit/config"
+    assert resolve(arguments, {**image, "RLS_CONFIG": "/cfg"}).config == "/cfg"
+    runtime = {**image, "RUNTIME_ROOT": "/data", "RUNTIME_SUBDIRECTORY": "ratelimit"}
+    assert resolve(arguments, runtime).config == "/data/ratelimit/config"
+    assert resolve(_parser().parse_args(["serve", "--config", "/flag"]), runtime).config == "/flag"
 
 
 def test_the_demo_upstream_runs_from_the_files_the_image_gets(stages: list[Stage], tmp_path: Path) -> None:
