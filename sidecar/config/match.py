@@ -94,9 +94,25 @@ def limit_key(rule: RateLimitRule, values: list[str], chars: int) -> CounterKey:
 # ---------------------------------------------------------------- request-level matching
 
 
-def detailed_stat_key(domain: str, descriptor: Any) -> str:
-    """``domain.key_value...`` with the request's own values, for ``detailed_metric`` rules."""
-    return ".".join([domain, *(f"{e.key}_{e.value}" if e.value else e.key for e in descriptor.entries)])
+def detailed_stat_key(domain: DomainConfig, entries: Sequence[Entry]) -> str:
+    """``domain.key_value...`` with the request's own values, for ``detailed_metric`` rules,
+    except where an entry landed on a ``share_threshold`` wildcard: there the pattern
+    (``key_files/*``), as envoyproxy/ratelimit names it, since those values share one
+    counter. Walks the tree again (as :func:`match_descriptor` does, at most
+    ``MAX_ENTRIES`` levels); only for descriptors that matched a ``detailed_metric`` rule."""
+    parts = [domain.name]
+    level: Level | None = domain.root
+    for entry in entries:
+        key, value = entry.key, entry.value
+        node = None
+        if level is not None:
+            node = find_node(level, entry)
+            level = node.children if node is not None else None
+        if node is not None and node.wildcard is not None and node.share_threshold:
+            parts.append(f"{key}_{node.value}")
+        else:
+            parts.append(f"{key}_{value}" if value else key)
+    return ".".join(parts)
 
 
 OVERRIDE_SOURCE = "request override"

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from sidecar.config.model import RateLimitRule
-from sidecar.limiter.protocol import Check, Decision
+from sidecar.limiter.protocol import Check, CounterKey, Decision
 
 
 class Applied(NamedTuple):
@@ -49,6 +49,33 @@ class Reported(NamedTuple):
     def limit(self) -> int:
         """The configured limit (a token bucket's size), as the headers show it."""
         return self.rule.limit
+
+
+def as_kept(checks: Sequence[Check], decision: Decision) -> Decision:
+    """A refused request's decision with the counts its counters really kept.
+
+    Backends answer with would-be counts (this request's hits added). A refused request
+    adds nothing (all-or-nothing), so a descriptor that passed would report hits it did
+    not spend: its ``limit_remaining`` must be ``limit - stored count``, as
+    envoyproxy/ratelimit answers with STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT. Each
+    passing check's count loses the hits of this request on its counter up to it (a
+    counter named twice accumulates them). Over-limit checks keep their would-be count
+    (their remaining is 0 anyway; the metrics split and a bucket's reset read it), and
+    ``count_past_limit`` checks did add their hits. Refused requests only: O(checks).
+    """
+    if decision.admitted:
+        return decision
+    counts = list(decision.counts)
+    unspent: dict[tuple[CounterKey, int], int] = {}
+    for index, check in enumerate(checks):
+        if check.count_past:
+            continue
+        counter = (check.key, check.unit_seconds)
+        taken = unspent.get(counter, 0) + check.hits
+        unspent[counter] = taken
+        if not decision.over[index]:
+            counts[index] -= taken
+    return decision._replace(counts=tuple(counts))
 
 
 def closest_to_exhaustion(

@@ -34,7 +34,7 @@ from sidecar.metrics import ServiceStats
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from sidecar.service.headers import HeaderNames, ResponseHeaders
 from sidecar.service.metadata import dynamic_metadata_field, response_metadata
-from sidecar.service.reported import Applied, reported_index
+from sidecar.service.reported import Applied, as_kept, reported_index
 from sidecar.service.validate import request_problem
 from sidecar.service.wire import (
     CODE_OK,
@@ -186,6 +186,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             decision = await self.limiter.check(checks, now)
         else:
             decision = await self.limiter.check(checks, now, budget)
+        if not decision.admitted:  # report what the counters kept, not the refused hits
+            decision = as_kept(checks, decision)
         self._record(checks, applied, decision, now)
         if self.log_every and self.stats.requests % self.log_every == 0:
             log_decision(request, checks, decision, getattr(self.limiter, "suppression", None))
@@ -236,7 +238,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 continue
             hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
             if rule.detailed_metric:  # request values in the key: the row expires when idle
-                row = rule_stats.row(detailed_stat_key(rule.domain, descriptor), rule.domain, minted=True)
+                row = rule_stats.row(detailed_stat_key(domain, descriptor.entries), rule.domain, minted=True)
             elif rule.values_in_stats and rule.source != OVERRIDE_SOURCE:  # value_to_metric: likewise
                 row = rule_stats.row(value_stat_key(domain, descriptor.entries), rule.domain, minted=True)
             else:  # request overrides (keys chosen by the client) expire too
