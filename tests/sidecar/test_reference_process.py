@@ -152,7 +152,8 @@ def test_redis_the_reference_environment_serves_our_decisions(
 
 def test_grpc_on_a_unix_socket_from_grpc_uds(tmp_path: Path) -> None:
     socket_path = tmp_path / "rl.sock"
-    env = reference_env(tmp_path, GRPC_UDS=str(socket_path), LOG_FORMAT="json")
+    # PORT: a RUNTIME_* variable opens the reference's HTTP port, 8080 by default, one per machine.
+    env = reference_env(tmp_path, GRPC_UDS=str(socket_path), LOG_FORMAT="json", PORT=str(free_port()))
     env["RLS_METRICS_ADDRESS"] = ""
     process = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
