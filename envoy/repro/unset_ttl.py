@@ -1,9 +1,9 @@
 """An assignment without ``assignment_time_to_live`` expires at once.
 
 Two buckets get a token bucket of 2 per 60 s, one without a TTL, one with 60 s. Expected:
-a burst of 10 admits 2 in both (an unset TTL is documented as "no expiry"... or at least
-not "expired before the next request"). Observed: what each admitted (10 = the
-assignment is gone and the ALLOW_ALL ``no_assignment_behavior`` applies).
+a burst of 10 admits 2 in both (the RLQS API documents an unset TTL as no expiry).
+Observed: what each admitted (10 = the assignment is gone and the ALLOW_ALL
+``no_assignment_behavior`` applies).
 """
 
 from __future__ import annotations
