@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.config.load import parse_text
-from sidecar.config.match import match_descriptor
+from sidecar.config.match import detailed_stat_key, match_descriptor
 from sidecar.config.model import wildcard_matcher
 
 
@@ -468,3 +468,38 @@ def test_distinct_values_through_a_key_only_rule_never_share_a_counter(h, three_
     left_key = counter(domain, h.Entry, *zip(("a", "b", "c"), left, strict=True))
     right_key = counter(domain, h.Entry, *zip(("a", "b", "c"), right, strict=True))
     assert (left_key == right_key) == (left == right)
+
+
+def test_detailed_stat_keys_keep_every_share_threshold_pattern(h):
+    """The reference's stat key under ``detailed_metric``: request values, except where an
+    entry landed on a ``share_threshold`` wildcard (its pattern), at any depth; an exact
+    sibling wins over the wildcard and keeps the value."""
+    domain = h.parse_domain(
+        f"""
+        domain: st
+        descriptors:
+          - key: user
+            value: user/*
+            share_threshold: true
+            descriptors:
+              - key: resource
+                value: res/*
+                share_threshold: true
+                descriptors:
+                  - {{key: action, detailed_metric: true, rate_limit: {rule("a")}}}
+              - key: resource
+                value: res/own
+                descriptors:
+                  - {{key: action, detailed_metric: true, rate_limit: {rule("b")}}}
+        """
+    )
+
+    def key(*pairs: tuple[str, str]) -> str:
+        return detailed_stat_key(domain, [h.Entry(k, v) for k, v in pairs])
+
+    assert key(("user", "user/alice"), ("resource", "res/file1"), ("action", "read")) == (
+        "st.user_user/*.resource_res/*.action_read"
+    )
+    assert (
+        key(("user", "user/bob"), ("resource", "res/own"), ("action", "")) == "st.user_user/*.resource_res/own.action"
+    )
