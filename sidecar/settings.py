@@ -529,13 +529,15 @@ def _value(option: Option, raw: str | None, environ: Mapping[str, str], alias: t
 def option_value(name: str, flag: str | None, environ: Mapping[str, str] = os.environ) -> Any:
     """One serve option read as :func:`resolve` reads it (envoyproxy/ratelimit's variables
     included), for another command that takes it too (``check-config --max-config-bytes``,
-    ``health``'s address); ``flag`` is the flag's text, if given."""
+    ``health``'s address); ``flag`` is the flag's text, if given. A reference variable this
+    option does not read but ``serve`` would refuse (``LOG_LEVEL=verbose``) is left to
+    ``serve`` to report: ``check-config`` and ``health`` still work."""
     (option,) = (option for option in SERVE_OPTIONS if option.name == name)
     try:
-        aliases, _ = reference_aliases(environ)
-    except ReferenceEnvError as error:
-        raise SettingsError(str(error)) from None
-    return _value(option, flag, environ, aliases.get(name))
+        alias = reference_aliases(environ)[0].get(name)
+    except ReferenceEnvError:
+        alias = None
+    return _value(option, flag, environ, alias)
 
 
 def resolve(arguments: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Settings:

@@ -76,3 +76,15 @@ def test_health_names_a_reference_variable_serve_would_refuse(tmp_path: Path) ->
     result = run_cli("health", env=clean_env(GRPC_PORT="http"))
     assert result.returncode == 1
     assert textwrap.shorten(result.stderr, 200).startswith("ratelimit-sidecar: error: GRPC_HOST, GRPC_PORT=")
+
+
+def test_check_config_is_not_stopped_by_a_reference_variable_it_does_not_read(tmp_path: Path) -> None:
+    """``LOG_LEVEL=verbose`` stops ``serve`` (named there), not a config check."""
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "shop.yaml").write_text(SAME_DOMAIN)
+    result = run_cli("check-config", str(config), env=clean_env(LOG_LEVEL="verbose"))
+    assert result.returncode == 0, result.stderr
+    served = run_cli("serve", env=clean_env(LOG_LEVEL="verbose", RLS_CONFIG=str(config)))
+    assert served.returncode == 1
+    assert "LOG_LEVEL='verbose'" in served.stderr
