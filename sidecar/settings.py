@@ -335,7 +335,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option(
         "near_limit_ratio",
         _fraction,
-        "a hit counts as near_limit in the metrics once its counter reaches this fraction of the limit",
+        "a hit counts as near_limit in the metrics once it takes its counter past floor(limit x this fraction)",
     ),
     Option(
         "response_headers",
