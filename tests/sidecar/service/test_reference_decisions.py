@@ -219,6 +219,8 @@ def test_cause_6_stop_cache_key_increment_when_overlimit_set_explicitly(tmp_path
         RUNTIME_SUBDIRECTORY="ratelimit",
         GRPC_HOST="127.0.0.1",
         GRPC_PORT=str(port),
+        PORT=str(free_port()),  # RUNTIME_* alone opens the reference's 0.0.0.0:8080, one per machine
+        HOST="127.0.0.1",
         STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT="true",
     )
     sidecar = Sidecar(tmp_path, [], env).start(port=port, pass_address=False)
