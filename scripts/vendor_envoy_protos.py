@@ -15,6 +15,14 @@ what gRPC reflection and Envoy expect.
     .venv/bin/python scripts/vendor_envoy_protos.py            # rewrite sidecar/protos/
     .venv/bin/python scripts/vendor_envoy_protos.py --check    # exit 1 if it differs
 
+One module is not from the wheel: ``ratelimit/config/ratelimit/v3/rls_conf_pb2.py``, the
+reference's ``RateLimitConfig`` resource that an xDS control plane pushes
+(envoyproxy/ratelimit's api/ratelimit/config/ratelimit/v3/rls_conf.proto, the type URL
+``type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig``). xds-protos does
+not ship it, so :func:`rls_conf_descriptor` declares its messages here, with the
+reference's package, names and field numbers (what the wire format and the type URL
+depend on), and the module is emitted from that descriptor: no protoc at build time.
+
 The wheel is downloaded with pip (or read from an installed xds-protos of the pinned
 version, if one happens to be there). tests/deploy/test_vendored_protos.py runs --check.
 """
@@ -31,6 +39,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from google.protobuf import descriptor_pb2
+
 XDS_PROTOS_VERSION = "1.85.0"
 XDS_PROTOS = f"xds-protos=={XDS_PROTOS_VERSION}"
 ROOTS = (
@@ -39,6 +49,8 @@ ROOTS = (
     "envoy/service/rate_limit_quota/v3/rlqs_pb2.py",
     "envoy/service/rate_limit_quota/v3/rlqs_pb2_grpc.py",
     "envoy/extensions/common/ratelimit/v3/ratelimit_pb2.py",
+    "envoy/service/discovery/v3/ads_pb2.py",
+    "envoy/service/discovery/v3/ads_pb2_grpc.py",
 )
 VENDORED_TOP_LEVELS = ("envoy", "udpa", "validate", "xds")
 TARGET_PACKAGE = "sidecar.protos"
@@ -57,6 +69,74 @@ xds-protos is in that script's docstring and in docs/deployment.md (Install).
 Use them as `from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2`.
 """
 '''
+
+
+RLS_CONF_PATH = "ratelimit/config/ratelimit/v3/rls_conf_pb2.py"
+RLS_CONF_MODULE = f"""# Emitted by scripts/vendor_envoy_protos.py from its rls_conf_descriptor(): do not edit.
+# source: ratelimit/config/ratelimit/v3/rls_conf.proto (the reference's xDS resource)
+\"\"\"Generated protocol buffer code.\"\"\"
+from google.protobuf import descriptor_pool as _descriptor_pool
+from google.protobuf.internal import builder as _builder
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile({{serialized}})
+_globals = globals()
+_builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "{TARGET_PACKAGE}.{RLS_CONF_PATH[:-3].replace("/", ".")}", _globals)
+"""
+
+
+def rls_conf_descriptor() -> bytes:
+    """The serialized FileDescriptorProto of rls_conf.proto: messages RateLimitConfig,
+    RateLimitDescriptor, RateLimitPolicy, RateLimitReplace and enum RateLimitUnit, numbered
+    as the reference numbers them (its discovery service is left out: the sidecar reads
+    the resource over ADS)."""
+    field = descriptor_pb2.FieldDescriptorProto
+    package = "ratelimit.config.ratelimit.v3"
+    proto = descriptor_pb2.FileDescriptorProto(name="ratelimit/config/ratelimit/v3/rls_conf.proto", package=package)
+    proto.syntax = "proto3"
+
+    def message(name: str, *fields: tuple[str, int, int, str, bool]) -> None:
+        added = proto.message_type.add(name=name)
+        for field_name, number, kind, type_name, repeated in fields:
+            label = field.LABEL_REPEATED if repeated else field.LABEL_OPTIONAL
+            added.field.add(name=field_name, number=number, type=kind, label=label, json_name=camel(field_name))
+            if type_name:
+                added.field[-1].type_name = f".{package}.{type_name}"
+
+    text, boolean, nested, enum = field.TYPE_STRING, field.TYPE_BOOL, field.TYPE_MESSAGE, field.TYPE_ENUM
+    message(
+        "RateLimitConfig",
+        ("name", 1, text, "", False),
+        ("domain", 2, text, "", False),
+        ("descriptors", 3, nested, "RateLimitDescriptor", True),
+    )
+    message(
+        "RateLimitDescriptor",
+        ("key", 1, text, "", False),
+        ("value", 2, text, "", False),
+        ("rate_limit", 3, nested, "RateLimitPolicy", False),
+        ("descriptors", 4, nested, "RateLimitDescriptor", True),
+        ("shadow_mode", 5, boolean, "", False),
+    )
+    message(
+        "RateLimitPolicy",
+        ("unit", 1, enum, "RateLimitUnit", False),
+        ("requests_per_unit", 2, field.TYPE_UINT32, "", False),
+        ("unlimited", 3, boolean, "", False),
+        ("name", 4, text, "", False),
+        ("replaces", 5, nested, "RateLimitReplace", True),
+    )
+    message("RateLimitReplace", ("name", 1, text, "", False))
+    unit = proto.enum_type.add(name="RateLimitUnit")
+    for number, name in enumerate(("UNKNOWN", "SECOND", "MINUTE", "HOUR", "DAY")):
+        unit.value.add(name=name, number=number)
+    return proto.SerializeToString(deterministic=True)
+
+
+def camel(name: str) -> str:
+    """protoc's json_name: snake_case to lowerCamelCase."""
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
 
 
 def download_wheel(into: Path) -> Path:
@@ -118,6 +198,9 @@ def wanted_tree(sources: dict[str, str]) -> dict[Path, str]:
         relative = Path(path)
         tree[relative] = rewritten(source)
         tree[relative.with_suffix(".pyi")] = STUB
+    tree[Path(RLS_CONF_PATH)] = RLS_CONF_MODULE.format(serialized=repr(rls_conf_descriptor()))
+    tree[Path(RLS_CONF_PATH).with_suffix(".pyi")] = STUB
+    for relative in list(tree):
         for parent in relative.parents:
             if parent != Path("."):
                 tree.setdefault(parent / "__init__.py", "")
