@@ -420,10 +420,14 @@ async def test_a_paused_redis_costs_at_most_the_budget(own_redis: RedisServer) -
         os.kill(own_redis.process.pid, signal.SIGCONT)
     assert not store.available, "a silent Redis is marked unavailable"
     *late, down = errors
-    assert all(error == "redis did not answer within 5 ms" for error in late), errors
+    assert late and all(error == "redis did not answer within 5 ms" for error in late), errors
     silent = re.fullmatch(r"redis unavailable: no answer for (\d+) ms while this process's event loop.*", down)
-    assert silent is not None, down
-    assert int(silent[1]) >= SILENCE_BEFORE_DOWN * 1000
+    if silent is None:
+        # A loaded loop (its lag is not charged to Redis): the first call, abandoned on the
+        # wire, reached its socket timeout (the background timeout, 1 s) first.
+        assert re.fullmatch(r"redis unavailable: TimeoutError: Timeout reading from \S+", down), errors
+    else:
+        assert int(silent[1]) >= SILENCE_BEFORE_DOWN * 1000, errors
     await asyncio.wait_for(store.wait_available(), GUARD)
     await store.close()
 
