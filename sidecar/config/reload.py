@@ -91,12 +91,17 @@ def load_quietly(
 ) -> RateLimitConfig:
     """:func:`load_config` with full collections paused, and the GIL handed over more often
     (:data:`LOAD_SWITCH_INTERVAL`) so the event loop waits less for it: for a worker thread."""
+    return build_quietly(lambda: load_config(path, mode, max_bytes, options))
+
+
+def build_quietly(build: Callable[[], RateLimitConfig]) -> RateLimitConfig:
+    """Run ``build`` (a file load, or an xDS push's conversion) as :func:`load_quietly` does."""
     interval = sys.getswitchinterval()
     if LOAD_SWITCH_INTERVAL:
         sys.setswitchinterval(min(interval, LOAD_SWITCH_INTERVAL))
     try:
         with full_collections_paused():
-            return load_config(path, mode, max_bytes, options)
+            return build()
     finally:
         sys.setswitchinterval(interval)
 
@@ -174,21 +179,40 @@ class ConfigReloader:
                 return False
             finally:
                 settle_after_load()
-            previous = self.current()
-            if config.digest == previous.digest:
-                unchanged(trigger, parsed=True, digest=config.digest)
-                return False
-            self.apply(config)
-            log.info(
-                "config_reloaded",
-                trigger=trigger,
-                files=len(config.files),
-                domains=sorted(config.domains),
-                rules=rule_count(config),
-                config_digest=config.digest[:12],
-                previous_digest=previous.digest[:12],
-            )
-            return True
+            return self._swap(trigger, config)
+
+    async def swap_in(self, trigger: str, build: Callable[[], RateLimitConfig]) -> list[str]:
+        """Build a config in a worker thread (an xDS push: :mod:`sidecar.config.xds_source`) and
+        install it as a reload would; the issues that refused it, empty when it is active (or
+        was already). One swap or reload at a time."""
+        async with self._lock:
+            try:
+                config = await asyncio.to_thread(build_quietly, build)
+            except ConfigError as error:
+                issues = [str(issue) for issue in error.issues]
+                self._refuse(trigger, issues)
+                return issues
+            finally:
+                settle_after_load()
+            self._swap(trigger, config)
+            return []
+
+    def _swap(self, trigger: str, config: RateLimitConfig) -> bool:
+        previous = self.current()
+        if config.digest == previous.digest:
+            unchanged(trigger, parsed=True, digest=config.digest)
+            return False
+        self.apply(config)
+        log.info(
+            "config_reloaded",
+            trigger=trigger,
+            files=len(config.files),
+            domains=sorted(config.domains),
+            rules=rule_count(config),
+            config_digest=config.digest[:12],
+            previous_digest=previous.digest[:12],
+        )
+        return True
 
     def _refuse(self, trigger: str, issues: list[str]) -> None:
         self.refused()
