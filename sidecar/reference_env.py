@@ -13,6 +13,7 @@ becomes here; docs/migrating.md shows it as a table (kept equal by tests/docs).
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,7 +53,10 @@ def _ignored(name: str, default: str, why: str) -> ReferenceVariable:
 STATS = "statsd statistics: this sidecar exposes Prometheus only (/metrics)"
 PER_SECOND = "one Redis holds every window here; a second Redis for per-second limits is not supported"
 POOL = "redis-py manages its connections and pipelining itself (one round trip per event-loop iteration)"
-XDS = "configuration comes from files (ConfigMaps) only; xDS config sources are not supported"
+XDS_SERVER_DEFAULT = "localhost:18000"
+XDS_TLS = "the connection to the xDS server is plaintext here (TLS to it is not supported yet)"
+GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 TRACING = "tracing is configured with the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT ...)"
 MEMCACHE = "memcached is not a backend here: use Redis, or the embedded memory backend"
 
@@ -78,28 +82,32 @@ REFERENCE_VARIABLES: tuple[ReferenceVariable, ...] = (
     _ignored("GRPC_CLIENT_TLS_SAN", "", "client certificates are checked against the CA only"),
     ReferenceVariable("LOG_LEVEL", "WARN", "`--log-level` (WARN is warning; TRACE is debug; FATAL, PANIC are error)"),
     ReferenceVariable("LOG_FORMAT", "text", "`--log-format` (text is console)"),
-    ReferenceVariable("CONFIG_TYPE", "FILE", "FILE is the only source here; GRPC_XDS_SOTW is refused"),
+    ReferenceVariable("CONFIG_TYPE", "FILE", "`--config-source`: FILE is file, GRPC_XDS_SOTW is xds"),
     _ignored("FORCE_START_WITHOUT_INITIAL_CONFIG", "false", "a valid config is always required to start"),
+    ReferenceVariable("CONFIG_GRPC_XDS_NODE_ID", "default", "`--xds-node-id`"),
+    ReferenceVariable("CONFIG_GRPC_XDS_NODE_METADATA", "", "`--xds-node-metadata` (a JSON object)"),
+    ReferenceVariable("CONFIG_GRPC_XDS_SERVER_URL", XDS_SERVER_DEFAULT, "`--xds-server`"),
+    _ignored(
+        "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
+        "3s",
+        "every reconnect, the first included, follows XDS_CLIENT_BACKOFF_* (`--xds-backoff-*`)",
+    ),
+    ReferenceVariable("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "", "`--xds-headers` (name:value,name:value)"),
+    ReferenceVariable("CONFIG_GRPC_XDS_SERVER_USE_TLS", "false", f"false only: true is refused ({XDS_TLS})"),
     *(
-        _ignored(name, default, XDS)
-        for name, default in (
-            ("CONFIG_GRPC_XDS_NODE_ID", "default"),
-            ("CONFIG_GRPC_XDS_NODE_METADATA", ""),
-            ("CONFIG_GRPC_XDS_SERVER_URL", "localhost:18000"),
-            ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "3s"),
-            ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", ""),
-            ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "false"),
-            ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", ""),
-            ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", ""),
-            ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", ""),
-            ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", ""),
-            ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "10s"),
-            ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "60s"),
-            ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "0.5"),
-            ("XDS_CLIENT_BACKOFF_JITTER", "true"),
-            ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", ""),
+        _ignored(name, "", XDS_TLS)
+        for name in (
+            "CONFIG_GRPC_XDS_CLIENT_TLS_CERT",
+            "CONFIG_GRPC_XDS_CLIENT_TLS_KEY",
+            "CONFIG_GRPC_XDS_SERVER_TLS_CACERT",
+            "CONFIG_GRPC_XDS_SERVER_TLS_SAN",
         )
     ),
+    ReferenceVariable("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "10s", "`--xds-backoff-initial` (a Go duration)"),
+    ReferenceVariable("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "60s", "`--xds-backoff-max` (a Go duration)"),
+    ReferenceVariable("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "0.5", "`--xds-backoff-jitter`"),
+    ReferenceVariable("XDS_CLIENT_BACKOFF_JITTER", "true", "false: `--xds-backoff-jitter 0`"),
+    ReferenceVariable("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "", "`--xds-max-message-bytes`"),
     *(
         _ignored(name, default, STATS)
         for name, default in (
@@ -263,6 +271,15 @@ def go_bool(name: str, text: str) -> bool:
     raise ReferenceEnvError(f"{name}={text!r}: must be true or false")
 
 
+def go_duration(name: str, text: str) -> float:
+    """Seconds from a Go duration (``10s``, ``1m30s``, ``500ms``)."""
+    stripped = text.strip()
+    parts = GO_DURATION.findall(stripped)
+    if not parts or "".join(number + unit for number, unit in parts) != stripped:
+        raise ReferenceEnvError(f"{name}={text!r}: must be a Go duration such as 10s, 1m30s or 500ms")
+    return sum(float(number) * GO_UNITS[unit] for number, unit in parts)
+
+
 def listen_address(text: str, default_host: str) -> str:
     """``HOST:PORT`` from a Go listen address (``:9090`` listens on every interface)."""
     host, _, port = text.strip().rpartition(":")
@@ -338,12 +355,44 @@ class Translation:
     def _config(self) -> None:
         env = self.env
         kind = env.get("CONFIG_TYPE", "FILE").strip().upper()
-        if kind != "FILE":
-            raise ReferenceEnvError(f"CONFIG_TYPE={env['CONFIG_TYPE']!r}: only FILE is supported (config from files)")
+        if kind not in {"FILE", "GRPC_XDS_SOTW"}:
+            raise ReferenceEnvError(f"CONFIG_TYPE={env['CONFIG_TYPE']!r}: must be FILE or GRPC_XDS_SOTW")
+        if "CONFIG_TYPE" in env:
+            self.set("config_source", "file" if kind == "FILE" else "xds", "CONFIG_TYPE")
+        self._xds()
         if self.runtime_config():
             root = (env.get("RUNTIME_ROOT") or RUNTIME_ROOT_DEFAULT).rstrip("/") or "/"
             below = [env.get("RUNTIME_SUBDIRECTORY", ""), env.get("RUNTIME_APPDIRECTORY") or "config"]
             self.set("config", "/".join([root, *(part.strip("/") for part in below if part.strip("/"))]), *RUNTIME)
+
+    def _xds(self) -> None:
+        """The xDS client's variables (read whatever CONFIG_TYPE says, as the reference does)."""
+        env = self.env
+        texts = {
+            "CONFIG_GRPC_XDS_NODE_ID": "xds_node_id",
+            "CONFIG_GRPC_XDS_NODE_METADATA": "xds_node_metadata",
+            "CONFIG_GRPC_XDS_SERVER_URL": "xds_server",
+            "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "xds_headers",
+            "XDS_CLIENT_BACKOFF_RANDOM_FACTOR": "xds_backoff_jitter",
+            "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES": "xds_max_message_bytes",
+        }
+        for name, setting in texts.items():
+            if env.get(name, "").strip():
+                self.set(setting, env[name], name)
+        if self.values.get("config_source", ("",))[0] == "xds" and "xds_server" not in self.values:
+            self.set("xds_server", XDS_SERVER_DEFAULT, "CONFIG_GRPC_XDS_SERVER_URL")  # the reference's default
+        for name, setting in (
+            ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "xds_backoff_initial"),
+            ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "xds_backoff_max"),
+        ):
+            if env.get(name, "").strip():
+                self.set(setting, repr(go_duration(name, env[name])), name)
+        if self.flag("XDS_CLIENT_BACKOFF_JITTER") is False:
+            self.set("xds_backoff_jitter", "0", "XDS_CLIENT_BACKOFF_JITTER")
+        if self.flag("CONFIG_GRPC_XDS_SERVER_USE_TLS"):
+            raise ReferenceEnvError(
+                f"CONFIG_GRPC_XDS_SERVER_USE_TLS={env['CONFIG_GRPC_XDS_SERVER_USE_TLS']!r}: {XDS_TLS}"
+            )
 
     def runtime_config(self) -> bool:
         """Whether the config is read where the reference reads it (a RUNTIME_* variable is

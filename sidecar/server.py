@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, LoadOptions, RateLimitConfig
 from sidecar.config.reload import ConfigReloader, load_quietly, rule_count, settle_after_load
 from sidecar.config.watch import ConfigWatcher
+from sidecar.config.xds_source import XdsConfigSource, XdsOptions, convert, empty_config
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
 from sidecar.limiter.redis.clock import SharedClock
@@ -36,7 +38,7 @@ from sidecar.quota.stats import QuotaStats
 from sidecar.service.headers import HeaderNames
 from sidecar.service.json_api import JsonEndpoint
 from sidecar.service.servicer import SERVICE_NAME, RateLimitService, add_to_server
-from sidecar.settings import Settings
+from sidecar.settings import Settings, header_pairs
 from sidecar.tls_files import TLS_RELOADS, RotatingServerCredentials, ServerTlsFiles, SettledReload, TlsFileError
 from sidecar.tracing import start_tracing
 
@@ -191,6 +193,22 @@ def load_options(settings: Settings) -> LoadOptions:
     return LoadOptions(merge_domains=settings.merge_domain_config, calendar_months=settings.calendar_months)
 
 
+def xds_source(settings: Settings, reloader: ConfigReloader) -> XdsConfigSource:
+    """The control-plane client of ``--config-source xds``; pushes are validated as files are."""
+    options = XdsOptions(
+        settings.xds_server,
+        settings.xds_node_id,
+        json.loads(settings.xds_node_metadata or "{}"),
+        header_pairs(settings.xds_headers),
+        settings.xds_backoff_initial,
+        settings.xds_backoff_max,
+        settings.xds_backoff_jitter,
+        settings.xds_max_message_bytes,
+    )
+    mode, options_ = enforcing_mode(settings), load_options(settings)
+    return XdsConfigSource(options, reloader, lambda found: convert(found, mode, settings.max_config_bytes, options_))
+
+
 def is_unix(address: str) -> bool:
     """A ``unix:PATH`` gRPC address (a unix domain socket)."""
     return address.startswith("unix:")
@@ -342,6 +360,9 @@ class Sidecar:
             max_bytes=settings.max_config_bytes,
             options=load_options(settings),
         )
+        self.xds = xds_source(settings, self.reloader) if settings.config_source == "xds" else None
+        """``--config-source xds``: the control plane's pushes replace the config (no file reloads)."""
+        self._xds_task: asyncio.Task[None] | None = None
 
     def _config_json(self) -> Callable[[], dict[str, Any]]:
         """``/config``, called on the event loop: the quota buckets' assignments (mutable, so
@@ -412,7 +433,13 @@ class Sidecar:
         self._expire_task = asyncio.get_running_loop().create_task(self._expire_rows(), name="expire-rows")
         if self.tls is not None:
             await self._watch_tls(self.tls)
-        if self.settings.watch_config:
+        await self._follow_config()
+
+    async def _follow_config(self) -> None:
+        """Take config changes from now on: the control plane's pushes, or the files' changes."""
+        if self.xds is not None:
+            self._xds_task = asyncio.get_running_loop().create_task(self.xds.run(), name="xds-config")
+        elif self.settings.watch_config:
             await self._watch_config()
 
     async def _watch_tls(self, tls: RotatingServerCredentials) -> None:
@@ -477,6 +504,9 @@ class Sidecar:
         if self.watcher is not None and self._watch_task is not None:
             self.watcher.stop()
             await self._watch_task
+        if self._xds_task is not None:
+            self._xds_task.cancel()
+            await asyncio.gather(self._xds_task, return_exceptions=True)
         for task in self._tls_tasks:
             task.cancel()
         await asyncio.gather(*self._tls_tasks, return_exceptions=True)
@@ -527,6 +557,9 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     reloads: set[asyncio.Task[bool]] = set()
 
     def reload_on_sighup() -> None:
+        if sidecar.xds is not None:
+            log.info("config_reload_ignored", trigger="SIGHUP", why="--config-source xds: the control plane pushes")
+            return
         task = asyncio.get_running_loop().create_task(sidecar.reloader.reload("SIGHUP"))
         reloads.add(task)  # keep a reference until it is done
         task.add_done_callback(reloads.discard)
@@ -615,8 +648,10 @@ def serve(settings: Settings) -> None:
     if settings.json_address:
         ensure_bindable(settings.json_address)
     try:
-        config = load_quietly(
-            settings.config, enforcing_mode(settings), settings.max_config_bytes, load_options(settings)
+        config = (
+            load_quietly(settings.config, enforcing_mode(settings), settings.max_config_bytes, load_options(settings))
+            if settings.config
+            else empty_config()  # --config-source xds without a fallback: no limits until the first push
         )
     except ConfigError as error:
         mode = enforcing_mode(settings)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +46,7 @@ RedisMode = Literal["sync", "strict"]
 ClockSource = Literal["redis", "local"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["json", "console", "auto"]
+ConfigSource = Literal["file", "xds"]
 
 
 class SettingsError(ValueError):
@@ -157,6 +159,33 @@ def _optional_address(text: str) -> str:
     return _address(text) if text.strip() else ""
 
 
+def _json_object(text: str) -> str:
+    """A JSON object (node metadata), kept as its text."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return text
+
+
+def header_pairs(text: str) -> tuple[tuple[str, str], ...]:
+    """``name:value,name:value`` (the reference's map syntax) as gRPC metadata; names lowercased."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"{item!r} is not name:value")
+        pairs.append((name.strip().lower(), value.strip()))
+    return tuple(pairs)
+
+
+def _header_pairs(text: str) -> str:
+    header_pairs(text)
+    return text
+
+
 def _choice(closed_set: Any) -> Callable[[str], str]:
     """A parser for one of a ``Literal``'s values (case-insensitive)."""
     allowed: tuple[str, ...] = get_args(closed_set)
@@ -195,7 +224,21 @@ class Option:
 
 
 SERVE_OPTIONS: tuple[Option, ...] = (
-    Option("config", _non_empty, "descriptor config: one YAML file or a directory of them (required)"),
+    Option(
+        "config",
+        _non_empty,
+        "descriptor config: one YAML file or a directory of them (required with --config-source file; with xds, "
+        "the limits served until the control plane's first push)",
+    ),
+    Option("config_source", _choice(ConfigSource), "file (--config, reloaded on change) or xds (--xds-server)"),
+    Option("xds_server", _address, "--config-source xds: the control plane's ADS address, HOST:PORT (plaintext)"),
+    Option("xds_node_id", _non_empty, "--config-source xds: the node id announced to the control plane"),
+    Option("xds_node_metadata", _json_object, "--config-source xds: node metadata, a JSON object"),
+    Option("xds_headers", _header_pairs, "--config-source xds: gRPC metadata on the stream, name:value,name:value"),
+    Option("xds_backoff_initial", _positive_float, "--config-source xds: first reconnect delay, seconds (doubling)"),
+    Option("xds_backoff_max", _positive_float, "--config-source xds: longest reconnect delay, seconds"),
+    Option("xds_backoff_jitter", _fraction, "--config-source xds: each delay is spread over delay x (1 +/- this)"),
+    Option("xds_max_message_bytes", _positive_int, "--config-source xds: largest DiscoveryResponse accepted, bytes"),
     Option(
         "max_config_bytes",
         _positive_int,
@@ -442,7 +485,16 @@ SERVE_OPTIONS: tuple[Option, ...] = (
 class Settings:
     """Everything ``serve`` needs, validated."""
 
-    config: str
+    config: str = ""
+    config_source: ConfigSource = "file"
+    xds_server: str = ""
+    xds_node_id: str = "default"
+    xds_node_metadata: str = ""
+    xds_headers: str = ""
+    xds_backoff_initial: float = 0.5
+    xds_backoff_max: float = 30.0
+    xds_backoff_jitter: float = 0.5
+    xds_max_message_bytes: int = 4 * 1024 * 1024
     max_config_bytes: int = MAX_FILE_BYTES
     grpc_address: str = "127.0.0.1:8081"
     backend: Backend = "memory"
@@ -570,6 +622,10 @@ def resolve_with_notes(
 
 def check_together(settings: Settings, redis_source: str = "--redis-url / RLS_REDIS_URL") -> None:
     """Settings that are valid alone but not together; :class:`SettingsError` says which."""
+    if settings.config_source == "file" and not settings.config:
+        raise SettingsError("--config (or RLS_CONFIG) is required")
+    if settings.config_source == "xds" and not settings.xds_server:
+        raise SettingsError("--config-source xds needs --xds-server (or RLS_XDS_SERVER, CONFIG_GRPC_XDS_SERVER_URL)")
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise SettingsError("--tls-cert and --tls-key (RLS_TLS_CERT, RLS_TLS_KEY) go together")
     if settings.tls_client_ca and not settings.tls_cert:

@@ -116,7 +116,9 @@ def test_gprc_on_a_unix_socket() -> None:
     ("environ", "message"),
     [
         ({"BACKEND_TYPE": "memcache"}, "memcached is not a backend here"),
-        ({"CONFIG_TYPE": "GRPC_XDS_SOTW"}, "only FILE is supported"),
+        ({"CONFIG_TYPE": "GRPC_XDS_DELTA"}, "must be FILE or GRPC_XDS_SOTW"),
+        ({"CONFIG_TYPE": "GRPC_XDS_SOTW", "CONFIG_GRPC_XDS_SERVER_USE_TLS": "true"}, "TLS to it is not supported"),
+        ({"XDS_CLIENT_BACKOFF_MAX_INTERVAL": "1 minute"}, "must be a Go duration"),
         ({"LOG_LEVEL": "loud"}, "LOG_LEVEL='loud'"),
         ({"SHADOW_MODE": "maybe"}, "SHADOW_MODE='maybe': must be true or false"),
         ({"REDIS_URL": "h:1", "REDIS_TYPE": "ring"}, "REDIS_TYPE='ring'"),
@@ -136,3 +138,27 @@ def test_every_reference_variable_is_listed_once() -> None:
     names = [variable.name for variable in REFERENCE_VARIABLES]
     assert len(names) == len(set(names))
     assert {"REDIS_URL", "GRPC_UDS", "RUNTIME_SUBDIRECTORY", "MERGE_DOMAIN_CONFIG", "TRACING_ENABLED"} <= set(names)
+
+
+def test_the_xds_config_source_is_read_from_the_reference_variables() -> None:
+    settings, notes = resolved(
+        {
+            "CONFIG_TYPE": "GRPC_XDS_SOTW",
+            "CONFIG_GRPC_XDS_NODE_ID": "rls-7",
+            "CONFIG_GRPC_XDS_NODE_METADATA": '{"zone": "a"}',
+            "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "x-tenant:blue,authorization:Bearer t",
+            "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL": "500ms",
+            "XDS_CLIENT_BACKOFF_MAX_INTERVAL": "1m30s",
+            "XDS_CLIENT_BACKOFF_JITTER": "false",
+            "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES": "1048576",
+            "CONFIG_GRPC_XDS_SERVER_TLS_SAN": "cp.example",
+        }
+    )
+    assert settings.config_source == "xds"
+    assert settings.xds_server == "localhost:18000"  # the reference's default
+    assert (settings.xds_node_id, settings.xds_node_metadata) == ("rls-7", '{"zone": "a"}')
+    assert settings.xds_headers == "x-tenant:blue,authorization:Bearer t"
+    assert (settings.xds_backoff_initial, settings.xds_backoff_max, settings.xds_backoff_jitter) == (0.5, 90.0, 0.0)
+    assert settings.xds_max_message_bytes == 1048576
+    assert "TLS to it is not supported" in notes["CONFIG_GRPC_XDS_SERVER_TLS_SAN"]
+    assert resolved({"CONFIG_TYPE": "FILE"}, "--config", "c")[0].config_source == "file"

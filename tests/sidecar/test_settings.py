@@ -124,7 +124,7 @@ def test_reference_table_lists_every_option():
     table = reference_table()
     for option in SERVE_OPTIONS:
         assert f"`{option.flag}` | `{option.env}`" in table
-    assert "| `--config` | `RLS_CONFIG` | (required) |" in table
+    assert "| `--config` | `RLS_CONFIG` | (none) | descriptor config: one YAML file or a directory" in table
 
 
 def test_redis_backend_needs_a_url():
