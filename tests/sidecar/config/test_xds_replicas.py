@@ -1,0 +1,126 @@
+"""Limits from a control plane, end to end: the real ADS server (stack/xds_server.py) and three
+real sidecar processes with ``--config-source xds``.
+
+Every change is polled for (each probe uses a fresh descriptor value, so it reads the limit,
+not an old count); nothing here asserts how long a change takes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stack.processes import free_port, spawn
+from tests.support.sidecars import OK, Sidecar, SidecarFactory, request
+
+pytestmark = pytest.mark.slow
+
+DEADLINE = 30.0
+"""Seconds a change may take to show on a loaded 2-core machine before the test gives up."""
+PROBE_HITS = 12
+
+
+def limits(per_hour: int | None) -> str:
+    """domain ``xt``: ``tenant`` allows ``per_hour``; None leaves the unit out (a NACKed push)."""
+    unit = "" if per_hour is None else "unit: hour, "
+    return f"domain: xt\ndescriptors:\n  - key: tenant\n    rate_limit: {{{unit}requests_per_unit: {per_hour or 4}}}\n"
+
+
+class ControlPlane:
+    """``python -m stack.xds_server`` on a fixed port, its JSON lines in a log file."""
+
+    def __init__(self, directory: Path, log: Path) -> None:
+        self.directory, self.log, self.port = directory, log, free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "stack.xds_server", "--dir", str(self.directory), "--port", str(self.port)]
+        with self.log.open("ab") as out:
+            self.process = spawn(argv, stdout=out, own_session=False, die_with_parent=False)
+        poll_until(lambda: any(e["event"] == "listening" for e in self.events()), "the control plane listening")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def events(self) -> list[dict[str, Any]]:
+        lines = self.log.read_text().splitlines() if self.log.exists() else []
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def poll_until(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not seen within {DEADLINE} s: {what}")
+        time.sleep(0.1)
+
+
+probes = iter(range(1_000_000))
+
+
+def allowed(sidecar: Sidecar) -> int:
+    """How many of PROBE_HITS requests with a never-used tenant the sidecar admits: its limit."""
+    value = f"probe-{next(probes)}"
+    return sum(sidecar.ask(request("xt", [("tenant", value)])).overall_code == OK for _ in range(PROBE_HITS))
+
+
+def all_enforce(replicas: list[Sidecar], per_hour: int) -> bool:
+    return all(allowed(replica) == per_hour for replica in replicas)
+
+
+@pytest.fixture
+def control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
+    directory = tmp_path / "limits"
+    directory.mkdir()
+    (directory / "tenants.yaml").write_text(limits(3))
+    plane = ControlPlane(directory, tmp_path / "xds_server.log")
+    plane.start()
+    try:
+        yield plane
+    finally:
+        plane.kill()
+
+
+def test_three_replicas_follow_the_control_plane(control_plane: ControlPlane, start_sidecar: SidecarFactory) -> None:
+    replicas = [
+        start_sidecar(
+            "--config-source", "xds", "--xds-server", f"127.0.0.1:{control_plane.port}",
+            "--xds-node-id", f"replica-{n}", "--xds-backoff-max", "1", "--metrics-address", "",
+        )
+        for n in range(3)
+    ]  # fmt: skip
+    limits_file = control_plane.directory / "tenants.yaml"
+    poll_until(lambda: all_enforce(replicas, 3), "the initial limit (3/hour) on every replica")
+
+    limits_file.write_text(limits(5))
+    poll_until(lambda: all_enforce(replicas, 5), "the changed limit (5/hour) on every replica")
+
+    limits_file.write_text(limits(None))
+    nacks = lambda: {e["node"]: e for e in control_plane.events() if e["event"] == "nack"}  # noqa: E731
+    poll_until(lambda: len(nacks()) == 3, "a NACK from every replica")
+    for nack in nacks().values():
+        assert nack["error_detail"] == (
+            "xds:tenants: descriptors[0].rate_limit.unit: invalid unit 'unknown' "
+            "(one of second, minute, hour, day, week, month, year)"
+        )
+        assert nack["code"] == 3  # INVALID_ARGUMENT
+    acked = {e["version"] for e in control_plane.events() if e["event"] == "ack"}
+    assert {nack["version"] for nack in nacks().values()} <= acked  # the NACK names the version still served
+    assert all_enforce(replicas, 5)  # the last good limits, still enforced
+
+    control_plane.kill()
+    assert all_enforce(replicas, 5)  # the server away: nothing changes
+    limits_file.write_text(limits(2))
+    control_plane.start()
+    poll_until(lambda: all_enforce(replicas, 2), "the limit of the restarted control plane (2/hour) on every replica")
+    for replica in replicas:
+        assert "xds_reconnecting" in replica.stderr()
