@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -374,11 +375,14 @@ class Sidecar:
             quota_state["shares"] = self.leases.describe()
         suppression = getattr(self.service.limiter, "suppression", None)
         busy = suppression.describe(self.service.clock()) if suppression is not None else []
+        xds = dataclasses.asdict(self.xds.state) if self.xds is not None else None
 
         def document() -> dict[str, Any]:
             shown = config_json(config, loaded_at)
             shown["quota"] = quota_state
             shown["suppression"] = busy  # overload: suppress, the busiest counters and their p
+            if xds is not None:
+                shown["xds"] = xds  # --config-source xds: the version served, pushes applied and refused
             return shown
 
         return document

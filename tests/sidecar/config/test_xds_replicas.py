@@ -8,9 +8,12 @@ not an old count); nothing here asserts how long a change takes.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +59,13 @@ class ControlPlane:
         return [json.loads(line) for line in lines if line.startswith("{")]
 
 
+def publish(file: Path, text: str) -> None:
+    """Replace a limits file at once: the control plane never reads it half written."""
+    scratch = file.with_suffix(".tmp")
+    scratch.write_text(text)
+    os.replace(scratch, file)
+
+
 def poll_until(done: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + DEADLINE
     while not done():
@@ -71,6 +81,12 @@ def allowed(sidecar: Sidecar) -> int:
     """How many of PROBE_HITS requests with a never-used tenant the sidecar admits: its limit."""
     value = f"probe-{next(probes)}"
     return sum(sidecar.ask(request("xt", [("tenant", value)])).overall_code == OK for _ in range(PROBE_HITS))
+
+
+def config_page(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/config", timeout=5) as answer:
+        page: dict[str, Any] = json.load(answer)
+    return page
 
 
 def all_enforce(replicas: list[Sidecar], per_hour: int) -> bool:
@@ -91,20 +107,22 @@ def control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
 
 
 def test_three_replicas_follow_the_control_plane(control_plane: ControlPlane, start_sidecar: SidecarFactory) -> None:
+    admin_port = free_port()
     replicas = [
         start_sidecar(
             "--config-source", "xds", "--xds-server", f"127.0.0.1:{control_plane.port}",
-            "--xds-node-id", f"replica-{n}", "--xds-backoff-max", "1", "--metrics-address", "",
+            "--xds-node-id", f"replica-{n}", "--xds-backoff-max", "1",
+            "--metrics-address", f"127.0.0.1:{admin_port}" if n == 0 else "",
         )
         for n in range(3)
     ]  # fmt: skip
     limits_file = control_plane.directory / "tenants.yaml"
     poll_until(lambda: all_enforce(replicas, 3), "the initial limit (3/hour) on every replica")
 
-    limits_file.write_text(limits(5))
+    publish(limits_file, limits(5))
     poll_until(lambda: all_enforce(replicas, 5), "the changed limit (5/hour) on every replica")
 
-    limits_file.write_text(limits(None))
+    publish(limits_file, limits(None))
     nacks = lambda: {e["node"]: e for e in control_plane.events() if e["event"] == "nack"}  # noqa: E731
     poll_until(lambda: len(nacks()) == 3, "a NACK from every replica")
     for nack in nacks().values():
@@ -116,11 +134,37 @@ def test_three_replicas_follow_the_control_plane(control_plane: ControlPlane, st
     acked = {e["version"] for e in control_plane.events() if e["event"] == "ack"}
     assert {nack["version"] for nack in nacks().values()} <= acked  # the NACK names the version still served
     assert all_enforce(replicas, 5)  # the last good limits, still enforced
+    shown = config_page(admin_port)
+    assert shown["xds"]["version"] == nacks()["replica-0"]["version"]
+    assert (shown["xds"]["applied"], shown["xds"]["rejected"]) == (2, 1)
+    assert "unit" in shown["xds"]["last_error"]
+    replicas[1].send_signal(signal.SIGHUP)  # no file reload in this mode
+    replicas[1].event("config_reload_ignored")
+    assert all_enforce(replicas, 5)
 
     control_plane.kill()
     assert all_enforce(replicas, 5)  # the server away: nothing changes
-    limits_file.write_text(limits(2))
+    publish(limits_file, limits(2))
     control_plane.start()
     poll_until(lambda: all_enforce(replicas, 2), "the limit of the restarted control plane (2/hour) on every replica")
     for replica in replicas:
         assert "xds_reconnecting" in replica.stderr()
+
+
+def test_the_fallback_config_serves_until_the_first_push(tmp_path: Path, start_sidecar: SidecarFactory) -> None:
+    fallback = tmp_path / "fallback"
+    fallback.mkdir()
+    (fallback / "tenants.yaml").write_text(limits(4))
+    plane = ControlPlane(tmp_path / "limits", tmp_path / "xds_server.log")  # not started: nobody answers yet
+    plane.directory.mkdir()
+    (plane.directory / "tenants.yaml").write_text(limits(2))
+    replica = start_sidecar(
+        "--config-source", "xds", "--xds-server", f"127.0.0.1:{plane.port}", "--xds-backoff-max", "1",
+        "--metrics-address", "", config=fallback,
+    )  # fmt: skip
+    try:
+        assert allowed(replica) == 4
+        plane.start()
+        poll_until(lambda: allowed(replica) == 2, "the control plane's limit replacing the fallback")
+    finally:
+        plane.kill()
