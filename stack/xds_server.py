@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import json
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from google.protobuf import any_pb2
 from sidecar.config.xds_source import TYPE_URL
 from sidecar.protos.envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from sidecar.protos.ratelimit.config.ratelimit.v3 import rls_conf_pb2
+from stack.processes import Child, free_port, tcp_answers
 
 SUFFIXES = (".yaml", ".yml")
 
@@ -114,8 +116,9 @@ def snapshot_of(directory: Path) -> Snapshot:
 
 
 def emit(event: str, **fields: Any) -> None:
-    """One JSON line on stdout: what the tests and a person trying it read."""
-    print(json.dumps({"event": event, **fields}), flush=True)
+    """One JSON line on stdout, with the wall-clock time: what the tests, the benchmark
+    (``loadtest.xds_propagation``) and a person trying it read."""
+    print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
 
 
 class DirectoryAds(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
@@ -192,6 +195,23 @@ async def serve(directory: Path, host: str, port: int, poll: float) -> None:
         await server.wait_for_termination()
     finally:
         watcher.cancel()
+
+
+class XdsServerProcess(Child):
+    """``python -m stack.xds_server`` as a child of the stack (for the load tools)."""
+
+    def __init__(self, directory: Path, logs: Path, poll: float = 0.2) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "stack.xds_server", "--dir", str(directory), "--port", str(self.port)]
+        super().__init__("xds-server", [*argv, "--poll", str(poll)], logs / "xds-server.log")
+
+    def ready(self) -> bool:
+        return tcp_answers(self.port)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every JSON line it printed so far."""
+        return [json.loads(line) for line in self.log_text().splitlines() if line.startswith("{")]
 
 
 def main(argv: list[str] | None = None) -> int:
