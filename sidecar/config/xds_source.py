@@ -224,7 +224,11 @@ class XdsConfigSource:
         """Connect, follow the stream, and reconnect with backoff whenever it ends."""
         attempt = 0
         while True:
-            received = await self._session()
+            try:
+                received = await self._session()
+            except Exception as error:  # a bug in a push's handling must not end the source for good
+                log.exception("xds_session_failed", server=self.options.server, error=repr(error))
+                self.state.last_error, received = repr(error), False
             attempt = 0 if received else attempt + 1
             delay = backoff(attempt, self.options)
             log.warning("xds_reconnecting", server=self.options.server, in_seconds=round(delay, 3), attempt=attempt)

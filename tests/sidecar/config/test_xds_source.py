@@ -189,3 +189,34 @@ async def test_ack_then_nack_keeps_the_last_good_config() -> None:
     assert sorted(active[0].domains) == ["api"]
     assert active[0].files == ("xds:tenants",)
     assert (source.state.version, source.state.applied, source.state.rejected) == ("v1", 1, 1)
+
+
+async def test_a_failure_while_applying_reconnects_instead_of_ending_the_source() -> None:
+    ads = OneShotAds([response("v1", "n1", tenant()), response("v1", "n2", tenant())])
+    server = grpc.aio.server()
+    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    active = [empty_config()]
+    reloader = ConfigReloader("", lambda: active[0], lambda config: active.__setitem__(0, config), lambda: None)
+    builds = []
+
+    def flaky(resources: Any) -> Any:
+        builds.append(len(resources))
+        if len(builds) == 1:
+            raise RuntimeError("a bug")
+        return convert(resources)
+
+    options = XdsOptions(server=f"127.0.0.1:{port}", backoff_initial=0.01, backoff_max=0.05)
+    source = XdsConfigSource(options, reloader, flaky)
+    task = asyncio.create_task(source.run())
+    try:
+        await asyncio.wait_for(ads.done.wait(), 30)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await server.stop(0)
+    assert builds == [1, 1]
+    assert sorted(active[0].domains) == ["api"]
+    assert source.state.version == "v1"
+    assert [request.response_nonce for request in ads.requests] == ["", "", "n2"]  # a new stream, then the ACK
