@@ -210,6 +210,18 @@ def xds_source(settings: Settings, reloader: ConfigReloader) -> XdsConfigSource:
     return XdsConfigSource(options, reloader, lambda found: convert(found, mode, settings.max_config_bytes, options_))
 
 
+def has_startup_config(settings: Settings) -> bool:
+    """Whether ``--config`` is loaded at startup. Always with files; with xDS it is a fallback
+    served until the first push, and a path that does not exist (the image's default
+    ``/etc/ratelimit/config`` with nothing mounted) means none, with a warning."""
+    if settings.config_source == "file":
+        return True
+    if settings.config and not Path(settings.config).exists():
+        log.warning("xds_fallback_missing", config=settings.config, serving="no limits until the first push")
+        return False
+    return bool(settings.config)
+
+
 def is_unix(address: str) -> bool:
     """A ``unix:PATH`` gRPC address (a unix domain socket)."""
     return address.startswith("unix:")
@@ -654,7 +666,7 @@ def serve(settings: Settings) -> None:
     try:
         config = (
             load_quietly(settings.config, enforcing_mode(settings), settings.max_config_bytes, load_options(settings))
-            if settings.config
+            if has_startup_config(settings)
             else empty_config()  # --config-source xds without a fallback: no limits until the first push
         )
     except ConfigError as error:

@@ -168,3 +168,14 @@ def test_the_fallback_config_serves_until_the_first_push(tmp_path: Path, start_s
         poll_until(lambda: allowed(replica) == 2, "the control plane's limit replacing the fallback")
     finally:
         plane.kill()
+
+
+def test_a_missing_fallback_starts_with_no_limits(tmp_path: Path, start_sidecar: SidecarFactory) -> None:
+    """The image's default --config (/etc/ratelimit/config) with nothing mounted: xDS alone."""
+    nowhere = tmp_path / "not-mounted"
+    replica = start_sidecar(
+        "--config-source", "xds", "--xds-server", f"127.0.0.1:{free_port()}", "--metrics-address", "",
+        config=nowhere,
+    )  # fmt: skip
+    assert replica.event("xds_fallback_missing")["config"] == str(nowhere)
+    assert allowed(replica) == PROBE_HITS  # no limits yet: everything passes
