@@ -83,7 +83,12 @@ REFERENCE_VARIABLES: tuple[ReferenceVariable, ...] = (
     ReferenceVariable("LOG_LEVEL", "WARN", "`--log-level` (WARN is warning; TRACE is debug; FATAL, PANIC are error)"),
     ReferenceVariable("LOG_FORMAT", "text", "`--log-format` (text is console)"),
     ReferenceVariable("CONFIG_TYPE", "FILE", "`--config-source`: FILE is file, GRPC_XDS_SOTW is xds"),
-    _ignored("FORCE_START_WITHOUT_INITIAL_CONFIG", "false", "a valid config is always required to start"),
+    _ignored(
+        "FORCE_START_WITHOUT_INITIAL_CONFIG",
+        "false",
+        "files must hold a valid config to start; with GRPC_XDS_SOTW the sidecar always starts, serving the "
+        "`--config` fallback (or no limits) until the first push",
+    ),
     ReferenceVariable("CONFIG_GRPC_XDS_NODE_ID", "default", "`--xds-node-id`"),
     ReferenceVariable("CONFIG_GRPC_XDS_NODE_METADATA", "", "`--xds-node-metadata` (a JSON object)"),
     ReferenceVariable("CONFIG_GRPC_XDS_SERVER_URL", XDS_SERVER_DEFAULT, "`--xds-server`"),
@@ -155,7 +160,9 @@ REFERENCE_VARIABLES: tuple[ReferenceVariable, ...] = (
     ReferenceVariable("LIMIT_REMAINING_HEADER", "RateLimit-Remaining", "`--remaining-header`"),
     ReferenceVariable("LIMIT_RESET_HEADER", "RateLimit-Reset", "`--reset-header`"),
     ReferenceVariable(
-        "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "false", "always so here: the sidecar starts only with a config"
+        "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
+        "false",
+        "always so here with files: the sidecar starts only with a valid config (with GRPC_XDS_SOTW, before a push)",
     ),
     ReferenceVariable("REDIS_SOCKET_TYPE", "unix", "tcp: REDIS_URL is HOST:PORT; unix: a socket path"),
     ReferenceVariable("REDIS_TYPE", "SINGLE", "SINGLE, CLUSTER (`redis+cluster://`, first address as seed), SENTINEL"),
@@ -446,7 +453,9 @@ class Translation:
                 )
             )
         if self.flag("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED") is False:
-            self.notes.append(("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "the sidecar never serves without a config"))
+            self.notes.append(
+                ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "with files it never serves without a valid config")
+            )
 
 
 def redis_url(env: Mapping[str, str]) -> str:
