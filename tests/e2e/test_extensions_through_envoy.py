@@ -22,7 +22,7 @@ from stack.processes import process_group
 from stack.redis import RedisProcess
 from stack.sidecar import SidecarProcess
 from stack.upstream import UpstreamProcess
-from tests.support.envoys import Reply, Session, fresh_window
+from tests.support.envoys import COUNTING_TIMEOUT, Reply, Session, fresh_window
 
 pytestmark = [pytest.mark.envoy, pytest.mark.redis, pytest.mark.slow]
 ADDRESSES = (f"198.51.100.{number}" for number in itertools.count(1))
@@ -62,7 +62,11 @@ def envoys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         envoys = []
         for index, sidecar in enumerate(sidecars, start=1):
             ports = EnvoyPorts.free(app=app.port, ratelimit=sidecar.port)
-            envoy = group.start(EnvoyProcess(f"envoy-{index}", ENVOY_CONFIGS / "front.yaml", ports, directory))
+            envoy = group.start(
+                EnvoyProcess(
+                    f"envoy-{index}", ENVOY_CONFIGS / "front.yaml", ports, directory, timeout_seconds=COUNTING_TIMEOUT
+                )
+            )
             envoy.wait_ready()
             envoys.append(envoy)
         yield [envoy.url for envoy in envoys]

@@ -25,7 +25,7 @@ from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.processes import process_group
 from stack.sidecar import SidecarProcess
 from stack.upstream import UpstreamProcess
-from tests.support.envoys import Reply, Session, fresh_window
+from tests.support.envoys import COUNTING_TIMEOUT, Reply, Session, fresh_window
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 ADDRESSES = (f"198.51.100.{number}" for number in itertools.count(101))
@@ -68,7 +68,11 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
         envoys = []
         for sidecar, name in zip(sidecars, flags, strict=True):
             ports = EnvoyPorts.free(app=app.port, ratelimit=sidecar.port)
-            envoy = group.start(EnvoyProcess(f"envoy-{name}", ENVOY_CONFIGS / "front.yaml", ports, directory))
+            envoy = group.start(
+                EnvoyProcess(
+                    f"envoy-{name}", ENVOY_CONFIGS / "front.yaml", ports, directory, timeout_seconds=COUNTING_TIMEOUT
+                )
+            )
             envoy.wait_ready()
             envoys.append(envoy)
         yield envoys[0].url, envoys[1].url

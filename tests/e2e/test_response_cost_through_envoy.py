@@ -31,7 +31,7 @@ import yaml
 from stack.envoy import EnvoyPorts, EnvoyProcess
 from stack.processes import process_group
 from stack.sidecar import SidecarProcess
-from tests.support.envoys import Session
+from tests.support.envoys import COUNTING_TIMEOUT, Session
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 
@@ -168,7 +168,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnvoyPro
             sidecar = group.start(SidecarProcess("sidecar", ["--config", str(rules)], directory))
             sidecar.wait_ready()
             ports = EnvoyPorts.free(app=app.server_address[1], ratelimit=sidecar.port)
-            envoy = group.start(EnvoyProcess("envoy", Path(template), ports, directory))
+            envoy = group.start(
+                EnvoyProcess("envoy", Path(template), ports, directory, timeout_seconds=COUNTING_TIMEOUT)
+            )
             envoy.wait_ready()
             yield envoy, sidecar
             assert envoy.alive(), envoy.log_tail()

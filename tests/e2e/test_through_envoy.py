@@ -22,7 +22,16 @@ from stack.processes import ProcessGroup, process_group
 from stack.sidecar import SidecarProcess
 from stack.topology import EXAMPLE_CONFIG, Stack, StackOptions, running_stack
 from stack.upstream import UpstreamProcess
-from tests.support.envoys import RecordingRateLimitService, Reply, Session, descriptors, fresh_window, send, wait_for
+from tests.support.envoys import (
+    COUNTING_TIMEOUT,
+    RecordingRateLimitService,
+    Reply,
+    Session,
+    descriptors,
+    fresh_window,
+    send,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.envoy, pytest.mark.redis, pytest.mark.slow]
 ADDRESSES = (f"198.51.100.{number}" for number in itertools.count(1))
@@ -147,7 +156,9 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Recordi
         app = group.start(UpstreamProcess("app", directory))
         app.wait_ready()
         ports = EnvoyPorts.free(app=app.port, ratelimit=service.port)
-        envoy = group.start(EnvoyProcess("envoy", ENVOY_CONFIGS / "sidecar.yaml", ports, directory))
+        envoy = group.start(
+            EnvoyProcess("envoy", ENVOY_CONFIGS / "sidecar.yaml", ports, directory, timeout_seconds=COUNTING_TIMEOUT)
+        )
         envoy.wait_ready()
         yield service, f"http://127.0.0.1:{ports.listen}"
 
