@@ -54,7 +54,6 @@ STATS = "statsd statistics: this sidecar exposes Prometheus only (/metrics)"
 PER_SECOND = "one Redis holds every window here; a second Redis for per-second limits is not supported"
 POOL = "redis-py manages its connections and pipelining itself (one round trip per event-loop iteration)"
 XDS_SERVER_DEFAULT = "localhost:18000"
-XDS_TLS = "the connection to the xDS server is plaintext here (TLS to it is not supported yet)"
 GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 TRACING = "tracing is configured with the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT ...)"
@@ -98,15 +97,12 @@ REFERENCE_VARIABLES: tuple[ReferenceVariable, ...] = (
         "every reconnect, the first included, follows XDS_CLIENT_BACKOFF_* (`--xds-backoff-*`)",
     ),
     ReferenceVariable("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "", "`--xds-headers` (name:value,name:value)"),
-    ReferenceVariable("CONFIG_GRPC_XDS_SERVER_USE_TLS", "false", f"false only: true is refused ({XDS_TLS})"),
-    *(
-        _ignored(name, "", XDS_TLS)
-        for name in (
-            "CONFIG_GRPC_XDS_CLIENT_TLS_CERT",
-            "CONFIG_GRPC_XDS_CLIENT_TLS_KEY",
-            "CONFIG_GRPC_XDS_SERVER_TLS_CACERT",
-            "CONFIG_GRPC_XDS_SERVER_TLS_SAN",
-        )
+    ReferenceVariable("CONFIG_GRPC_XDS_SERVER_USE_TLS", "false", "`--xds-tls`"),
+    ReferenceVariable("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "", "`--xds-tls-cert` (with CONFIG_GRPC_XDS_SERVER_USE_TLS)"),
+    ReferenceVariable("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "", "`--xds-tls-key` (with CONFIG_GRPC_XDS_SERVER_USE_TLS)"),
+    ReferenceVariable("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "", "`--xds-tls-ca` (with CONFIG_GRPC_XDS_SERVER_USE_TLS)"),
+    ReferenceVariable(
+        "CONFIG_GRPC_XDS_SERVER_TLS_SAN", "", "`--xds-tls-server-name` (with CONFIG_GRPC_XDS_SERVER_USE_TLS)"
     ),
     ReferenceVariable("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "10s", "`--xds-backoff-initial` (a Go duration)"),
     ReferenceVariable("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "60s", "`--xds-backoff-max` (a Go duration)"),
@@ -396,10 +392,26 @@ class Translation:
                 self.set(setting, repr(go_duration(name, env[name])), name)
         if self.flag("XDS_CLIENT_BACKOFF_JITTER") is False:
             self.set("xds_backoff_jitter", "0", "XDS_CLIENT_BACKOFF_JITTER")
-        if self.flag("CONFIG_GRPC_XDS_SERVER_USE_TLS"):
-            raise ReferenceEnvError(
-                f"CONFIG_GRPC_XDS_SERVER_USE_TLS={env['CONFIG_GRPC_XDS_SERVER_USE_TLS']!r}: {XDS_TLS}"
-            )
+        self._xds_tls()
+
+    def _xds_tls(self) -> None:
+        """TLS to the control plane: its files are read only with CONFIG_GRPC_XDS_SERVER_USE_TLS, as there."""
+        env = self.env
+        files = {
+            "CONFIG_GRPC_XDS_SERVER_TLS_CACERT": "xds_tls_ca",
+            "CONFIG_GRPC_XDS_CLIENT_TLS_CERT": "xds_tls_cert",
+            "CONFIG_GRPC_XDS_CLIENT_TLS_KEY": "xds_tls_key",
+            "CONFIG_GRPC_XDS_SERVER_TLS_SAN": "xds_tls_server_name",
+        }
+        if not self.flag("CONFIG_GRPC_XDS_SERVER_USE_TLS"):
+            self.notes += [
+                (name, "read only with CONFIG_GRPC_XDS_SERVER_USE_TLS=true") for name in files if env.get(name)
+            ]
+            return
+        self.set("xds_tls", "true", "CONFIG_GRPC_XDS_SERVER_USE_TLS")
+        for name, setting in files.items():
+            if env.get(name, "").strip():
+                self.set(setting, env[name], name)
 
     def runtime_config(self) -> bool:
         """Whether the config is read where the reference reads it (a RUNTIME_* variable is

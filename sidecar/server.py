@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
-import json
 import os
 import signal
 import socket
@@ -27,7 +26,7 @@ from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, LoadOptions, RateLimitConfig
 from sidecar.config.reload import ConfigReloader, load_quietly, rule_count, settle_after_load
 from sidecar.config.watch import ConfigWatcher
-from sidecar.config.xds_source import XdsConfigSource, XdsOptions, convert, empty_config
+from sidecar.config.xds_source import XdsConfigSource, XdsOptions, convert, empty_config, header_pairs, json_object
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
 from sidecar.limiter.redis.clock import SharedClock
@@ -39,7 +38,7 @@ from sidecar.quota.stats import QuotaStats
 from sidecar.service.headers import HeaderNames
 from sidecar.service.json_api import JsonEndpoint
 from sidecar.service.servicer import SERVICE_NAME, RateLimitService, add_to_server
-from sidecar.settings import Settings, header_pairs
+from sidecar.settings import Settings
 from sidecar.tls_files import TLS_RELOADS, RotatingServerCredentials, ServerTlsFiles, SettledReload, TlsFileError
 from sidecar.tracing import start_tracing
 
@@ -199,12 +198,17 @@ def xds_source(settings: Settings, reloader: ConfigReloader) -> XdsConfigSource:
     options = XdsOptions(
         settings.xds_server,
         settings.xds_node_id,
-        json.loads(settings.xds_node_metadata or "{}"),
+        json_object(settings.xds_node_metadata),
         header_pairs(settings.xds_headers),
         settings.xds_backoff_initial,
         settings.xds_backoff_max,
         settings.xds_backoff_jitter,
         settings.xds_max_message_bytes,
+        settings.xds_tls,
+        settings.xds_tls_ca,
+        settings.xds_tls_cert,
+        settings.xds_tls_key,
+        settings.xds_tls_server_name,
     )
     mode, options_ = enforcing_mode(settings), load_options(settings)
     return XdsConfigSource(options, reloader, lambda found: convert(found, mode, settings.max_config_bytes, options_))

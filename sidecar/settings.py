@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +19,7 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Literal, get_args
 
 from sidecar import admin
+from sidecar.config.xds_source import header_pairs, json_object
 from sidecar.config.yaml_source import MAX_FILE_BYTES
 from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT
@@ -160,25 +160,8 @@ def _optional_address(text: str) -> str:
 
 
 def _json_object(text: str) -> str:
-    """A JSON object (node metadata), kept as its text."""
-    try:
-        value = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as error:
-        raise ValueError(f"not JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError("must be a JSON object")
+    json_object(text)
     return text
-
-
-def header_pairs(text: str) -> tuple[tuple[str, str], ...]:
-    """``name:value,name:value`` (the reference's map syntax) as gRPC metadata; names lowercased."""
-    pairs = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition(":")
-        if not sep or not name.strip():
-            raise ValueError(f"{item!r} is not name:value")
-        pairs.append((name.strip().lower(), value.strip()))
-    return tuple(pairs)
 
 
 def _header_pairs(text: str) -> str:
@@ -235,6 +218,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("xds_node_id", _non_empty, "--config-source xds: the node id announced to the control plane"),
     Option("xds_node_metadata", _json_object, "--config-source xds: node metadata, a JSON object"),
     Option("xds_headers", _header_pairs, "--config-source xds: gRPC metadata on the stream, name:value,name:value"),
+    Option("xds_tls", _bool, "--config-source xds: TLS to the control plane", is_flag=True),
+    Option(
+        "xds_tls_ca", _non_empty, "--xds-tls: CAs the control plane's certificate must chain to (else the system's)"
+    ),
+    Option("xds_tls_cert", _non_empty, "--xds-tls: client certificate (PEM) for mutual TLS, with --xds-tls-key"),
+    Option("xds_tls_key", _non_empty, "--xds-tls: the client certificate's private key (PEM)"),
+    Option("xds_tls_server_name", _non_empty, "--xds-tls: name the certificate must carry, if not the host's"),
     Option("xds_backoff_initial", _positive_float, "--config-source xds: first reconnect delay, seconds (doubling)"),
     Option("xds_backoff_max", _positive_float, "--config-source xds: longest reconnect delay, seconds"),
     Option("xds_backoff_jitter", _fraction, "--config-source xds: each delay is spread over delay x (1 +/- this)"),
@@ -491,6 +481,11 @@ class Settings:
     xds_node_id: str = "default"
     xds_node_metadata: str = ""
     xds_headers: str = ""
+    xds_tls: bool = False
+    xds_tls_ca: str = ""
+    xds_tls_cert: str = ""
+    xds_tls_key: str = ""
+    xds_tls_server_name: str = ""
     xds_backoff_initial: float = 0.5
     xds_backoff_max: float = 30.0
     xds_backoff_jitter: float = 0.5
@@ -626,6 +621,11 @@ def check_together(settings: Settings, redis_source: str = "--redis-url / RLS_RE
         raise SettingsError("--config (or RLS_CONFIG) is required")
     if settings.config_source == "xds" and not settings.xds_server:
         raise SettingsError("--config-source xds needs --xds-server (or RLS_XDS_SERVER, CONFIG_GRPC_XDS_SERVER_URL)")
+    if bool(settings.xds_tls_cert) != bool(settings.xds_tls_key):
+        raise SettingsError("--xds-tls-cert and --xds-tls-key (RLS_XDS_TLS_CERT, RLS_XDS_TLS_KEY) go together")
+    tls_files = settings.xds_tls_ca or settings.xds_tls_cert or settings.xds_tls_server_name
+    if tls_files and not settings.xds_tls:
+        raise SettingsError("--xds-tls-ca, --xds-tls-cert/-key and --xds-tls-server-name need --xds-tls (RLS_XDS_TLS)")
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise SettingsError("--tls-cert and --tls-key (RLS_TLS_CERT, RLS_TLS_KEY) go together")
     if settings.tls_client_ca and not settings.tls_cert:

@@ -24,7 +24,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,11 +183,23 @@ class DirectoryAds(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ig
             subscribed.set()
 
 
-async def serve(directory: Path, host: str, port: int, poll: float) -> None:
+def server_credentials(cert: Path, key: Path, client_ca: Path | None) -> grpc.ServerCredentials:
+    """TLS for the ADS port; with ``client_ca``, clients must present a certificate it signed."""
+    return grpc.ssl_server_credentials(
+        [(key.read_bytes(), cert.read_bytes())],
+        root_certificates=client_ca.read_bytes() if client_ca else None,
+        require_client_auth=client_ca is not None,
+    )
+
+
+async def serve(
+    directory: Path, host: str, port: int, poll: float, credentials: grpc.ServerCredentials | None = None
+) -> None:
     ads = DirectoryAds(directory)
     server = grpc.aio.server()
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     await server.start()
     emit("listening", address=f"{host}:{bound}", version=ads.snapshot.version, resources=len(ads.snapshot.resources))
     watcher = asyncio.create_task(ads.watch(poll))
@@ -200,11 +212,11 @@ async def serve(directory: Path, host: str, port: int, poll: float) -> None:
 class XdsServerProcess(Child):
     """``python -m stack.xds_server`` as a child of the stack (for the load tools)."""
 
-    def __init__(self, directory: Path, logs: Path, poll: float = 0.2) -> None:
+    def __init__(self, directory: Path, logs: Path, poll: float = 0.2, tls: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "stack.xds_server", "--dir", str(directory), "--port", str(self.port)]
-        super().__init__("xds-server", [*argv, "--poll", str(poll)], logs / "xds-server.log")
+        super().__init__("xds-server", [*argv, "--poll", str(poll), *tls], logs / "xds-server.log")
 
     def ready(self) -> bool:
         return tcp_answers(self.port)
@@ -220,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=18000)
     parser.add_argument("--poll", type=float, default=0.2, help="seconds between looks at the directory")
+    parser.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate (PEM), with --tls-key")
+    parser.add_argument("--tls-key", type=Path)
+    parser.add_argument("--tls-client-ca", type=Path, help="require client certificates signed by this CA")
     args = parser.parse_args(argv)
     try:
-        asyncio.run(serve(args.dir, args.host, args.port, args.poll))
+        credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+        asyncio.run(serve(args.dir, args.host, args.port, args.poll, credentials))
     except (OSError, ValueError) as error:
         print(f"xds_server: {error}", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ import json
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -65,6 +66,36 @@ class XdsOptions:
     backoff_jitter: float = 0.5
     """Random factor: each delay is spread uniformly over ``delay * (1 ± jitter)``."""
     max_message_bytes: int = 4 * 1024 * 1024
+    tls: bool = False
+    tls_ca: str = ""
+    """PEM file of the CAs the control plane's certificate must chain to; empty: gRPC's default roots."""
+    tls_cert: str = ""
+    tls_key: str = ""
+    """The client certificate and key, for a control plane that asks for one (mutual TLS)."""
+    tls_server_name: str = ""
+    """The name the certificate must carry when it is not the address's host (the reference's SAN)."""
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """Node metadata: a JSON object (empty text is none); ``ValueError`` says what is wrong."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return value
+
+
+def header_pairs(text: str) -> tuple[tuple[str, str], ...]:
+    """``name:value,name:value`` (the reference's map syntax) as gRPC metadata; names lowercased."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"{item!r} is not name:value")
+        pairs.append((name.strip().lower(), value.strip()))
+    return tuple(pairs)
 
 
 def backoff(attempt: int, options: XdsOptions, draw: Callable[[], float] = random.random) -> float:
@@ -192,6 +223,15 @@ def node(options: XdsOptions) -> Any:
     return base_pb2.Node(id=options.node_id, metadata=metadata, user_agent_name=USER_AGENT)
 
 
+def channel_credentials(options: XdsOptions) -> grpc.ChannelCredentials:
+    """TLS credentials from the option's files; ``OSError`` naming the file that cannot be read."""
+
+    def read(path: str) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    return grpc.ssl_channel_credentials(read(options.tls_ca), read(options.tls_key), read(options.tls_cert))
+
+
 @dataclass
 class XdsState:
     """What the source has done, for ``/config``, logs and tests."""
@@ -241,7 +281,9 @@ class XdsConfigSource:
             ("grpc.primary_user_agent", USER_AGENT),
         ]
         received = False
-        async with grpc.aio.insecure_channel(self.options.server, options=channel_options) as channel:
+        if self.options.tls_server_name:
+            channel_options.append(("grpc.ssl_target_name_override", self.options.tls_server_name))
+        async with await self._channel(channel_options) as channel:
             stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
             requests: asyncio.Queue[Any] = asyncio.Queue()
             requests.put_nowait(self._request())
@@ -259,6 +301,14 @@ class XdsConfigSource:
                 self.state.connected = False
                 call.cancel()
         return received
+
+    async def _channel(self, channel_options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        """Plaintext, or TLS with the files read now (a rotated certificate is used from the next
+        connection on)."""
+        if not self.options.tls:
+            return grpc.aio.insecure_channel(self.options.server, options=channel_options)
+        credentials = await asyncio.to_thread(channel_credentials, self.options)
+        return grpc.aio.secure_channel(self.options.server, credentials, options=channel_options)
 
     def _request(self, nonce: str = "", detail: tuple[int, str] | None = None) -> Any:
         """A request announcing the version served now (ACK, or NACK with ``detail``)."""

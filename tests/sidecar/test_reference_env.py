@@ -117,7 +117,7 @@ def test_gprc_on_a_unix_socket() -> None:
     [
         ({"BACKEND_TYPE": "memcache"}, "memcached is not a backend here"),
         ({"CONFIG_TYPE": "GRPC_XDS_DELTA"}, "must be FILE or GRPC_XDS_SOTW"),
-        ({"CONFIG_TYPE": "GRPC_XDS_SOTW", "CONFIG_GRPC_XDS_SERVER_USE_TLS": "true"}, "TLS to it is not supported"),
+        ({"CONFIG_TYPE": "GRPC_XDS_SOTW", "CONFIG_GRPC_XDS_SERVER_USE_TLS": "yes"}, "must be true or false"),
         ({"XDS_CLIENT_BACKOFF_MAX_INTERVAL": "1 minute"}, "must be a Go duration"),
         ({"LOG_LEVEL": "loud"}, "LOG_LEVEL='loud'"),
         ({"SHADOW_MODE": "maybe"}, "SHADOW_MODE='maybe': must be true or false"),
@@ -160,5 +160,29 @@ def test_the_xds_config_source_is_read_from_the_reference_variables() -> None:
     assert settings.xds_headers == "x-tenant:blue,authorization:Bearer t"
     assert (settings.xds_backoff_initial, settings.xds_backoff_max, settings.xds_backoff_jitter) == (0.5, 90.0, 0.0)
     assert settings.xds_max_message_bytes == 1048576
-    assert "TLS to it is not supported" in notes["CONFIG_GRPC_XDS_SERVER_TLS_SAN"]
+    assert notes["CONFIG_GRPC_XDS_SERVER_TLS_SAN"] == "read only with CONFIG_GRPC_XDS_SERVER_USE_TLS=true"
+    assert not settings.xds_tls
     assert resolved({"CONFIG_TYPE": "FILE"}, "--config", "c")[0].config_source == "file"
+
+
+def test_tls_to_the_control_plane_is_read_from_the_reference_variables() -> None:
+    settings, notes = resolved(
+        {
+            "CONFIG_TYPE": "GRPC_XDS_SOTW",
+            "CONFIG_GRPC_XDS_SERVER_URL": "cp.internal:18001",
+            "CONFIG_GRPC_XDS_SERVER_USE_TLS": "true",
+            "CONFIG_GRPC_XDS_SERVER_TLS_CACERT": "/certs/ca.pem",
+            "CONFIG_GRPC_XDS_CLIENT_TLS_CERT": "/certs/tls.crt",
+            "CONFIG_GRPC_XDS_CLIENT_TLS_KEY": "/certs/tls.key",
+            "CONFIG_GRPC_XDS_SERVER_TLS_SAN": "envoy-gateway",
+        }
+    )
+    assert settings.xds_server == "cp.internal:18001"
+    assert settings.xds_tls
+    assert (settings.xds_tls_ca, settings.xds_tls_cert, settings.xds_tls_key) == (
+        "/certs/ca.pem",
+        "/certs/tls.crt",
+        "/certs/tls.key",
+    )
+    assert settings.xds_tls_server_name == "envoy-gateway"
+    assert notes == {}

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from sidecar.settings import Settings, SettingsError, add_serve_arguments, header_pairs, resolve
+from sidecar.config.xds_source import header_pairs
+from sidecar.settings import Settings, SettingsError, add_serve_arguments, resolve
 
 
 def settings_from(*flags: str, environ: dict[str, str] | None = None) -> Settings:
@@ -48,3 +49,13 @@ def test_header_pairs_are_grpc_metadata() -> None:
         ("authorization", "Bearer a:b"),
     )
     assert header_pairs("") == ()
+
+
+def test_the_tls_files_need_tls_and_the_certificate_its_key() -> None:
+    server = ("--config-source", "xds", "--xds-server", "127.0.0.1:18000")
+    with pytest.raises(SettingsError, match=r"^--xds-tls-cert and --xds-tls-key"):
+        settings_from(*server, "--xds-tls", "--xds-tls-cert", "c.pem")
+    with pytest.raises(SettingsError, match=r"need --xds-tls \(RLS_XDS_TLS\)$"):
+        settings_from(*server, "--xds-tls-ca", "ca.pem")
+    settings = settings_from(*server, "--xds-tls", "--xds-tls-server-name", "cp")
+    assert (settings.xds_tls, settings.xds_tls_server_name) == (True, "cp")

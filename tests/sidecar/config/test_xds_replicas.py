@@ -14,13 +14,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stack.processes import free_port, spawn
+from stack.tls import OPENSSL, make_certificates
 from tests.support.sidecars import OK, Sidecar, SidecarFactory, request
 
 pytestmark = pytest.mark.slow
@@ -39,12 +40,13 @@ def limits(per_hour: int | None) -> str:
 class ControlPlane:
     """``python -m stack.xds_server`` on a fixed port, its JSON lines in a log file."""
 
-    def __init__(self, directory: Path, log: Path) -> None:
-        self.directory, self.log, self.port = directory, log, free_port()
+    def __init__(self, directory: Path, log: Path, extra: Sequence[str] = ()) -> None:
+        self.directory, self.log, self.port, self.extra = directory, log, free_port(), list(extra)
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         argv = [sys.executable, "-m", "stack.xds_server", "--dir", str(self.directory), "--port", str(self.port)]
+        argv += self.extra
         with self.log.open("ab") as out:
             self.process = spawn(argv, stdout=out, own_session=False, die_with_parent=False)
         poll_until(lambda: any(e["event"] == "listening" for e in self.events()), "the control plane listening")
@@ -179,3 +181,30 @@ def test_a_missing_fallback_starts_with_no_limits(tmp_path: Path, start_sidecar:
     )  # fmt: skip
     assert replica.event("xds_fallback_missing")["config"] == str(nowhere)
     assert allowed(replica) == PROBE_HITS  # no limits yet: everything passes
+
+
+@pytest.mark.skipif(OPENSSL is None, reason="openssl makes the test certificates")
+def test_mutual_tls_to_the_control_plane(tmp_path: Path, start_sidecar: SidecarFactory) -> None:
+    certs = make_certificates(tmp_path / "certs")
+    tls = ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key), "--tls-client-ca", str(certs.ca)]
+    plane = ControlPlane(tmp_path / "limits", tmp_path / "xds_server.log", tls)
+    plane.directory.mkdir()
+    (plane.directory / "tenants.yaml").write_text(limits(3))
+    plane.start()
+    common = ["--config-source", "xds", "--xds-server", f"localhost:{plane.port}", "--metrics-address", ""]
+    common += ["--xds-tls", "--xds-tls-ca", str(certs.ca)]
+    client = ["--xds-tls-cert", str(certs.client_cert), "--xds-tls-key", str(certs.client_key)]
+    rogue_client = ["--xds-tls-cert", str(certs.rogue_cert), "--xds-tls-key", str(certs.rogue_key)]
+    try:
+        trusted = start_sidecar(*common, *client, "--xds-tls-server-name", "127.0.0.1")
+        refused = [
+            start_sidecar(*common, *rogue_client),  # a client certificate the control plane does not trust
+            start_sidecar(*common, *client, "--xds-tls-server-name", "elsewhere.example"),  # not the server's name
+        ]
+        poll_until(lambda: allowed(trusted) == 3, "the limit over mutual TLS")
+        for replica in refused:
+            poll_until(lambda replica=replica: "xds_stream_failed" in replica.stderr(), "a refused stream")
+            assert allowed(replica) == PROBE_HITS  # nothing applied from a control plane it could not reach
+            assert "xds_applied" not in replica.stderr()
+    finally:
+        plane.kill()
