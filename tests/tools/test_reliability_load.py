@@ -102,6 +102,7 @@ def test_the_soak_holds_seventy_percent_of_the_maximum(soak_rows: list[Any]) -> 
         assert name in figures, explain(row)
 
 
+@pytest.mark.serial  # the soak's rows: one run of them, in the serial phase
 def test_the_grpc_server_limits_are_in_effect(soak_rows: list[Any]) -> None:
     oversized = by_scenario(soak_rows, "over 1 MiB")[0]
     assert oversized.ok is True, explain(oversized)
