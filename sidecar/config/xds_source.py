@@ -51,6 +51,7 @@ SOURCE_PREFIX = "xds:"
 MAX_DETAIL_ISSUES = 20
 """A NACK's ``error_detail`` lists this many issues at most (and counts the rest)."""
 USER_AGENT = "ratelimit-sidecar"
+KEEPALIVE_MS = 300_000
 
 
 @dataclass(frozen=True)
@@ -276,9 +277,14 @@ class XdsConfigSource:
 
     async def _session(self) -> bool:
         """One stream, until it ends; True when it delivered at least one response."""
-        channel_options = [
+        channel_options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", self.options.max_message_bytes),
             ("grpc.primary_user_agent", USER_AGENT),
+            # A control plane that vanished without closing the connection (a node lost) would
+            # otherwise hold the stream open for ever: ping it. Every 5 minutes, the least
+            # interval gRPC servers accept by default (more often, they close the connection).
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", 20_000),
         ]
         received = False
         if self.options.tls_server_name:
