@@ -17,9 +17,10 @@ While the estimate is within the limit's rate ``p`` is exactly 1 and no random n
 is drawn: a client within its limit is never suppressed.
 
 Where the counts live: the memory backend counts its own requests; ``sync`` adds the
-hits read back from Redis (each replica flushes its attempted hits to one key per
-counter and sub-interval, :mod:`sidecar.limiter.suppression_sync`), so every replica
-applies the same ``p`` from the global demand. Work per request is O(1) (a few slots of
+hits read back from Redis (each replica flushes its attempted hits with its batch, to
+one key per counter and sub-interval: :mod:`sidecar.limiter.sync_counters`); ``strict``
+adds and reads them in the request's own script call. So every replica applies the
+same ``p`` from the global demand. Work per request is O(1) (a few slots of
 one counter), and at most ``max_counters`` counters are followed, least recently used
 forgotten first.
 """
