@@ -353,7 +353,13 @@ class Sidecar:
         process = ProcessCollector(registry=self.registry)
         self.admin = AdminEndpoint(
             # Called on the event loop: copies the numbers; the text is made in a thread.
-            lambda: Scrape(self.collector.frozen(), process, heap.PAUSES.frozen(), TLS_RELOADS.frozen()),
+            lambda: Scrape(
+                self.collector.frozen(),
+                process,
+                heap.PAUSES.frozen(),
+                TLS_RELOADS.frozen(),
+                *([self.xds.state.frozen()] if self.xds is not None else []),
+            ),
             self._config_json,
             lambda: self.serving,
             write_timeout=settings.admin_write_timeout,
@@ -377,7 +383,9 @@ class Sidecar:
             max_bytes=settings.max_config_bytes,
             options=load_options(settings),
         )
-        self.xds = xds_source(settings, self.reloader) if settings.config_source == "xds" else None
+        self.xds: XdsConfigSource | None = (
+            xds_source(settings, self.reloader) if settings.config_source == "xds" else None
+        )
         """``--config-source xds``: the control plane's pushes replace the config (no file reloads)."""
         self._xds_task: asyncio.Task[None] | None = None
 

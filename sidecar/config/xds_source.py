@@ -24,7 +24,7 @@ import asyncio
 import hashlib
 import json
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import grpc
 import structlog
 from google.protobuf import json_format, struct_pb2
 from google.protobuf.message import DecodeError
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.load import DEFAULT_OPTIONS, MERGE_HINT, LoadOptions, merge_domains, mode_issues, parse_named
@@ -235,7 +236,7 @@ def channel_credentials(options: XdsOptions) -> grpc.ChannelCredentials:
 
 @dataclass
 class XdsState:
-    """What the source has done, for ``/config``, logs and tests."""
+    """What the source has done, for ``/config``, ``/metrics``, logs and tests."""
 
     version: str = ""
     """The version of the last applied (ACKed) response; empty before the first."""
@@ -244,6 +245,47 @@ class XdsState:
     applied: int = 0
     rejected: int = 0
     last_error: str = ""
+
+    def frozen(self) -> FrozenXdsState:
+        """A copy for one scrape (taken on the loop, rendered in a thread)."""
+        return FrozenXdsState(self.version, self.connected, self.applied, self.rejected)
+
+
+MAX_VERSION_LABEL = 64
+"""Characters of the control plane's version string a metric label carries (the server picks
+it: a longer one is cut, so one scrape's series stay small)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrozenXdsState:
+    """``ratelimit_sidecar_xds_*``: the stream's state and the updates applied or refused."""
+
+    version: str
+    connected: bool
+    applied: int
+    rejected: int
+
+    def collect(self) -> Iterator[Metric]:
+        connected = GaugeMetricFamily(
+            "ratelimit_sidecar_xds_connected", "1 while the ADS stream to the control plane is open"
+        )
+        connected.add_metric([], float(self.connected))
+        yield connected
+        updates = CounterMetricFamily(
+            "ratelimit_sidecar_xds_updates",
+            "Config pushes from the control plane: applied (ACKed) or rejected (NACKed, the last good kept)",
+            labels=("result",),
+        )
+        updates.add_metric(["applied"], self.applied)
+        updates.add_metric(["rejected"], self.rejected)
+        yield updates
+        info = GaugeMetricFamily(
+            "ratelimit_sidecar_xds_config_version",
+            "1, labelled with the version of the config pushed last and applied (empty before the first)",
+            labels=("version",),
+        )
+        info.add_metric([self.version[:MAX_VERSION_LABEL]], 1.0)
+        yield info
 
 
 class XdsConfigSource:

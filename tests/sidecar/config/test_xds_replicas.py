@@ -22,7 +22,7 @@ import pytest
 
 from stack.processes import free_port, spawn
 from stack.tls import OPENSSL, make_certificates
-from tests.support.sidecars import OK, Sidecar, SidecarFactory, request
+from tests.support.sidecars import OK, Sidecar, SidecarFactory, metric, request
 
 pytestmark = pytest.mark.slow
 
@@ -140,6 +140,12 @@ def test_three_replicas_follow_the_control_plane(control_plane: ControlPlane, st
     assert shown["xds"]["version"] == nacks()["replica-0"]["version"]
     assert (shown["xds"]["applied"], shown["xds"]["rejected"]) == (2, 1)
     assert "unit" in shown["xds"]["last_error"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    assert metric(text, "ratelimit_sidecar_xds_updates_total", result="applied") == 2
+    assert metric(text, "ratelimit_sidecar_xds_updates_total", result="rejected") == 1
+    assert metric(text, "ratelimit_sidecar_xds_connected") == 1
+    assert metric(text, "ratelimit_sidecar_xds_config_version", version=shown["xds"]["version"][:64]) == 1
     replicas[1].send_signal(signal.SIGHUP)  # no file reload in this mode
     replicas[1].event("config_reload_ignored")
     assert all_enforce(replicas, 5)
