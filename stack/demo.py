@@ -370,6 +370,12 @@ def describe_stack(stack: Stack) -> Iterator[str]:
     sidecars = ", ".join(f"{replica.sidecar.metrics_url}/metrics" for replica in stack.replicas)
     yield f"  metrics        {sidecars} (also /config, /healthz)"
     yield f"  backend        {stack.backend_note}"
+    if stack.xds is not None and stack.xds_limits is not None:
+        where = stack.xds_limits.relative_to(REPO) if stack.xds_limits.is_relative_to(REPO) else stack.xds_limits
+        yield (
+            f"  xds-server     {stack.xds.address} serves {where}/ to the sidecars (--config-source xds):"
+            " edit a file there and every sidecar takes it"
+        )
     if stack.haproxy is not None:
         yield (
             f"  haproxy        {stack.haproxy.url('fixed')} (fixed windows), {stack.haproxy.url('sliding')}"
@@ -400,6 +406,11 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=2, help="pods to start (default 2)")
     parser.add_argument("--no-haproxy", action="store_true", help="do not start HAProxy")
     parser.add_argument("--no-quota", action="store_true", help="do not start the quota-mode Envoy")
+    parser.add_argument(
+        "--xds",
+        action="store_true",
+        help="the sidecars' limits from a control plane (stack.xds_server) instead of files",
+    )
     return parser.parse_args(argv)
 
 
@@ -419,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         haproxy=not arguments.no_haproxy,
         quota=not arguments.no_quota,
         quota_port=10000 + arguments.replicas,
+        xds=arguments.xds,
     )
     print("Starting the local stack on 127.0.0.1 ...", flush=True)
     try:

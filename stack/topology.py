@@ -5,12 +5,15 @@ sidecar ``i`` and its traffic to app ``i``. With ``quota`` one more pod runs the
 limits in quota mode: ``envoy/quota.yaml`` (Envoy enforces in-process) with its own
 sidecar, on the embedded backend (one Envoy: its full limit). With Redis the sidecars share every limit
 (``sync`` mode unless told otherwise); without it each runs the embedded backend with
-``--instances R`` (limit / R each), and :attr:`Stack.backend_note` says so.
+``--instances R`` (limit / R each), and :attr:`Stack.backend_note` says so. With ``xds`` the
+sidecars take their limits from a control plane (``stack.xds_server``) serving a copy of
+the config directory: edit a file there and every sidecar takes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -24,6 +27,7 @@ from stack.redis import RedisProcess
 from stack.redis import available as redis_available
 from stack.sidecar import SidecarProcess
 from stack.upstream import UpstreamProcess
+from stack.xds_server import XdsServerProcess
 
 EXAMPLE_CONFIG = REPO / "examples" / "config"
 
@@ -54,6 +58,9 @@ class StackOptions:
     """Also run a quota-mode pod: ``envoy/quota.yaml`` -> its own sidecar -> its own app."""
     quota_port: int | None = None
     """Preferred listen port of the quota-mode Envoy."""
+    xds: bool = False
+    """The sidecars' limits from a control plane (``--config-source xds``) serving a copy of
+    ``config``, instead of the files themselves (the quota pod keeps the files)."""
 
 
 @dataclass
@@ -87,6 +94,9 @@ class Stack:
     haproxy: HAProxyProcess | None = None
     haproxy_note: str = ""
     quota: QuotaPod | None = None
+    xds: XdsServerProcess | None = None
+    xds_limits: Path | None = None
+    """The directory the control plane serves (``xds``): edit it to change every sidecar's limits."""
 
     @property
     def envoy_urls(self) -> list[str]:
@@ -144,6 +154,9 @@ def start(group: ProcessGroup, directory: Path, options: StackOptions) -> Stack:
     indexes = range(1, options.replicas + 1)
     apps = group.start_all_ready([partial(UpstreamProcess, f"app-{index}", directory) for index in indexes])
     serve_args = _serve_args(options, redis)
+    if options.xds:
+        stack.xds_limits, stack.xds = _start_xds(group, directory, options.config)
+        serve_args += ["--config-source", "xds", "--xds-server", stack.xds.address, "--xds-backoff-max", "2"]
     sidecars = group.start_all_ready(
         [partial(SidecarProcess, f"sidecar-{index}", serve_args, directory) for index in indexes]
     )
@@ -159,6 +172,18 @@ def start(group: ProcessGroup, directory: Path, options: StackOptions) -> Stack:
     if options.quota:
         stack.quota = _start_quota(group, directory, options)
     return stack
+
+
+def _start_xds(group: ProcessGroup, directory: Path, config: Path) -> tuple[Path, XdsServerProcess]:
+    """A control plane serving a copy of ``config`` (a file or a directory of them)."""
+    limits = directory / "xds-limits"
+    shutil.rmtree(limits, ignore_errors=True)
+    if config.is_dir():
+        shutil.copytree(config, limits)
+    else:
+        limits.mkdir(parents=True)
+        shutil.copy(config, limits / config.name)
+    return limits, group.start_ready(partial(XdsServerProcess, limits, directory))
 
 
 def _start_quota(group: ProcessGroup, directory: Path, options: StackOptions) -> QuotaPod:
