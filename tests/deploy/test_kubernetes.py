@@ -15,7 +15,6 @@ import contextlib
 import io
 import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,12 +27,24 @@ from sidecar.__main__ import _parser, main
 from sidecar.config import load_config
 from sidecar.settings import SERVE_OPTIONS, resolve
 from stack.envoy import ingress_manager, validate_config
-from tests.support.deploy import COMPOSE_FILE, KUBERNETES, REPO, effective, read_dockerfile, stage_chain, tool
+from tests.deploy.kubernetes_support import (
+    BASE,
+    NATIVE,
+    OVERLAYS,
+    PASSWORD_PLACEHOLDER,
+    SECRET_PLACEHOLDER,
+    Resources,
+    env_of,
+    named,
+    parse,
+    pod,
+    referenced_only,
+    render,
+    sidecar_of,
+    validate,
+)
+from tests.support.deploy import COMPOSE_FILE, KUBERNETES, REPO, effective, read_dockerfile, stage_chain
 
-BASE = KUBERNETES / "base"
-NATIVE = ("memory", "sync", "strict", "quota")
-"""Overlays with the sidecar as a native sidecar (an init container with restartPolicy: Always)."""
-OVERLAYS = (*NATIVE, "classic")
 VERSIONS = {
     # Native sidecars: beta and on by default from 1.29, stable in 1.33.
     **dict.fromkeys(NATIVE, ("1.30.0", "1.37.0")),
@@ -43,6 +54,7 @@ VERSIONS = {
 EXPECTED_BACKEND = {
     "memory": ("memory", None),
     "sync": ("redis", "sync"),
+    "sync-dev": ("redis", "sync"),
     "strict": ("redis", "strict"),
     "classic": ("redis", "sync"),
     "quota": ("redis", None),
@@ -68,72 +80,6 @@ PER_REQUEST = tuple(overlay for overlay in OVERLAYS if overlay != "quota")
 """Overlays whose Envoy calls ShouldRateLimit per request (envoy/sidecar.yaml)."""
 PODMONITOR_SCHEMA = Path(__file__).parent / "schemas" / "podmonitor.json"
 CRD_KINDS = {"PodMonitor"}
-SECRET_PLACEHOLDER = "rediss://user:password@redis.example.internal:6380"
-"""Stands in for a value read from a Secret when the settings are resolved."""
-
-Resources = dict[tuple[str, str], dict[str, Any]]
-
-
-def render(directory: Path) -> str:
-    result = subprocess.run(
-        [tool("kubectl"), "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-@pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """overlay -> the file of its rendered resources."""
-    directory = tmp_path_factory.mktemp("kustomize")
-    paths = {}
-    for overlay in OVERLAYS:
-        paths[overlay] = directory / f"{overlay}.yaml"
-        paths[overlay].write_text(render(KUBERNETES / "overlays" / overlay))
-    return paths
-
-
-@pytest.fixture(scope="module")
-def overlays(rendered: dict[str, Path]) -> dict[str, Resources]:
-    """overlay -> (kind, name) -> resource."""
-    return {
-        overlay: {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(path.read_text()) if doc}
-        for overlay, path in rendered.items()
-    }
-
-
-def named(items: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    (found,) = [item for item in items if item["name"] == name]
-    return found
-
-
-def validate(*paths: Path, version: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [tool("kubernetes-validate"), "--strict", "--kubernetes-version", version, *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
-def pod(resources: Resources) -> dict[str, Any]:
-    spec: dict[str, Any] = resources["Deployment", "app"]["spec"]["template"]["spec"]
-    return spec
-
-
-def sidecar_of(resources: Resources) -> dict[str, Any]:
-    """The ratelimit container, wherever the overlay put it."""
-    spec = pod(resources)
-    found = [item for item in spec.get("initContainers", []) + spec["containers"] if item["name"] == "ratelimit"]
-    (container,) = found
-    return container
-
-
-def env_of(container: dict[str, Any]) -> dict[str, str]:
-    """Environment values; one read from a Secret stands as a placeholder."""
-    return {item["name"]: item.get("value", SECRET_PLACEHOLDER) for item in container["env"]}
-
 
 # ------------------------------------------------------------------------- render and validate
 
@@ -155,7 +101,7 @@ def test_every_overlay_renders_and_validates(
 
 def test_the_base_alone_renders_without_a_backend() -> None:
     """The base is not deployable on its own (no RLS_BACKEND): the overlays choose."""
-    resources = {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(render(BASE)) if doc}
+    resources = parse(render(BASE))
     assert "RLS_BACKEND" not in env_of(sidecar_of(resources))
 
 
@@ -189,7 +135,7 @@ def test_every_resource_file_validates_on_its_own() -> None:
         for name in yaml.safe_load((directory / "kustomization.yaml").read_text()).get("resources", [])
         if yaml.safe_load((directory / name).read_text())["kind"] not in CRD_KINDS
     ]
-    assert len(files) == 5
+    assert len(files) == 8
     for version in ("1.30.0", "1.37.0"):
         result = validate(*files, version=version)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -317,6 +263,8 @@ def test_native_shutdown_fits_the_grace_period(overlays: dict[str, Resources], o
 def test_sidecar_env_names_and_values_are_settings(overlays: dict[str, Resources], overlay: str) -> None:
     sidecar = sidecar_of(overlays[overlay])
     environment = env_of(sidecar)
+    for name in referenced_only(sidecar):  # only expanded into another value (a password)
+        del environment[name]
     known = {option.env for option in SERVE_OPTIONS}
     assert set(environment) <= known, set(environment) - known
     settings = resolve(_parser().parse_args(sidecar["args"]), environ=environment)  # raises on a bad value
@@ -345,28 +293,52 @@ def test_pinned_production_settings_are_the_defaults(overlays: dict[str, Resourc
         assert option.parse(environment[name]) == option.default, (overlay, name, environment[name], option.default)
 
 
-def test_memory_instances_match_the_replicas(overlays: dict[str, Resources]) -> None:
+def test_memory_instances_match_the_replicas_and_a_rollout_never_adds_a_pod(overlays: dict[str, Resources]) -> None:
+    """Each memory pod admits ceil(limit / RLS_INSTANCES): with RLS_INSTANCES = replicas the
+    pods together admit the limit, and a rollout that surged one pod above replicas
+    (maxSurge: 1, the base) would admit (replicas + 1) / replicas of it."""
     resources = overlays["memory"]
-    assert int(env_of(sidecar_of(resources))["RLS_INSTANCES"]) == resources["Deployment", "app"]["spec"]["replicas"]
-    assert not [key for key in resources if key[1] == "redis"]
+    deployment = resources["Deployment", "app"]["spec"]
+    assert int(env_of(sidecar_of(resources))["RLS_INSTANCES"]) == deployment["replicas"]
+    assert deployment["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert resources["PodDisruptionBudget", "app"]["spec"]["maxUnavailable"] == 1
+    assert not [key for key in resources if key[1].startswith("redis")]
 
 
-@pytest.mark.parametrize("overlay", ["sync", "classic", "quota"])
-def test_redis_url_reaches_the_statefulset(overlays: dict[str, Resources], overlay: str) -> None:
-    resources = overlays[overlay]
-    url = urlsplit(env_of(sidecar_of(resources))["RLS_REDIS_URL"])
+def test_sync_dev_reaches_its_redis_with_the_password_redis_requires(overlays: dict[str, Resources]) -> None:
+    resources = overlays["sync-dev"]
+    sidecar = sidecar_of(resources)
+    url = urlsplit(env_of(sidecar)["RLS_REDIS_URL"])
+    assert url.hostname is not None
     service = resources["Service", url.hostname]
     assert [port["port"] for port in service["spec"]["ports"]] == [url.port]
     redis = resources["StatefulSet", url.hostname]
     assert redis["spec"]["serviceName"] == service["metadata"]["name"]
     assert service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
+    assert url.password == PASSWORD_PLACEHOLDER, "the password comes from the Secret, expanded by the kubelet"
+    (server,) = redis["spec"]["template"]["spec"]["containers"]
+    arguments = server["args"]
+    assert arguments[arguments.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    both = server["env"] + sidecar["env"]
+    secret_of = {item["name"]: item["valueFrom"]["secretKeyRef"] for item in both if "valueFrom" in item}
+    assert secret_of["REDIS_PASSWORD"] == secret_of["REDISCLI_AUTH"] == secret_of["REDIS_DEV_PASSWORD"]
+    assert arguments[arguments.index("--maxmemory-policy") + 1] == "noeviction"
 
 
-def test_strict_reads_the_redis_url_from_a_secret(overlays: dict[str, Resources]) -> None:
-    resources = overlays["strict"]
+def test_in_cluster_redis_is_named_and_labelled_dev_only(overlays: dict[str, Resources]) -> None:
+    redis = [resource for key, resource in overlays["sync-dev"].items() if "redis" in key[1]]
+    assert {resource["kind"] for resource in redis} == {"StatefulSet", "Service", "NetworkPolicy"}
+    for resource in redis:
+        assert resource["metadata"]["name"].endswith("-dev")
+        assert resource["metadata"]["labels"]["ratelimit-sidecar/dev-only"] == "true"
+
+
+@pytest.mark.parametrize("overlay", ["sync", "strict", "quota", "classic"])
+def test_production_overlays_read_the_redis_url_from_a_secret(overlays: dict[str, Resources], overlay: str) -> None:
+    resources = overlays[overlay]
     (url,) = [item for item in sidecar_of(resources)["env"] if item["name"] == "RLS_REDIS_URL"]
     assert url == {"name": "RLS_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "ratelimit-redis", "key": "url"}}}
-    assert not [key for key in resources if key[1] == "redis"], "no Redis in the namespace"
+    assert not [key for key in resources if "redis" in key[1]], "no Redis in the namespace"
 
 
 def configmap_for(resources: Resources, volume_name: str) -> dict[str, str]:
@@ -493,7 +465,7 @@ def test_quota_envoy_config_validates_in_envoy(overlays: dict[str, Resources], t
 def test_quota_sidecar_shares_through_redis_at_a_small_cpu_request(overlays: dict[str, Resources]) -> None:
     sidecar = sidecar_of(overlays["quota"])
     settings = resolve(_parser().parse_args(sidecar["args"]), environ=env_of(sidecar))
-    assert settings.backend == "redis" and settings.redis_url == "redis://redis:6379"
+    assert settings.backend == "redis" and settings.redis_url == SECRET_PLACEHOLDER
     defaults = resolve(_parser().parse_args(["serve", "--config", "c"]), environ={})
     assert (settings.quota_ttl, settings.quota_idle_abandon) == (defaults.quota_ttl, defaults.quota_idle_abandon)
     assert sidecar["resources"]["requests"]["cpu"] == "50m"
