@@ -17,6 +17,7 @@ from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess, UpstreamTLS
 from stack.processes import process_group
 from stack.tls import OPENSSL, Certificates, make_certificates
 from stack.upstream import UpstreamProcess
+from tests.support.envoys import COUNTING_TIMEOUT
 from tests.support.sidecars import OK, SidecarFactory, clean_env, free_port, log_events, request, run_cli
 
 pytestmark = [pytest.mark.envoy]
@@ -112,6 +113,7 @@ def test_real_envoy_calls_the_sidecar_over_mutual_tls(
                 EnvoyPorts.free(app=app.port, ratelimit=sidecar.port),
                 tmp_path,
                 failure_mode_deny=True,  # a TLS failure shows as 500, not as a silent pass
+                timeout_seconds=COUNTING_TIMEOUT,
                 upstream_tls=tls,
             )
         )

@@ -54,7 +54,7 @@ REDIS_TIMEOUT = 0.5
 CALL_TIMEOUT = 20.0
 """Client deadline: a call that times out has an unknown outcome and spoils the exact checks."""
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(450)]
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(450)]
 
 
 def blind_cap(limit: int, replicas: int) -> int:
@@ -227,7 +227,6 @@ def check_answered(result: dict[str, Any]) -> None:
     assert set(result["exit_codes"].values()) == {0}, f"a sidecar did not exit cleanly: {result['exit_codes']}"
 
 
-@pytest.mark.serial
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("scenario", SLIDING_SCENARIOS)
 def test_sliding_window_keeps_its_estimate_within_each_modes_bound(
@@ -246,7 +245,6 @@ def test_sliding_window_keeps_its_estimate_within_each_modes_bound(
     assert figures["exact_max_hits"] <= exact_ceiling, (exact_ceiling, figures, context(result))
 
 
-@pytest.mark.serial
 @pytest.mark.parametrize("mode", MODES)
 def test_sliding_window_does_not_let_a_boundary_double_the_limit(algorithm_figures: dict[str, Any], mode: str) -> None:
     figures = row(algorithm_figures, "sliding_boundary", mode)["algorithm_accuracy"]
@@ -255,7 +253,6 @@ def test_sliding_window_does_not_let_a_boundary_double_the_limit(algorithm_figur
     assert figures["exact_max_pct"] < figures["fixed_reference_exact_max_pct"], figures
 
 
-@pytest.mark.serial
 @pytest.mark.parametrize("mode", ["local", "strict"])
 def test_token_bucket_stays_inside_its_envelope(algorithm_figures: dict[str, Any], mode: str) -> None:
     result = row(algorithm_figures, "token_bucket", mode)
@@ -269,7 +266,6 @@ def test_token_bucket_stays_inside_its_envelope(algorithm_figures: dict[str, Any
         assert figures["admitted"] >= figures["ideal_admitted"] - 0.05 * figures["ideal_admitted"], figures
 
 
-@pytest.mark.serial
 def test_sync_mode_is_reported_as_not_offering_token_buckets(algorithm_figures: dict[str, Any]) -> None:
     (result,) = [r for r in algorithm_figures["results"] if r["scenario"] == "token_bucket" and r["mode"] == "sync"]
     assert result["status"] == "skipped", result

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(420)]
 
 
 def faults_module() -> Any:
