@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from sidecar import admin
 from sidecar.config.xds_source import header_pairs, json_object
@@ -25,6 +24,22 @@ from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT
 from sidecar.limiter.failure import FailureMode
 from sidecar.limiter.redis.connect import SCHEME, RedisUrlError, SentinelUrlError, check_url, is_sentinel_url
+from sidecar.option_values import (
+    at_least,
+    boolean,
+    finite_float,
+    fraction,
+    grpc_address,
+    header_name,
+    host_port,
+    key_prefix,
+    non_empty,
+    non_negative_float,
+    one_of,
+    optional_host_port,
+    positive_float,
+    positive_int,
+)
 from sidecar.quota.partition import HOLD_LEASES, AfterHold, lease_seconds
 from sidecar.reference_env import Note, ReferenceEnvError, reference_aliases
 from sidecar.service.headers import HeaderStyle
@@ -53,112 +68,6 @@ class SettingsError(ValueError):
     """A flag or environment variable has a value we cannot use; names which one."""
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError("must be at least 1")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    """A float that is a number: ``nan`` and the infinities (``inf``, ``1e999``) are refused,
-    since every float setting is a duration, an offset or a fraction, and comparisons with
-    NaN are all false (``--clock-offset nan`` made every window NaN)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError("must be a finite number")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _finite_float(text)
-    if value < 0:
-        raise ValueError("must not be negative")
-    return value
-
-
-def _non_empty(text: str) -> str:
-    if not text.strip():
-        raise ValueError("must not be empty")
-    return text
-
-
-def _key_prefix(text: str) -> str:
-    """A Redis key prefix: no braces, which would become the hash tag of every key and
-    put all counters in one Redis Cluster slot, and no whitespace."""
-    if not text or any(char in text for char in "{}") or any(char.isspace() for char in text):
-        raise ValueError("must be non-empty, without braces or whitespace")
-    return text
-
-
-def _positive_float(text: str) -> float:
-    value = _finite_float(text)
-    if not value > 0:
-        raise ValueError("must be greater than 0")
-    return value
-
-
-def _at_least(minimum: int, why: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise ValueError(f"must be a whole number of seconds, at least {minimum} ({why})")
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    value = _finite_float(text)
-    if not 0 <= value <= 1:
-        raise ValueError("must be between 0 and 1")
-    return value
-
-
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in {"1", "true", "yes", "on"}:
-        return True
-    if lowered in {"0", "false", "no", "off", ""}:
-        return False
-    raise ValueError("must be true or false")
-
-
-HEADER_NAME_CHARACTERS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-"""RFC 9110 ``tchar``: what an HTTP field name is made of."""
-
-
-def _header_name(text: str) -> str:
-    name = text.strip()
-    if not name or not set(name) <= HEADER_NAME_CHARACTERS:
-        raise ValueError("must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~)")
-    return name
-
-
-UNIX_PREFIX = "unix:"
-
-
-def _grpc_address(text: str) -> str:
-    """HOST:PORT, or ``unix:PATH`` (``unix:///abs/path`` too) for a unix domain socket."""
-    if text.startswith(UNIX_PREFIX):
-        path = text.removeprefix(UNIX_PREFIX).removeprefix("//")
-        if not path.strip() or not (path.startswith("/") or text.count(":") == 1):
-            raise ValueError("must be unix:PATH, for example unix:/var/run/ratelimit.sock")
-        return text
-    return _address(text)
-
-
-def _address(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError("must be HOST:PORT, for example 127.0.0.1:8081")
-    return text
-
-
-def _optional_address(text: str) -> str:
-    return _address(text) if text.strip() else ""
-
-
 def _json_object(text: str) -> str:
     json_object(text)
     return text
@@ -167,19 +76,6 @@ def _json_object(text: str) -> str:
 def _header_pairs(text: str) -> str:
     header_pairs(text)
     return text
-
-
-def _choice(closed_set: Any) -> Callable[[str], str]:
-    """A parser for one of a ``Literal``'s values (case-insensitive)."""
-    allowed: tuple[str, ...] = get_args(closed_set)
-
-    def parse(text: str) -> str:
-        lowered = text.strip().lower()
-        if lowered not in allowed:
-            raise ValueError(f"must be one of {', '.join(allowed)}")
-        return lowered
-
-    return parse
 
 
 @dataclass(frozen=True)
@@ -209,54 +105,52 @@ class Option:
 SERVE_OPTIONS: tuple[Option, ...] = (
     Option(
         "config",
-        _non_empty,
+        non_empty,
         "descriptor config: one YAML file or a directory of them (required with --config-source file; with xds, "
         "the limits served until the control plane's first push)",
     ),
-    Option("config_source", _choice(ConfigSource), "file (--config, reloaded on change) or xds (--xds-server)"),
-    Option("xds_server", _address, "--config-source xds: the control plane's ADS address, HOST:PORT (plaintext)"),
-    Option("xds_node_id", _non_empty, "--config-source xds: the node id announced to the control plane"),
+    Option("config_source", one_of(ConfigSource), "file (--config, reloaded on change) or xds (--xds-server)"),
+    Option("xds_server", host_port, "--config-source xds: the control plane's ADS address, HOST:PORT (plaintext)"),
+    Option("xds_node_id", non_empty, "--config-source xds: the node id announced to the control plane"),
     Option("xds_node_metadata", _json_object, "--config-source xds: node metadata, a JSON object"),
     Option("xds_headers", _header_pairs, "--config-source xds: gRPC metadata on the stream, name:value,name:value"),
-    Option("xds_tls", _bool, "--config-source xds: TLS to the control plane", is_flag=True),
-    Option(
-        "xds_tls_ca", _non_empty, "--xds-tls: CAs the control plane's certificate must chain to (else the system's)"
-    ),
-    Option("xds_tls_cert", _non_empty, "--xds-tls: client certificate (PEM) for mutual TLS, with --xds-tls-key"),
-    Option("xds_tls_key", _non_empty, "--xds-tls: the client certificate's private key (PEM)"),
-    Option("xds_tls_server_name", _non_empty, "--xds-tls: name the certificate must carry, if not the host's"),
-    Option("xds_backoff_initial", _positive_float, "--config-source xds: first reconnect delay, seconds (doubling)"),
-    Option("xds_backoff_max", _positive_float, "--config-source xds: longest reconnect delay, seconds"),
-    Option("xds_backoff_jitter", _fraction, "--config-source xds: each delay is spread over delay x (1 +/- this)"),
-    Option("xds_max_message_bytes", _positive_int, "--config-source xds: largest DiscoveryResponse accepted, bytes"),
+    Option("xds_tls", boolean, "--config-source xds: TLS to the control plane", is_flag=True),
+    Option("xds_tls_ca", non_empty, "--xds-tls: CAs the control plane's certificate must chain to (else the system's)"),
+    Option("xds_tls_cert", non_empty, "--xds-tls: client certificate (PEM) for mutual TLS, with --xds-tls-key"),
+    Option("xds_tls_key", non_empty, "--xds-tls: the client certificate's private key (PEM)"),
+    Option("xds_tls_server_name", non_empty, "--xds-tls: name the certificate must carry, if not the host's"),
+    Option("xds_backoff_initial", positive_float, "--config-source xds: first reconnect delay, seconds (doubling)"),
+    Option("xds_backoff_max", positive_float, "--config-source xds: longest reconnect delay, seconds"),
+    Option("xds_backoff_jitter", fraction, "--config-source xds: each delay is spread over delay x (1 +/- this)"),
+    Option("xds_max_message_bytes", positive_int, "--config-source xds: largest DiscoveryResponse accepted, bytes"),
     Option(
         "max_config_bytes",
-        _positive_int,
+        positive_int,
         "largest config file, in bytes: a larger *.yaml is refused before it is read (startup, check-config, reload)",
     ),
     Option(
         "grpc_address",
-        _grpc_address,
+        grpc_address,
         "where the gRPC service listens: HOST:PORT (loopback by default), or unix:PATH for a unix socket",
     ),
     Option(
         "backend",
-        _choice(Backend),
+        one_of(Backend),
         "where counters live: memory (embedded) or redis",
     ),
     Option(
         "instances",
-        _positive_int,
+        positive_int,
         "memory backend: replicas sharing each limit without Redis; each enforces ceil(limit / N)",
     ),
     Option(
         "max_counters",
-        _positive_int,
+        positive_int,
         "cap on live counters held in this process; the window that ends first is evicted first",
     ),
     Option(
         "shadow_mode",
-        _bool,
+        boolean,
         "report verdicts but admit every request (overall_code always OK)",
         is_flag=True,
     ),
@@ -268,56 +162,56 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "redis_cluster",
-        _bool,
+        boolean,
         "treat --redis-url as a Redis Cluster seed node",
         is_flag=True,
     ),
     Option(
         "mode",
-        _choice(RedisMode),
+        one_of(RedisMode),
         "redis backend: sync (local windows reconciled off the request path) or strict (an atomic script per request)",
     ),
     Option(
         "sync_interval",
-        _positive_float,
+        positive_float,
         "seconds between two flushes of pending hits to Redis (sync mode)",
     ),
     Option(
         "sync_max_overshoot",
-        _fraction,
+        fraction,
         "sync mode: proven bound on hits admitted beyond a limit, as a fraction of it (0 = exact near the limit)",
     ),
     Option(
         "redis_timeout",
-        _positive_float,
+        positive_float,
         "longest a request waits for Redis (strict mode, sync-mode escalation), seconds: the budget of callers "
         "without a gRPC deadline, and the upper bound for those with one (who wait until shortly before it)",
     ),
     Option(
         "redis_failure_mode",
-        _choice(FailureMode),
+        one_of(FailureMode),
         "while Redis is unreachable: local (enforce limit / live replicas here), open (admit), closed (reject)",
     ),
-    Option("redis_prefix", _key_prefix, "prefix of every Redis key this sidecar writes"),
+    Option("redis_prefix", key_prefix, "prefix of every Redis key this sidecar writes"),
     Option(
         "clock_source",
-        _choice(ClockSource),
+        one_of(ClockSource),
         "redis backend: cut windows on Redis's clock (TIME, sampled each heartbeat), so host clock skew "
         "does not matter; local: this host's clock",
     ),
     Option(
         "clock_offset",
-        _finite_float,
+        finite_float,
         "seconds added to this host's clock: a deliberate skew, for testing what skew does",
     ),
     Option(
         "heartbeat_interval",
-        _positive_float,
+        positive_float,
         "seconds between replica heartbeats in Redis; a replica missing 3 is dead",
     ),
     Option(
         "shutdown_grace",
-        _non_negative_float,
+        non_negative_float,
         "seconds in-flight calls get to finish on SIGTERM/SIGINT",
     ),
     Option(
@@ -333,139 +227,139 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "watch_config",
-        _bool,
+        boolean,
         "reload the config when its file or directory changes (ConfigMap updates too); SIGHUP always reloads",
     ),
     Option(
         "metrics_address",
-        _optional_address,
+        optional_host_port,
         "plain HTTP for /metrics (Prometheus), /config and /healthz; empty turns it off",
     ),
     Option(
         "admin_write_timeout",
-        _positive_float,
+        positive_float,
         "seconds an admin client (/metrics, /config, /healthz) gets to read its whole answer; "
         "slower readers are dropped",
     ),
     Option(
         "admin_max_connections",
-        _positive_int,
+        positive_int,
         "admin connections open at once; more get a short 503",
     ),
     Option(
         "json_address",
-        _optional_address,
+        optional_host_port,
         "plain HTTP POST /json: ShouldRateLimit as JSON for apps that do not speak gRPC (no TLS: keep it on "
         "loopback, for example 127.0.0.1:8082); empty turns it off",
     ),
     Option(
         "json_remote",
-        _bool,
+        boolean,
         "answer POST /json from clients beyond loopback too (plain HTTP, no TLS: they can spend every limit); "
         "without it they get 403, and only /healthcheck answers everyone",
         is_flag=True,
     ),
     Option(
         "near_limit_ratio",
-        _fraction,
+        fraction,
         "a hit counts as near_limit in the metrics once it takes its counter past floor(limit x this fraction)",
     ),
     Option(
         "response_headers",
-        _bool,
+        boolean,
         "add RateLimit-Limit/-Remaining/-Reset (and Retry-After when refused) for the tightest limit "
         "to each response through Envoy (response_headers_to_add)",
         is_flag=True,
     ),
-    Option("limit_header", _header_name, "--response-headers: name of the limit header"),
+    Option("limit_header", header_name, "--response-headers: name of the limit header"),
     Option(
         "remaining_header",
-        _header_name,
+        header_name,
         "--response-headers: name of the remaining-hits header",
     ),
     Option(
         "reset_header",
-        _header_name,
+        header_name,
         "--response-headers: name of the seconds-until-reset header",
     ),
     Option(
         "response_header_style",
-        _choice(HeaderStyle),
+        one_of(HeaderStyle),
         "--response-headers: draft-03 (RateLimit-Limit/-Remaining/-Reset), ietf (the RateLimit-Policy and "
         "RateLimit structured fields of draft-ietf-httpapi-ratelimit-headers-11) or both",
     ),
     Option(
         "response_dynamic_metadata",
-        _bool,
+        boolean,
         "answer with envoyproxy/ratelimit's dynamic metadata (domain, descriptors, and the metadata of the "
         "descriptors that pass), which Envoy stores under envoy.filters.http.ratelimit",
         is_flag=True,
     ),
     Option(
         "merge_domain_config",
-        _bool,
+        boolean,
         "merge config files that name the same domain (their top-level descriptors must differ)",
         is_flag=True,
     ),
     Option(
         "calendar_months",
-        _bool,
+        boolean,
         "unit: month is the UTC calendar month (reset at the first of the month), not 30 days from the epoch",
         is_flag=True,
     ),
     Option(
         "warn_header",
-        _header_name,
+        header_name,
         "header sent on admitted requests past a rule's warn_at (soft limit), with or without --response-headers",
     ),
     Option(
         "request_log_sample",
-        _positive_int,
+        positive_int,
         "at --log-level debug, log one decision in this many (1 = every request)",
     ),
     Option(
         "quota_ttl",
-        _at_least(3, "refreshed every third of it, Envoy needs whole seconds"),
+        at_least(3, "refreshed every third of it, Envoy needs whole seconds"),
         "quota mode: assignment_time_to_live (whole seconds) of every bucket assignment; pushed again every TTL/3",
     ),
     Option(
         "quota_idle_abandon",
-        _at_least(10, "Envoy reports usage every 5 s"),
+        at_least(10, "Envoy reports usage every 5 s"),
         "quota mode: seconds without a request after which a bucket is abandoned (abandon_action) and forgotten",
     ),
     Option(
         "quota_max_buckets",
-        _positive_int,
+        positive_int,
         "quota mode: cap on live buckets in this process; new buckets beyond it get ALLOW_ALL and no state",
     ),
     Option(
         "quota_max_buckets_per_stream",
-        _positive_int,
+        positive_int,
         "quota mode: cap on live buckets per Envoy stream; new buckets beyond it get ALLOW_ALL and no state",
     ),
     Option(
         "quota_max_streams",
-        _positive_int,
+        positive_int,
         "quota mode: cap on open StreamRateLimitQuotas streams in this process; more are refused RESOURCE_EXHAUSTED",
     ),
     Option(
         "quota_partition_hold",
-        _non_negative_float,
+        non_negative_float,
         "quota mode, --backend redis: seconds a silent replica's last lease stays reserved in Redis, and a replica "
         f"cut from Redis keeps its last grant; at least one lease (--quota-ttl + 10 s); 0: {HOLD_LEASES} leases, "
         "280 s at --quota-ttl 60",
     ),
     Option(
         "quota_after_hold",
-        _choice(AfterHold),
+        one_of(AfterHold),
         "quota mode, --backend redis: what a replica cut from Redis enforces once the hold ended: deny (nothing: "
         "within the limit in every partition) or share (ceil(limit / live replicas): a full Redis outage stays "
         "available, a longer partition may exceed the limit by that much per cut replica)",
     ),
-    Option("log_level", _choice(LogLevel), "log level"),
+    Option("log_level", one_of(LogLevel), "log level"),
     Option(
         "log_format",
-        _choice(LogFormat),
+        one_of(LogFormat),
         "json, console, or auto (console on a terminal)",
     ),
 )
