@@ -18,7 +18,7 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
 from sidecar import admin
-from sidecar.config.xds_source import header_pairs, json_object
+from sidecar.config.xds_source import XdsOptions, header_pairs, json_object
 from sidecar.config.yaml_source import MAX_FILE_BYTES
 from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT
@@ -372,7 +372,7 @@ class Settings:
     config: str = ""
     config_source: ConfigSource = "file"
     xds_server: str = ""
-    xds_node_id: str = "default"
+    xds_node_id: str = XdsOptions.node_id
     xds_node_metadata: str = ""
     xds_headers: str = ""
     xds_tls: bool = False
@@ -380,10 +380,10 @@ class Settings:
     xds_tls_cert: str = ""
     xds_tls_key: str = ""
     xds_tls_server_name: str = ""
-    xds_backoff_initial: float = 0.5
-    xds_backoff_max: float = 30.0
-    xds_backoff_jitter: float = 0.5
-    xds_max_message_bytes: int = 4 * 1024 * 1024
+    xds_backoff_initial: float = XdsOptions.backoff_initial
+    xds_backoff_max: float = XdsOptions.backoff_max
+    xds_backoff_jitter: float = XdsOptions.backoff_jitter
+    xds_max_message_bytes: int = XdsOptions.max_message_bytes
     max_config_bytes: int = MAX_FILE_BYTES
     grpc_address: str = "127.0.0.1:8081"
     backend: Backend = "memory"
