@@ -17,7 +17,7 @@ import pytest
 
 from sidecar.consumer import ANSWER_SLACK
 
-pytestmark = [pytest.mark.slow, pytest.mark.redis]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.serial]  # the provider counts per wall-clock second
 
 REPO = Path(__file__).resolve().parents[2]
 
