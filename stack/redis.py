@@ -51,10 +51,11 @@ CLUSTER_FLAGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.con
 """The flags of a Cluster node (see :func:`create_cluster`)."""
 
 
-def create_cluster(addresses: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """``redis-cli --cluster create`` over running Cluster nodes, masters only."""
+def create_cluster(addresses: Sequence[str], timeout: float, replicas: int = 0) -> subprocess.CompletedProcess[str]:
+    """``redis-cli --cluster create`` over running Cluster nodes: masters only by default,
+    else ``replicas`` replicas per master (``addresses`` then holds masters x (1 + replicas))."""
     return subprocess.run(
-        [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+        [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", str(replicas), "--cluster-yes"],
         capture_output=True,
         text=True,
         timeout=timeout,
