@@ -8,12 +8,13 @@ retries with exponential backoff (capped at one second) and flips the state back
 available, telling the listeners (the failure policy logs it, limiters reconcile).
 
 Redis down is a fact about Redis (issue 17): a refused or broken connection marks it
-down at once; a timeout does only when Redis has been silent for well beyond any
-request's budget (:func:`silence_before_down`) *while this process's event loop was
-free to read its answer*. The loop's own lag (:class:`~sidecar.limiter.loop_lag.LoopLag`)
-is subtracted from the silence: an answer that arrived in time but waited in the
-socket while the loop ran other work (a burst, a CPU-throttled container) is not
-charged to Redis. The request that waited still gets its failure-mode answer.
+down at once (a reply refusing one call never does: :mod:`~sidecar.limiter.redis.faults`);
+a timeout does only when Redis has been silent for well beyond any request's budget
+(:func:`silence_before_down`) *while this process's event loop was free to read its
+answer*. The loop's own lag (:class:`~sidecar.limiter.loop_lag.LoopLag`) is subtracted
+from the silence: an answer that arrived in time but waited in the socket while the
+loop ran other work (a burst, a CPU-throttled container) is not charged to Redis. The
+request that waited still gets its failure-mode answer.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError
 
 from sidecar.limiter.loop_lag import LoopLag
 from sidecar.limiter.redis.connect import scrub
+from sidecar.limiter.redis.faults import Fault, classify
 
 FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 """What a Redis call can raise when Redis is away or refuses; ``TimeoutError`` is an ``OSError``."""
@@ -64,8 +66,13 @@ class Availability:
         *,
         lag: LoopLag | None = None,
         clock: Callable[[], float] | None = None,
+        what: str = "redis",
+        max_backoff: float = MAX_BACKOFF,
     ) -> None:
         self._probe_once = probe
+        self.what = what
+        """What messages call this Redis: ``redis``, or ``redis node host:port`` (Cluster)."""
+        self.max_backoff = max_backoff
         """One PING (and script loads); raises one of :data:`FAILURES` if Redis is not there."""
         self._secrets = secrets
         """Credentials of the URL: scrubbed from every reason this reports or logs."""
@@ -123,10 +130,15 @@ class Availability:
         if self._probe is not None:
             await stop_task(self._probe)
 
+    def retire(self) -> None:
+        """Stop probing for good, without waiting (callable from within the probe: a
+        Cluster node that left the slot map has nothing to come back to)."""
+        self._closed = True
+
     def ensure_available(self) -> None:
         """Raise :class:`RedisUnavailable` at once while Redis is known to be down."""
         if not self.available:
-            raise RedisUnavailable(f"redis unavailable: {self.last_error}")
+            raise RedisUnavailable(f"{self.what} unavailable: {self.last_error}")
 
     def now(self) -> float:
         """The loop clock (or the test's)."""
@@ -150,21 +162,34 @@ class Availability:
         return (now - since) - self.lag.busy_since(since, now)
 
     def failed(self, error: BaseException, request_path: bool) -> RedisUnavailable:
-        """Record a failed call; returns the exception for the caller to raise."""
+        """Record a failed call; returns the exception for the caller to raise.
+
+        What the failure says about Redis is :func:`~sidecar.limiter.redis.faults.classify`'s
+        to tell: a reply about this call (a key holding a non-integer, ``TRYAGAIN`` in a
+        slot migration, ``LOADING``) fails this call only, or one bad key or slot would
+        switch every request over; a lost connection marks Redis down; a timeout does
+        under the silence rule.
+        """
+        if isinstance(error, RedisUnavailable):
+            return error  # accounted for where it was raised
         reason = self.describe(error)
-        if type(error) is ResponseError:
-            # A reply about this call (a key holding a non-integer, a busy script), not about
-            # the server: fail this call only, or one bad key would switch every request over.
-            return RedisUnavailable(f"redis refused the call: {reason}")
-        if isinstance(error, TimeoutError):
+        fault = classify(error)
+        if fault is Fault.CALL:
+            return RedisUnavailable(f"{self.what} refused the call: {reason}")
+        if fault is Fault.SILENCE:
             silence = self.silence()
             if silence < self.down_after:
                 # Slow, or read late because we were busy: this call fails, Redis stays up.
                 budget = f"{self.redis_timeout * 1000:g} ms" if request_path else "the background timeout"
-                return RedisUnavailable(f"redis did not answer within {budget}")
+                return RedisUnavailable(f"{self.what} did not answer within {budget}")
             reason = f"no answer for {silence * 1000:.0f} ms while this process's event loop was responsive ({reason})"
         self.mark_down(reason)
-        return RedisUnavailable(f"redis unavailable: {reason}")
+        return RedisUnavailable(f"{self.what} unavailable: {reason}")
+
+    def silent_too_long(self) -> bool:
+        """Whether a call has waited beyond the silence rule (our loop's lag not counted):
+        :meth:`failed` with a timeout would mark this Redis down."""
+        return self.silence() >= self.down_after
 
     def mark_down(self, reason: str) -> None:
         """Fail fast from now on, probe in the background, tell listeners once per outage."""
@@ -205,8 +230,10 @@ class Availability:
                 await self._probe_once()
             except FAILURES as error:
                 self.last_error = self.describe(error)
-                delay = min(delay * 2, MAX_BACKOFF)
+                delay = min(delay * 2, self.max_backoff)
                 continue
+            if self._closed:
+                return
             self.mark_up()
             return
 
