@@ -6,6 +6,10 @@ pipelined write. Each request still waits only its own budget; if the answer com
 later, the request has been answered otherwise (the failure mode) and the late
 answer is handed to a callback, so the caller can count what Redis really did.
 
+In Redis Cluster the requests of a batch go out concurrently, one call each, and each
+request is answered the moment its own call returns: one slow or dead master does not
+hold the answers of requests on the others past their deadline (issue 31).
+
 The budget is Redis's time, not ours (issue 17): time this process's event loop
 could not run (its lag, :class:`~sidecar.limiter.loop_lag.LoopLag`) is not
 charged to it, so an answer that arrived in time but waited in the socket while the
@@ -136,14 +140,20 @@ class DecisionBatcher:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, batch: list[PendingDecision]) -> None:
-        """One round trip for the batch; each answer wakes its request."""
+        """One round trip for the batch; each answer wakes its request (in Cluster, as soon
+        as that request's own call returns)."""
         async with self.lock or contextlib.nullcontext():
             requests = [
                 (item.keys, item.checks() if callable(item.checks) else item.checks, item.expire_ats) for item in batch
             ]
             nows = [item.now_us for item in batch]
             try:
-                if any(item.adds for item in batch):
+                if getattr(self.store, "cluster", False):  # each request answered when its own call returns
+                    adds = [item.adds or {} for item in batch]
+                    answers = await self.store.decide_batch(
+                        requests, self.admit_all, nows, adds, on_answer=lambda index, got: answer_one(batch[index], got)
+                    )
+                elif any(item.adds for item in batch):
                     adds = [item.adds or {} for item in batch]
                     answers = await self.store.decide_batch(requests, self.admit_all, nows, adds)
                 elif any(nows):
@@ -159,10 +169,15 @@ class DecisionBatcher:
             # Answered while holding the lock: late answers (callbacks run in order) are
             # applied before the lock's next holder (the owner's flush) goes on.
             for item, answer in zip(batch, answers, strict=True):
-                if item.answer.done():
-                    continue
-                if isinstance(answer, RedisUnavailable):
-                    item.answer.set_exception(answer)
-                    item.answer.exception()  # nobody may be waiting any more
-                else:
-                    item.answer.set_result(answer)
+                answer_one(item, answer)
+
+
+def answer_one(item: PendingDecision, answer: list[int] | RedisUnavailable) -> None:
+    """Wake ``item``'s request with its answer (once: a later call of the same answer is ignored)."""
+    if item.answer.done():
+        return
+    if isinstance(answer, RedisUnavailable):
+        item.answer.set_exception(answer)
+        item.answer.exception()  # nobody may be waiting any more
+    else:
+        item.answer.set_result(answer)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -25,11 +25,13 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT
 from sidecar.limiter.protocol import Check, Role, decide
 from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnavailable, StateListener
+from sidecar.limiter.redis.cluster_health import ClusterNodes
 from sidecar.limiter.redis.connect import MIN_BACKGROUND_TIMEOUT, background_timeout, connect, secrets_of
 from sidecar.limiter.redis.corrupt import CorruptKeys, key_of_reply, problem_with
+from sidecar.limiter.redis.flush_calls import add_calls, batch_replies, flush_calls
 from sidecar.limiter.redis.keys import per_hit, replicas_key
 from sidecar.limiter.redis.pipeline import Command, ScriptCall, queue_calls, redis_away
-from sidecar.limiter.redis.scripts import DECIDE, FLUSH_BATCH, FLUSH_ONCE, SCRIPTS, decide_arguments
+from sidecar.limiter.redis.scripts import DECIDE, SCRIPTS, decide_arguments
 from sidecar.limiter.windows import Clock
 from sidecar.metrics import LimiterSnapshot
 
@@ -87,6 +89,8 @@ class CorruptKey(RedisUnavailable):
 
 DecideRequest = tuple[Sequence[str], Sequence[Check], Sequence[int]]
 """One request for :meth:`RedisStore.decide_batch`: window keys, checks, expiry times."""
+Answer = Callable[[int, "list[int] | RedisUnavailable"], None]
+"""Told ``(index, answer)`` of each request of a batch as soon as that answer is known."""
 
 
 def same_slot(keys: Sequence[str]) -> bool:
@@ -115,7 +119,14 @@ class RedisStore:
         self.background_timeout = background_timeout
         self.cluster = isinstance(client, RedisCluster)
         self.availability = Availability(self._probe_once, redis_timeout, secrets)
-        """Up/down state and the probe back; its listeners hear of every change."""
+        """Up/down state and the probe back; its listeners hear of every change. In
+        Cluster mode the Cluster as a whole: down only when every master is."""
+        self.nodes = (
+            ClusterNodes(client, self.availability, redis_timeout, background_timeout, secrets)
+            if isinstance(client, RedisCluster)
+            else None
+        )
+        """Availability per Cluster master (:mod:`~sidecar.limiter.redis.cluster_health`)."""
         self.round_trips_request_path = 0
         self.round_trips_background = 0
         self.give_back_failures = 0
@@ -192,13 +203,19 @@ class RedisStore:
 
         Counts as a request-path timeout of :meth:`decide` does: once Redis has been
         silent well beyond any budget while our loop was responsive, it is marked
-        unavailable, so later requests stop waiting on it.
+        unavailable, so later requests stop waiting on it. In Cluster mode, each master
+        by its own silence: the silent one is marked down, not the Cluster.
         """
+        if self.nodes is not None:
+            self.nodes.note_timeout()
+            return
         self.availability.failed(TimeoutError("no answer within the request budget"), request_path=True)
 
     async def close(self) -> None:
         """Stop probing, let give-backs finish, close the connections."""
         await self.availability.close()
+        if self.nodes is not None:
+            await self.nodes.close()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.background_timeout)
         await self.client.aclose()
@@ -243,6 +260,8 @@ class RedisStore:
         admit_all: bool,
         nows: Sequence[int] | None = None,
         adds: Sequence[Pending] | None = None,
+        *,
+        on_answer: Answer | None = None,
     ) -> list[list[int] | RedisUnavailable]:
         """Several requests' decisions in one round trip; each is atomic on its own.
 
@@ -259,39 +278,61 @@ class RedisStore:
         :attr:`Counts.totals`.
         In Cluster mode the requests go out concurrently, one script (or one per check
         when they span slots) each, under that same background timeout, not the request
-        budget (a call cut off at the budget may still run, and nobody would hear of it).
+        budget (a call cut off at the budget may still run, and nobody would hear of it);
+        a request on a master known down fails alone (:mod:`.cluster_health`).
+        ``on_answer`` hears ``(index, answer)`` of each request as soon as it is known: in
+        Cluster mode when that request's own script returns, so one slow master does not
+        hold the answers of the others past their deadline (issue 31); on plain Redis,
+        when the one round trip returns.
         """
         self.availability.ensure_available()
         clocks = list(nows) if nows is not None else [0] * len(requests)
         extra: Sequence[Pending] = adds if adds is not None else [{}] * len(requests)
         if self.cluster:
-            answers = await asyncio.gather(
+            return await asyncio.gather(
                 *(
-                    self._decide_in_cluster(keys, checks, expiries, admit_all, now_us, pending=pending)
-                    for (keys, checks, expiries), now_us, pending in zip(requests, clocks, extra, strict=True)
-                ),
-                return_exceptions=True,
+                    self._one_of_cluster_batch(
+                        index, request, admit_all=admit_all, now_us=now_us, pending=pending, on_answer=on_answer
+                    )
+                    for index, (request, now_us, pending) in enumerate(zip(requests, clocks, extra, strict=True))
+                )
             )
-            results: list[list[int] | RedisUnavailable] = []
-            for answer in answers:
-                if isinstance(answer, RedisUnavailable):
-                    results.append(answer)
-                elif isinstance(answer, BaseException):
-                    raise answer
-                else:
-                    results.append(answer)
-            return results
         calls = [
             ScriptCall(DECIDE, *decide_arguments(keys, checks, expiries, admit_all, pending, now_us=now_us))
             for (keys, checks, expiries), now_us, pending in zip(requests, clocks, extra, strict=True)
         ]
         replies = await self.run_scripts(calls, self.background_timeout, request_path=True)
-        return [
+        results: list[list[int] | RedisUnavailable] = [
             self._failed(reply, request_path=True)
             if isinstance(reply, Exception)
             else counts_of(reply, len(checks), len(pending), list(pending))
             for reply, (_, checks, _), pending in zip(replies, requests, extra, strict=True)
         ]
+        if on_answer is not None:
+            for index, result in enumerate(results):
+                on_answer(index, result)
+        return results
+
+    async def _one_of_cluster_batch(
+        self,
+        index: int,
+        request: DecideRequest,
+        *,
+        admit_all: bool,
+        now_us: int,
+        pending: Pending,
+        on_answer: Answer | None,
+    ) -> list[int] | RedisUnavailable:
+        """One request of a Cluster batch, told to ``on_answer`` the moment it is known."""
+        keys, checks, expire_ats = request
+        answer: list[int] | RedisUnavailable
+        try:
+            answer = await self._decide_in_cluster(keys, checks, expire_ats, admit_all, now_us, pending=pending)
+        except RedisUnavailable as error:
+            answer = error
+        if on_answer is not None:
+            on_answer(index, answer)
+        return answer
 
     async def _decide_in_cluster(
         self,
@@ -346,32 +387,52 @@ class RedisStore:
         ``away_raises``, a reply saying Redis as a whole cannot run calls
         (:func:`~sidecar.limiter.redis.pipeline.redis_away`; for callers that retry every
         call later). ``request_path`` says which round-trip counter the pipelines go to.
+
+        In Cluster mode each master's calls are one pipeline of their own, and a master
+        that is down or fails the round trip fails its own calls only: they come back
+        as :class:`RedisUnavailable` values (see :meth:`ClusterNodes.run`).
         """
         self.availability.ensure_available()
-        try:
-            async with asyncio.timeout(timeout):
-                replies = await self._pipeline(calls, request_path, with_body=False)
-                missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-                if missing:
-                    again = await self._pipeline([calls[index] for index in missing], request_path, with_body=True)
-                    for index, reply in zip(missing, again, strict=True):
-                        replies[index] = reply
-        except FAILURES as error:
-            # The message names the request budget only when that is what ran out.
-            raise self.availability.failed(error, request_path and timeout <= self.redis_timeout) from error
-        self.availability.answered()
+        budget = request_path and timeout <= self.redis_timeout  # the message names the budget only then
+        if self.nodes is not None:
+            replies = await self.nodes.run(calls, lambda part: self._send(part, request_path), timeout, budget)
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    replies = await self._send(calls, request_path)
+            except FAILURES as error:
+                raise self.availability.failed(error, budget) from error
+            self.availability.answered()
         if away_raises:
             away = next((reply for reply in replies if redis_away(reply)), None)
             if away is not None:
                 raise self.availability.failed(away, request_path=False)
         return replies
 
+    async def _send(self, calls: Sequence[ScriptCall | Command], request_path: bool) -> list[Any]:
+        """The calls in one pipeline, and those answered ``NOSCRIPT`` (they did not run)
+        again in a second one, with their bodies."""
+        replies = await self._pipeline(calls, request_path, with_body=False)
+        missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            again = await self._pipeline([calls[index] for index in missing], request_path, with_body=True)
+            for index, reply in zip(missing, again, strict=True):
+                replies[index] = reply
+        return replies
+
     async def _pipeline(self, calls: Sequence[ScriptCall | Command], request_path: bool, with_body: bool) -> list[Any]:
-        """One round trip of :meth:`run_scripts`; ``with_body``: the resend after ``NOSCRIPT``."""
+        """One round trip of :meth:`run_scripts`; ``with_body``: the resend after ``NOSCRIPT``.
+
+        In Cluster mode redis-py does not follow ``TRYAGAIN``/``ASK``/``MOVED`` inside the
+        pipeline: those replies come back, the node having answered, and
+        :class:`ClusterNodes` resends those calls alone, so a redirection storm is not
+        taken for the node's silence.
+        """
         pipe = self.client.pipeline(transaction=False)
         queue_calls(pipe, calls, with_body=with_body, cluster=self.cluster)
         self._count(request_path)
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        redirections = {"allow_redirections": False} if self.nodes is not None else {}
+        replies: list[Any] = await pipe.execute(raise_on_error=False, **redirections)
         return replies
 
     async def flush(
@@ -415,7 +476,7 @@ class RedisStore:
         if not adds and not read_keys and not bans:
             return {}
         calls: list[ScriptCall | Command] = [("SET", key, until, "EXAT", until, "NX") for key, until in bans.items()]
-        batched = self._flush_calls(calls, adds, read_keys, once)
+        batched = flush_calls(calls, adds, read_keys, once, prefix=self.prefix, cluster=self.cluster)
         if live_since is not None:
             calls.append(("ZCOUNT", self.replicas_key, live_since, "+inf"))
         replies = await self.run_scripts(calls, self.background_timeout)
@@ -426,7 +487,7 @@ class RedisStore:
                 totals[self.replicas_key] = int(live)
         del replies[: len(bans)]  # SET NX: nothing to learn (a failed one is retried with the batch)
         if batched:
-            replies = self._batch_replies(replies, len(adds) + len(read_keys))
+            replies = batch_replies(replies, len(adds) + len(read_keys))
         stride = 2 if once is None else 1
         add_replies, read_replies = replies[: stride * len(adds) : stride], replies[stride * len(adds) :]
         for key, reply in zip([*adds, *read_keys], [*add_replies, *read_replies], strict=True):
@@ -440,45 +501,6 @@ class RedisStore:
             if self.corrupt.keys:
                 self.corrupt.repaired(key)
         return totals
-
-    def _flush_calls(
-        self, calls: list[ScriptCall | Command], adds: Pending, reads: Sequence[str], once: tuple[str, int] | None
-    ) -> bool:
-        """Append a flush's adds and reads; True when they go as one ``flush_batch.lua`` call."""
-        if once is None or self.cluster:
-            calls += self._add_calls(adds, once)
-            calls += [("GET", key) for key in reads]
-            return False
-        owner, sequence = once
-        args: list[int | str] = [sequence, len(adds)]
-        for hits, expire_at in adds.values():
-            args += (hits, expire_at)
-        calls.append(ScriptCall(FLUSH_BATCH, [f"{self.prefix}:flushed:{owner}", *adds, *reads], args))
-        return True
-
-    @staticmethod
-    def _batch_replies(replies: list[Any], keys: int) -> list[Any]:
-        """``flush_batch.lua``'s one reply as one reply per key, as the per-key calls give them.
-
-        A nil marks a key that holds no counter: a ResponseError, so its hits are
-        counted as refused (an add) or it is left out (a read).
-        """
-        (reply,) = replies
-        if isinstance(reply, BaseException):
-            return [reply] * keys
-        refused = ResponseError("not a counter")
-        return [refused if value is None else value for value in reply]
-
-    @staticmethod
-    def _add_calls(adds: Pending, once: tuple[str, int] | None) -> list[ScriptCall | Command]:
-        """INCRBY + EXPIREAT per key, or one idempotent ``flush_once.lua`` call per key."""
-        if once is None:
-            return [call for key, (hits, at) in adds.items() for call in (("INCRBY", key, hits), ("EXPIREAT", key, at))]
-        owner, sequence = once
-        return [
-            ScriptCall(FLUSH_ONCE, [key, f"{key}:flushed:{owner}"], [sequence, hits, expire_at])
-            for key, (hits, expire_at) in adds.items()
-        ]
 
     def snapshot(
         self, *, counters: int, evictions: int, replicas: int, pending_hits: int, **rest: Any
@@ -584,7 +606,7 @@ class RedisStore:
         earlier check's hits only if that check consumed them. Bans are set by each
         over check whatever the request's fate, as in one script.
         """
-        calls = self._add_calls(pending, None)
+        calls = add_calls(pending, None)
         calls += [
             ScriptCall(DECIDE, *decide_arguments([key], [check], [expire_at], admit_all, {}, now_us=now_us))
             for key, check, expire_at in zip(keys, checks, expire_ats, strict=True)
@@ -643,18 +665,28 @@ class RedisStore:
             self.round_trips_background += 1
 
     async def _background(self, call: Any) -> Any:
-        """Await one background round trip with the background timeout; failures -> RedisUnavailable."""
+        """Await one background round trip with the background timeout; failures -> RedisUnavailable.
+
+        In Cluster mode the failure is this call's only: which master failed is learned
+        by the script calls, which :class:`ClusterNodes` groups by master."""
         self._count(request_path=False)
         try:
             async with asyncio.timeout(self.background_timeout):
                 reply = await call
         except FAILURES as error:
+            if self.nodes is not None:
+                raise RedisUnavailable(f"redis cluster call failed: {self.availability.describe(error)}") from error
             raise self.availability.failed(error, request_path=False) from error
         self.availability.answered()
         return reply
 
     async def _probe_once(self) -> None:
-        """One PING and the script loads; the scripts are loaded again after every outage."""
+        """One PING and the script loads; the scripts are loaded again after every outage.
+        In Cluster mode, the slot map and then each master (:meth:`ClusterNodes.probe_all`)."""
+        if self.nodes is not None:
+            self._count(request_path=False)
+            await self.nodes.probe_all()
+            return
         async with asyncio.timeout(self.background_timeout):
             self._count(request_path=False)
             await self.client.ping()
