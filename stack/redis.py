@@ -8,14 +8,15 @@ line from :func:`server_argv` (or :func:`sentinel_argv`) and its process from
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from stack.processes import Child, free_port, spawn
+from stack.processes import Child, free_port, port_free, spawn
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -93,3 +94,145 @@ class RedisProcess(Child):
                 return connection.recv(16).startswith(b"+PONG")
         except OSError:
             return False
+
+
+# ---------------------------------------------------------------------------------
+# Cluster with replicas, Sentinel with a quorum, slot migration: the store-faults area
+# ---------------------------------------------------------------------------------
+
+
+def cluster_port() -> int:
+    """A free port whose Cluster bus port (+10000) is free too: below Linux's ephemeral range
+    (a node's port must be at most 55535), in a range the test suite's nodes do not use."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(23_000, 25_000)
+        if port_free(port) and port_free(port + 10_000):
+            return port
+    raise RuntimeError("no free pair of ports for a Cluster node")
+
+
+def cluster_node(directory: Path) -> RedisProcess:
+    """A Cluster node (:data:`CLUSTER_FLAGS`) keeping ``nodes.conf`` in ``directory``: started
+    again (:meth:`RedisProcess.start`) after a kill, it rejoins on its port with its identity."""
+    return RedisProcess(directory, cluster_port(), extra=CLUSTER_FLAGS)
+
+
+def admin(port: int, timeout: float = 5.0) -> Any:
+    """A plain redis-py client of one server (Cluster node, replica or Sentinel), for set-up and faults."""
+    import redis  # noqa: PLC0415 - the launchers above need no client library
+
+    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=timeout, decode_responses=True)
+
+
+def cluster_ok(ports: Sequence[int]) -> bool:
+    """Every node says ``cluster_state:ok`` and knows every other node as connected."""
+    for port in ports:
+        with admin(port, 2.0) as client:
+            if "cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                return False
+            nodes = [line.split() for line in str(client.execute_command("CLUSTER", "NODES")).splitlines() if line]
+            healthy = [
+                node for node in nodes if node[7] == "connected" and not {"fail", "fail?"} & set(node[2].split(","))
+            ]
+            if len(healthy) < len(ports):
+                return False
+    return True
+
+
+def replica_synced(port: int) -> bool:
+    """``port`` is a replica whose link to its master is up."""
+    with admin(port, 2.0) as client:
+        info = client.info("replication")
+    return bool(info.get("role") == "slave" and info.get("master_link_status") == "up")
+
+
+def role(port: int) -> str:
+    """``master`` or ``slave`` (``ROLE``'s first word)."""
+    with admin(port, 1.0) as client:
+        return str(client.execute_command("ROLE")[0])
+
+
+def slot_owners(port: int) -> dict[int, int]:
+    """Slot -> port of the master serving it, as node ``port`` sees the Cluster."""
+    with admin(port, 2.0) as client:
+        ranges = client.execute_command("CLUSTER", "SLOTS")
+    owners: dict[int, int] = {}
+    for first, last, master, *_ in ranges:
+        owners.update(dict.fromkeys(range(int(first), int(last) + 1), int(master[1])))
+    return owners
+
+
+def replica_of(ports: Sequence[int], master_port: int) -> int:
+    """The port of a replica whose master is ``master_port``."""
+    for port in ports:
+        with admin(port, 2.0) as client:
+            info = client.info("replication")
+        if info.get("role") == "slave" and int(info.get("master_port", 0)) == master_port:
+            return port
+    raise LookupError(f"no replica of 127.0.0.1:{master_port} among {list(ports)}")
+
+
+def begin_slot_migration(source: int, target: int, slot: int) -> None:
+    """``slot`` IMPORTING on ``target`` and MIGRATING on ``source`` (in that order, as
+    ``redis-cli --cluster reshard`` does): keys still on the source are served there,
+    others are redirected with ASK, and a script over keys on both sides gets TRYAGAIN."""
+    with admin(source) as origin, admin(target) as destination:
+        destination.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", origin.execute_command("CLUSTER", "MYID"))
+        origin.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", destination.execute_command("CLUSTER", "MYID"))
+
+
+def migrate_slot_keys(source: int, target: int, slot: int, limit: int = 1000) -> int:
+    """MIGRATE up to ``limit`` keys of ``slot`` from ``source`` to ``target``; how many moved."""
+    with admin(source, 10.0) as origin:
+        keys = origin.execute_command("CLUSTER", "GETKEYSINSLOT", slot, limit)
+        if keys:
+            origin.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "REPLACE", "KEYS", *keys)
+    return len(keys)
+
+
+def finish_slot_migration(source: int, target: int, slot: int, masters: Sequence[int]) -> int:
+    """Move the slot's remaining keys, then give ``slot`` to ``target`` on the target, the
+    source and every other master; returns the keys moved at the end."""
+    moved = 0
+    while count := migrate_slot_keys(source, target, slot):
+        moved += count
+    with admin(target) as destination:
+        owner = destination.execute_command("CLUSTER", "MYID")
+        destination.execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner)
+    for port in [source, *(port for port in masters if port not in {source, target})]:
+        with admin(port) as client:
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner)
+    return moved
+
+
+def sentinel_conf(
+    directory: Path, port: int, service: str, master_port: int, *, quorum: int, down_after_ms: int = 2000
+) -> Path:
+    """``sentinel.conf`` of a Sentinel on ``port`` watching ``service`` at ``master_port``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    conf = directory / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {directory}\n"
+        f"sentinel monitor {service} 127.0.0.1 {master_port} {quorum}\n"
+        f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+        f"sentinel failover-timeout {service} 10000\n"
+    )
+    return conf
+
+
+class SentinelProcess(RedisProcess):
+    """A Sentinel on loopback (its config in ``directory``), ready when it answers PING."""
+
+    def __init__(self, directory: Path, service: str, master_port: int, quorum: int, down_after_ms: int = 2000) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.service = service
+        conf = sentinel_conf(directory, self.port, service, master_port, quorum=quorum, down_after_ms=down_after_ms)
+        Child.__init__(self, "sentinel", sentinel_argv(conf), directory / "sentinel.log")
+
+    def master_port(self) -> int:
+        """The port of the master this Sentinel names now."""
+        with admin(self.port, 1.0) as client:
+            _, port = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
+        return int(port)
