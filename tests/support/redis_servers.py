@@ -145,16 +145,24 @@ class RedisServer:
 
 
 class RedisCluster:
-    """Three masters with ``--cluster-enabled yes``, joined by ``redis-cli --cluster create``."""
+    """Three masters with ``--cluster-enabled yes``, joined by ``redis-cli --cluster create``;
+    with ``replicas``, that many replicas per master (the fault tests kill masters).
 
-    def __init__(self, directory: Path, masters: int = 3) -> None:
+    ``extra`` flags go to every node: the fault tests pass
+    ``--cluster-require-full-coverage no``, so the masters still serving go on answering
+    while a dead master's slots wait for its replica (with the default ``yes`` every node
+    answers CLUSTERDOWN meanwhile; see docs/redis.md).
+    """
+
+    def __init__(self, directory: Path, masters: int = 3, *, replicas: int = 0, extra: Sequence[str] = ()) -> None:
+        self.replicas = replicas
         self.nodes = [
             RedisServer(
                 directory / f"node-{index}",
-                launcher.CLUSTER_FLAGS,
+                [*launcher.CLUSTER_FLAGS, *extra],
                 port=cluster_port(),
             )
-            for index in range(masters)
+            for index in range(masters * (1 + replicas))
         ]
 
     @property
@@ -166,25 +174,109 @@ class RedisCluster:
         for node in self.nodes:
             node.start()
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
-        created = launcher.create_cluster(addresses, CLUSTER_DEADLINE)
+        created = launcher.create_cluster(addresses, CLUSTER_DEADLINE, replicas=self.replicas)
         if created.returncode != 0:
             pytest.fail(f"redis-cli --cluster create failed:\n{created.stdout}\n{created.stderr}")
         self.wait_ok()
+        if self.replicas:
+            self.wait_until("every replica in sync", self._replicas_in_sync)
         return self
 
+    def alive(self) -> list[RedisServer]:
+        return [node for node in self.nodes if node.process is not None and node.process.poll() is None]
+
     def wait_ok(self) -> None:
-        """Until every node says ``cluster_state:ok`` (slots assigned and agreed)."""
+        """Until every live node says ``cluster_state:ok`` (slots assigned and agreed)."""
+
+        def ok() -> bool:
+            states = [node.client().execute_command("CLUSTER", "INFO") for node in self.alive()]
+            return all("cluster_state:ok" in str(state) for state in states)
+
+        self.wait_until("cluster_state:ok", ok)
+
+    def wait_until(self, what: str, condition: Callable[[], object]) -> None:
         deadline = time.monotonic() + CLUSTER_DEADLINE
         while time.monotonic() < deadline:
-            states = [node.client().execute_command("CLUSTER", "INFO") for node in self.nodes]
-            if all("cluster_state:ok" in str(state) for state in states):
-                return
+            with contextlib.suppress(redis.RedisError, OSError):
+                if condition():
+                    return
             time.sleep(0.05)
-        pytest.fail("Redis Cluster did not reach cluster_state:ok")
+        pytest.fail(f"Redis Cluster: timed out waiting for {what}")
 
     def client(self) -> redis.cluster.RedisCluster:
         """A synchronous Cluster client for assertions (routes each key to its node)."""
-        return redis.cluster.RedisCluster(host="127.0.0.1", port=self.nodes[0].port, decode_responses=True)
+        seed = self.alive()[0]
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=seed.port, decode_responses=True)
+
+    def node_id(self, node: RedisServer) -> str:
+        return str(node.client().execute_command("CLUSTER", "MYID"))
+
+    def owner(self, slot: int) -> RedisServer:
+        """The live master that serves ``slot`` now (as that master itself says)."""
+        for node in self.alive():
+            info = node.client().info("replication")
+            if info.get("role") != "master":
+                continue
+            if slot in self.slots_of(node):
+                return node
+        raise AssertionError(f"no live master serves slot {slot}")
+
+    def slots_of(self, node: RedisServer) -> set[int]:
+        """The slots ``node`` serves according to itself."""
+        me = self.node_id(node)
+        served: set[int] = set()
+        for start, end, master, *_ in node.client().execute_command("CLUSTER", "SLOTS"):
+            if master[2] == me:
+                served.update(range(int(start), int(end) + 1))
+        return served
+
+    def replica_of(self, master: RedisServer) -> RedisServer:
+        me = self.node_id(master)
+        for node in self.alive():
+            if node is not master and node.client().info("replication").get("master_port") == master.port:
+                return node
+        raise AssertionError(f"master {me} has no live replica")
+
+    def start_migration(self, slot: int, moved_keys: Sequence[str]) -> tuple[RedisServer, RedisServer]:
+        """Put ``slot`` in migration from its master to another one (``CLUSTER SETSLOT
+        IMPORTING``/``MIGRATING``) and ``MIGRATE`` ``moved_keys`` across: a call naming
+        keys on both sides is answered ``TRYAGAIN`` until :meth:`finish_migration`."""
+        source = self.owner(slot)
+        target = next(node for node in self.alive() if node is not source and self.slots_of(node))
+        target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(source))
+        source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(target))
+        if moved_keys:
+            source.client().execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *moved_keys)
+        return source, target
+
+    def finish_migration(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """Move the slot's other keys and hand the slot to ``target`` on every master."""
+        while keys := source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            source.client().execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+        target_id = self.node_id(target)
+        for node in (target, source, *self.alive()):
+            if node.client().info("replication").get("role") == "master":
+                node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        self.wait_ok()
+
+    def kill_master(self, master: RedisServer) -> RedisServer:
+        """SIGKILL ``master``; returns its replica (the Cluster promotes it after the node
+        timeout, 2 s here)."""
+        replica = self.replica_of(master)
+        master.kill()
+        return replica
+
+    def wait_promoted(self, replica: RedisServer) -> None:
+        """Until ``replica`` is a master serving slots and every live node agrees the Cluster is ok."""
+        self.wait_until("the replica's promotion", lambda: replica.client().info("replication")["role"] == "master")
+        self.wait_ok()
+
+    def _replicas_in_sync(self) -> bool:
+        replicas = [node.client().info("replication") for node in self.nodes]
+        linked = [info for info in replicas if info.get("role") == "slave"]
+        return len(linked) == self.replicas * len(self.nodes) // (1 + self.replicas) and all(
+            info.get("master_link_status") == "up" for info in linked
+        )
 
     def kill(self) -> None:
         for node in self.nodes:
@@ -365,6 +457,26 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     """A three-master Redis Cluster shared by one test module."""
     cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    with running(cluster):
+        yield cluster
+
+
+FAULT_FLAGS = ("--cluster-require-full-coverage", "no")
+"""Cluster fault tests: healthy masters keep serving while a dead one's slots wait."""
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """Three masters for one test alone: fault tests migrate slots or stop nodes."""
+    cluster = RedisCluster(tmp_path / "redis-cluster", extra=FAULT_FLAGS)
+    with running(cluster):
+        yield cluster
+
+
+@pytest.fixture
+def replicated_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """Three masters with one replica each (node timeout 2 s), for one test: failover tests kill a master."""
+    cluster = RedisCluster(tmp_path / "redis-cluster", replicas=1, extra=FAULT_FLAGS)
     with running(cluster):
         yield cluster
 

@@ -32,6 +32,7 @@ import structlog
 from redis.exceptions import AskError, RedisError, ResponseError, TryAgainError
 
 from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnavailable, describe
+from sidecar.limiter.redis.faults import Fault, classify
 from sidecar.limiter.redis.pipeline import Command, ScriptCall
 from sidecar.limiter.redis.scripts import SCRIPTS
 
@@ -111,6 +112,13 @@ class ClusterNodes:
         """The masters known down."""
         return [name for name, state in self.nodes.items() if not state.available]
 
+    def call_only(self, error: BaseException) -> BaseException:
+        """``error`` if it fails one call only, else a :class:`RedisUnavailable` saying so: a
+        failure :meth:`run` left in a reply never marks the whole Cluster down."""
+        if isinstance(error, RedisUnavailable) or classify(error) is Fault.CALL:
+            return error
+        return RedisUnavailable(f"redis cluster call failed: {describe(error)}")
+
     def note_timeout(self) -> None:
         """A caller stopped waiting (its budget ran out): every master whose oldest call has
         waited beyond the silence rule is marked down, and only those."""
@@ -187,6 +195,15 @@ class ClusterNodes:
                 replies = await send(calls)
         except FAILURES as error:
             return [state.failed(error, budget)] * len(calls)
+        lost = next(
+            (reply for reply in replies if isinstance(reply, BaseException) and classify(reply) is not Fault.CALL), None
+        )
+        if lost is not None:  # the connection broke while the replies were read: the node failed
+            failure = state.failed(lost, budget)
+            return [
+                failure if isinstance(reply, BaseException) and classify(reply) is not Fault.CALL else reply
+                for reply in replies
+            ]
         state.answered()
         redirected = [index for index, reply in enumerate(replies) if isinstance(reply, REDIRECTS)]
         if redirected:

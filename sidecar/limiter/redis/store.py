@@ -161,6 +161,8 @@ class RedisStore:
             if corrupt is not None:
                 self.corrupt.found(*corrupt)
                 return CorruptKey(f"redis refused the call: key {corrupt[0]} {corrupt[1]}")
+        if self.nodes is not None:  # in Cluster, the master's state was kept by ClusterNodes.run
+            return self.availability.failed(self.nodes.call_only(error), request_path)
         return self.availability.failed(error, request_path)
 
     # -- life cycle -----------------------------------------------------------------
