@@ -44,6 +44,7 @@ AREAS = {
     "json-input": "loadtest.reliability_harness.json_input",
     "deadline-budget": "loadtest.reliability_harness.deadline_budget",
     "loop-stalls": "loadtest.reliability_harness.loop_stalls",
+    "store-faults": "loadtest.reliability_harness.store_faults",
 }
 """Report order: what each ``--areas`` name runs (a module with ``run(Context) -> list[Row]``)."""
 

@@ -1,0 +1,690 @@
+"""Faults of the distributed store under load (issue 31): Cluster and Sentinel failovers, a slot in migration.
+
+Two real sidecars (``--redis-failure-mode local``, ``--redis-timeout 0.02``, windows on
+the local clock) share a real store on 127.0.0.1 (``store_topology.py``) and get an
+Envoy-like load: every call carries a 25 ms gRPC deadline; 200 calls/s on one "hot" key
+limited to 100/s and 100 calls/s spread over 300 keys far under their (daily) limits,
+plus a probe of 40 calls/s with a 5 s deadline on other spread keys. Rows, each in sync
+and strict mode:
+
+1. ``cluster_kill``: a 6-node Cluster (3 masters + 1 replica each, node timeout 2 s),
+   the master holding the hot key SIGKILLed (started again after the row: it rejoins
+   as a replica);
+2. ``cluster_failover``: ``CLUSTER FAILOVER`` on that master's replica;
+3. ``slot_migration``: the hot key's slot IMPORTING/MIGRATING between two masters, one
+   key MIGRATEd, held so for 3 s under load, then the rest moved and the slot given to
+   the target; a few spread keys are chosen in that slot;
+4. ``sentinel_kill``: a master, a replica and 3 Sentinels (quorum 2), the master
+   SIGKILLed; the sidecars use ``redis+sentinel://`` with the three Sentinels.
+
+Per row: calls answered (of sent); the probe's max latency (the longest stall); the hot
+key's admitted hits per second window against the documented bound (``docs/redis.md``:
+sync ``L + (R-1)·Q`` = 105, strict with ``local`` within the limit, 100); the spread keys'
+hits lost or doubled, by shard, against what asynchronous replication lost (a writer
+INCRs a key in the hot key's slot 100 times a second: acknowledged minus held); the
+promotion time and the time until the failure mode stopped deciding (sampled
+``/metrics``); and the failure-mode decisions during the fault (``/metrics`` counts them
+by reason only, so the split by shard is a lower bound for healthy shards: decisions
+beyond the calls that went to the failed shard's keys).
+
+A row FAILS only on what must hold: no call ends in an error other than its 25 ms
+deadline, every probe call (5 s deadline) is answered, and both sidecars serve after
+the fault. The goals are printed beside it, never asserted: the hot key within the
+bound, no hit lost beyond replication, no failure-mode decision for healthy shards.
+
+    python -m loadtest.reliability --areas store-faults
+    python -m loadtest.reliability_harness.store_faults [--full]
+
+``--quick`` (the test) runs only the Cluster kill and the slot migration, in strict
+mode, with shorter rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import itertools
+import math
+import random
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import uvloop
+from redis.crc import key_slot
+
+from loadtest.reliability_harness.fault_phases import drained
+from loadtest.reliability_harness.store_topology import ClusterStore, Fault, SentinelStore, Store, WriteProbe
+from loadtest.reliability_harness.support import (
+    CODE_ERROR,
+    OK,
+    OVER_LIMIT,
+    Calls,
+    Context,
+    CounterNames,
+    ProcessGroup,
+    Row,
+    SidecarProcess,
+    avoid_window_end,
+    client_cpus,
+    encode_request,
+    failed_row,
+    main,
+    ms,
+    percentile,
+    process_group,
+    redis_available,
+    scrape,
+    skipped_row,
+    start_sidecar,
+)
+from sidecar.client import health_status
+from sidecar.limiter.redis.keys import window_key
+
+AREA = "store faults"
+DOMAIN = "store"
+HOT_LIMIT = 100
+HOT_RATE = 200.0
+SPREAD_RATE = 100.0
+SPREAD_KEYS = 300
+DEADLINE = 0.025
+"""Envoy's ``timeout`` in ``envoy/sidecar.yaml``: every call of the load carries it."""
+PROBE_RATE = 40.0
+PROBE_DEADLINE = 5.0
+"""Long enough that only a sidecar that stopped answering misses it, even on a machine at load 8;
+its calls still get `--redis-timeout` (20 ms) for Redis, so their latency is the stall."""
+PROBE_KEYS = 30
+REPLICAS = 2
+REDIS_TIMEOUT = 0.02
+SYNC_MAX_OVERSHOOT = 0.05
+BLIND_CAP = math.floor(SYNC_MAX_OVERSHOOT * HOT_LIMIT / (REPLICAS - 1))
+BOUNDS = {"sync": HOT_LIMIT + (REPLICAS - 1) * BLIND_CAP, "strict": HOT_LIMIT}
+"""The hot key's documented bound per window (``docs/redis.md``)."""
+DAY = 86_400
+SAMPLE_EVERY = 0.2
+SETTLED_SHARE = 0.05
+"""Redis decides again once the failure mode takes at most this share of the calls."""
+CONFIG = f"""\
+domain: {DOMAIN}
+descriptors:
+  - key: hot
+    rate_limit: {{unit: second, requests_per_unit: {HOT_LIMIT}}}
+  - key: spread
+    rate_limit: {{unit: day, requests_per_unit: 1000000}}
+"""
+FAULTS = {
+    "cluster_kill": "Cluster: the hot key's master SIGKILLed",
+    "cluster_failover": "Cluster: CLUSTER FAILOVER on the hot key's replica",
+    "slot_migration": "Cluster: the hot key's slot held in migration",
+    "sentinel_kill": "Sentinel: the master SIGKILLed",
+}
+CLUSTER_FAULTS = ("cluster_kill", "cluster_failover", "slot_migration")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    modes: tuple[str, ...]
+    faults: tuple[str, ...]
+    pre: float
+    """Seconds of load before the fault."""
+    seconds: dict[str, float]
+    """Seconds of load per row, fault included."""
+    hold: float
+    slot_keys: int
+    """Spread keys chosen in the migrated slot."""
+
+
+FULL = Sizes(
+    ("sync", "strict"),
+    tuple(FAULTS),
+    3.0,
+    {"cluster_kill": 12.0, "cluster_failover": 10.0, "slot_migration": 10.0, "sentinel_kill": 14.0},
+    3.0,
+    8,
+)
+QUICK = Sizes(
+    ("strict",), ("cluster_kill", "slot_migration"), 1.0, {"cluster_kill": 7.0, "slot_migration": 4.5}, 1.5, 4
+)
+
+
+def row_name(mode: str, fault: str) -> str:
+    return f"{mode} mode: {FAULTS[fault]}"
+
+
+# ---------------------------------------------------------------------------------
+# Keys and traffic
+# ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The hot key and the spread keys that share its slot, fixed for the run."""
+
+    names: CounterNames
+    hot: str
+    slot: int
+    slot_values: tuple[str, ...]
+
+    @classmethod
+    def choose(cls, names: CounterNames, slot_keys: int, seed: int) -> Keys:
+        """Candidate spread values grouped by slot: the fullest slot (several keys in it);
+        then a hot value in that slot. ~60,000 digests, a second or two."""
+        by_slot: dict[int, list[str]] = {}
+        for index in range(max(20_000, slot_keys * 6_000)):
+            value = f"m{seed}-{index}"
+            by_slot.setdefault(slot_of(names, [("spread", value)]), []).append(value)
+        slot, values = max(by_slot.items(), key=lambda item: len(item[1]))
+        hot = next(
+            f"h{seed}-{index}" for index in range(10**6) if slot_of(names, [("hot", f"h{seed}-{index}")]) == slot
+        )
+        return cls(names, hot, slot, tuple(values[:slot_keys]))
+
+
+def slot_of(names: CounterNames, entries: list[tuple[str, str]]) -> int:
+    return int(key_slot(names.digest(entries).encode()))
+
+
+class Traffic:
+    """Payloads of one row: 0 the hot key, then the spread keys, then the probe's keys."""
+
+    def __init__(self, keys: Keys, tag: str, seed: int, *, with_slot_keys: bool) -> None:
+        self.rng = random.Random(seed)
+        spread = [f"{tag}-{index}" for index in range(SPREAD_KEYS)]
+        spread += list(keys.slot_values) if with_slot_keys else []
+        self.entries = [[("hot", keys.hot)], *([("spread", value)] for value in spread)]
+        self.entries += [[("spread", f"{tag}-p{index}")] for index in range(PROBE_KEYS)]
+        self.payloads = [encode_request(DOMAIN, [entries]) for entries in self.entries]
+        self.digests = [keys.names.digest(entries) for entries in self.entries]
+        self.slots = [int(key_slot(digest.encode())) for digest in self.digests]
+        self.spread = range(1, 1 + len(spread))
+        self.probe = range(1 + len(spread), len(self.entries))
+
+    def choose(self) -> tuple[int, int]:
+        hot = self.rng.random() < HOT_RATE / (HOT_RATE + SPREAD_RATE)
+        return self.rng.randrange(REPLICAS), 0 if hot else self.rng.choice(self.spread)
+
+    def choose_probe(self) -> tuple[int, int]:
+        return self.rng.randrange(REPLICAS), self.rng.choice(self.probe)
+
+
+# ---------------------------------------------------------------------------------
+# One row: load, the fault, /metrics sampled meanwhile
+# ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    traffic: Traffic
+    fault: Fault
+    calls: Calls = field(default_factory=Calls)
+    probe: Calls = field(default_factory=Calls)
+    marks: dict[str, float] = field(default_factory=dict)
+    samples: list[tuple[float, float, dict[str, float], tuple[bool, ...]]] = field(default_factory=list)
+    """``(perf_counter, failure decisions of both sidecars, by reason, each one's redis_up)``."""
+    wall_offset: float = 0.0
+    """``time.time() - perf_counter()``: the windows are on the wall clock."""
+
+
+def failure_decisions(view: dict[str, float]) -> dict[str, float]:
+    prefix = "ratelimit_sidecar_failure_decisions_total{"
+    found = {}
+    for name, value in view.items():
+        if name.startswith(prefix):
+            found[name[len(prefix) :].rstrip("}")] = value
+    return found
+
+
+async def sample(sidecars: Sequence[SidecarProcess], run: Run, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        now = time.perf_counter()
+        with contextlib.suppress(OSError):
+            views = await asyncio.gather(*(asyncio.to_thread(scrape, s.metrics_url, 1.0) for s in sidecars))
+            reasons: dict[str, float] = {}
+            for view in views:
+                for reason, count in failure_decisions(view).items():
+                    reasons[reason] = reasons.get(reason, 0.0) + count
+            up = tuple(view.get("ratelimit_sidecar_redis_up") == 1 for view in views)
+            run.samples.append((now, sum(reasons.values()), reasons, up))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), SAMPLE_EVERY)
+
+
+async def load(sidecars: Sequence[SidecarProcess], run: Run, seconds: float, pre: float) -> None:
+    from loadtest.reliability_harness.support import drive
+
+    addresses = [sidecar.address for sidecar in sidecars]
+    payloads = run.traffic.payloads
+    stop = asyncio.Event()
+    start = time.perf_counter()
+    run.wall_offset = time.time() - start
+
+    async def control() -> None:
+        await asyncio.sleep(pre)
+        run.marks["fault"] = time.perf_counter()
+        await asyncio.to_thread(run.fault.begin)
+        run.marks["begun"] = time.perf_counter()
+        served = await asyncio.to_thread(run.fault.wait)
+        if served is not None:
+            run.marks["served"] = served
+
+    sampler = asyncio.create_task(sample(sidecars, run, stop))
+    try:
+        await asyncio.gather(
+            drive(addresses, payloads, run.traffic.choose, run.calls, seconds=seconds, lanes=24,
+                  rate=HOT_RATE + SPREAD_RATE, timeout=DEADLINE),
+            drive(addresses, payloads, run.traffic.choose_probe, run.probe, seconds=seconds, lanes=4,
+                  rate=PROBE_RATE, timeout=PROBE_DEADLINE),
+            control(),
+        )  # fmt: skip
+    finally:
+        stop.set()
+        await sampler
+
+
+def serving(sidecar: SidecarProcess, payload: bytes) -> bool:
+    """Health SERVING and one call answered within the probe's deadline."""
+    if not sidecar.alive():
+        return False
+    try:
+        if health_status(sidecar.address, timeout=PROBE_DEADLINE) != "SERVING":
+            return False
+        with grpc.insecure_channel(sidecar.address) as channel:
+            method = channel.unary_unary("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
+            method(payload, timeout=PROBE_DEADLINE)
+    except grpc.RpcError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------
+# Figures of a row
+# ---------------------------------------------------------------------------------
+
+
+def hot_windows(run: Run) -> tuple[dict[int, int], dict[int, int]]:
+    """Hot-key calls answered OK, and calls past their deadline, per wall-clock second."""
+    admitted: dict[int, int] = {}
+    late: dict[int, int] = {}
+    calls = run.calls
+    for index in range(len(calls)):
+        if calls.payload[index] != 0:
+            continue
+        second = int(run.wall_offset + calls.sent[index] + calls.latency[index] / 2)
+        if calls.code[index] == OK:
+            admitted[second] = admitted.get(second, 0) + 1
+        elif calls.errors.get(index) == "DEADLINE_EXCEEDED":
+            late[second] = late.get(second, 0) + 1
+    return admitted, late
+
+
+def spread_hits(run: Run) -> tuple[dict[int, int], dict[int, int], int]:
+    """Per spread payload: hits answered OK, hits of calls past their deadline (the sidecar
+    may have admitted them: their outcome is unknown); and spread calls refused."""
+    sure: dict[int, int] = {}
+    late: dict[int, int] = {}
+    refused = 0
+    for calls in (run.calls, run.probe):
+        for index in range(len(calls)):
+            payload = calls.payload[index]
+            if payload == 0:
+                continue
+            if calls.code[index] == OK:
+                sure[payload] = sure.get(payload, 0) + 1
+            elif calls.code[index] == OVER_LIMIT:
+                refused += 1
+            elif calls.errors.get(index) == "DEADLINE_EXCEEDED":
+                late[payload] = late.get(payload, 0) + 1
+    return sure, late, refused
+
+
+def held_counts(store: Store, run: Run, prefix: str) -> dict[int, int]:
+    """What the store holds for each spread payload's key in today's window."""
+    start = int((run.wall_offset + run.calls.sent[0]) // DAY * DAY)
+    client = store.client()
+    try:
+        held = {}
+        for payload in [*run.traffic.spread, *run.traffic.probe]:
+            value = client.get(window_key(prefix, run.traffic.digests[payload], start))
+            held[payload] = int(value or 0)
+        return held
+    finally:
+        client.close()
+
+
+def recovery(run: Run) -> float:
+    """Seconds from the fault to the sample from which on Redis decides again: both sidecars
+    say Redis is up and the failure mode decides at most :data:`SETTLED_SHARE` of the calls
+    for reasons of Redis's (``deadline`` decisions, the caller's time running out on this
+    loaded machine, are not counted). 0: it never stopped deciding."""
+    fault = run.marks["fault"]
+    after = [item for item in run.samples if item[0] >= fault]
+    last_change = fault
+    for previous, current in itertools.pairwise(after):
+        redis_decisions = redis_decided(current[2]) - redis_decided(previous[2])
+        allowed = SETTLED_SHARE * (HOT_RATE + SPREAD_RATE + PROBE_RATE) * (current[0] - previous[0])
+        if redis_decisions > allowed or not all(current[3]):
+            last_change = current[0]
+    return last_change - fault
+
+
+def redis_decided(reasons: dict[str, float]) -> float:
+    """Failure-mode decisions whose reason is Redis's (all but ``deadline``)."""
+    return sum(count for reason, count in reasons.items() if "deadline" not in reason)
+
+
+def decisions_since(run: Run, moment: float) -> tuple[float, dict[str, float]]:
+    before = [item for item in run.samples if item[0] <= moment] or run.samples[:1]
+    if not before:
+        return 0.0, {}
+    first, last = before[-1], run.samples[-1]
+    reasons = {reason: count - first[2].get(reason, 0.0) for reason, count in last[2].items()}
+    return last[1] - first[1], {reason: count for reason, count in reasons.items() if count}
+
+
+def on_failed_shard(run: Run, owners: dict[int, int] | None) -> set[int]:
+    """Payloads whose key lives on the faulted shard: the victim's slots (Cluster kill,
+    failover), the migrated slot, or every key (Sentinel: one shard)."""
+    fault, traffic = run.fault, run.traffic
+    if owners is None:
+        return set(range(len(traffic.payloads)))
+    if fault.name == "slot_migration":
+        return {payload for payload, slot in enumerate(traffic.slots) if slot == fault.slot}
+    return {payload for payload, slot in enumerate(traffic.slots) if owners.get(slot) == fault.victim}
+
+
+@dataclass
+class Outcome:
+    """What the row measured beyond the calls (filled in after the load)."""
+
+    prefix: str
+    owners: dict[int, int] | None
+    probe_acknowledged: int = 0
+    probe_held: int = 0
+    held: dict[int, int] = field(default_factory=dict)
+    serving_after: bool = False
+    drain_seconds: float | None = None
+
+
+def split_decisions(run: Run, failed: set[int]) -> dict[str, float]:
+    """Failure-mode decisions from the fault on, and what can be said of their shards:
+    ``/metrics`` counts them by reason only, so healthy shards got at least the decisions
+    beyond the calls on the failed shard, and at least the calls on healthy shards sent
+    while the sidecar that took them reported Redis down (it then decides every call by
+    the failure mode)."""
+    calls, probe = run.calls, run.probe
+    fault = run.marks["fault"]
+    decided, reasons = decisions_since(run, fault)
+    moments = [item[0] for item in run.samples]
+    failed_calls = healthy_calls = healthy_down = 0
+    for batch in (calls, probe):
+        for index in range(len(batch)):
+            if batch.sent[index] < fault:
+                continue
+            if batch.payload[index] in failed:
+                failed_calls += 1
+                continue
+            healthy_calls += 1
+            at = bisect.bisect_right(moments, batch.sent[index]) - 1
+            if at >= 0 and not run.samples[at][3][batch.target[index]]:
+                healthy_down += 1
+    return {
+        "failure_decisions": decided,
+        **{f"failure_decisions_{reason.split('=')[-1].strip(chr(34))}": count for reason, count in reasons.items()},
+        "calls_failed_shard": failed_calls,
+        "calls_healthy_shards": healthy_calls,
+        "healthy_calls_while_marked_down": healthy_down,
+        "healthy_decisions_at_least": max(decided - failed_calls, float(healthy_down), 0.0),
+    }
+
+
+def call_figures(run: Run) -> dict[str, float]:
+    calls, probe = run.calls, run.probe
+    fault = run.marks["fault"]
+    errors = calls.error_counts()
+    late_calls = errors.pop("DEADLINE_EXCEEDED", 0)
+    before = [index for index in range(len(calls)) if calls.sent[index] < fault]
+    late_before = sum(1 for index in before if calls.errors.get(index) == "DEADLINE_EXCEEDED")
+    quiet = [probe.latency[index] for index in range(len(probe)) if probe.sent[index] < fault]
+    latencies = sorted(probe.latency)
+    return {
+        "calls": len(calls) + len(probe),
+        "answered": sum(1 for code in [*calls.code, *probe.code] if code != CODE_ERROR),
+        "late_calls": late_calls,
+        "late_share_before_fault": round(late_before / max(1, len(before)), 3),
+        "errors": sum(errors.values()),
+        "probe_calls": len(probe),
+        "probe_errors": len(probe.errors),
+        "stall_ms": ms(latencies[-1] if latencies else 0.0),
+        "stall_before_fault_ms": ms(max(quiet, default=0.0)),
+        "probe_p99_ms": ms(percentile(latencies, 0.99)),
+    }
+
+
+def figures_of(mode: str, run: Run, outcome: Outcome) -> dict[str, float]:
+    admitted, late_hot = hot_windows(run)
+    sure, late_spread, refused = spread_hits(run)
+    failed = on_failed_shard(run, outcome.owners)
+    lost = {"failed": 0, "healthy": 0}
+    doubled = 0
+    for payload, held in outcome.held.items():
+        where = "failed" if payload in failed else "healthy"
+        lost[where] += max(0, sure.get(payload, 0) - held)
+        doubled += max(0, held - sure.get(payload, 0) - late_spread.get(payload, 0))
+    fault = run.marks["fault"]
+    return {
+        **call_figures(run),
+        "hot_bound": BOUNDS[mode],
+        "hot_max_window": max(admitted.values(), default=0),
+        "hot_windows_over": sum(count > BOUNDS[mode] for count in admitted.values()),
+        "hot_max_late_window": max(late_hot.values(), default=0),
+        "spread_lost_failed_shard": lost["failed"],
+        "spread_lost_healthy_shards": lost["healthy"],
+        "spread_doubled": doubled,
+        "spread_refused": refused,
+        "replication_acknowledged": outcome.probe_acknowledged,
+        "replication_lost": max(0, outcome.probe_acknowledged - outcome.probe_held),
+        "promotion_s": round(run.marks["served"] - fault, 2) if "served" in run.marks else -1.0,
+        "redis_decided_again_s": round(recovery(run), 2),
+        **split_decisions(run, failed),
+        "serving_after": float(outcome.serving_after),
+        "drain_seconds": round(outcome.drain_seconds, 2) if outcome.drain_seconds is not None else -1.0,
+    }
+
+
+def window_list(run: Run) -> str:
+    """The hot key's admitted hits per second, in order (``*`` marks the fault's second)."""
+    admitted, _ = hot_windows(run)
+    fault = int(run.wall_offset + run.marks["fault"])
+    return ",".join(f"{admitted[second]}{'*' if second == fault else ''}" for second in sorted(admitted))
+
+
+def build_row(mode: str, run: Run, outcome: Outcome) -> Row:
+    figures = figures_of(mode, run, outcome)
+    problems = []
+    if figures["errors"]:
+        problems.append(f"{figures['errors']:.0f} calls failed with errors other than their deadline")
+    if figures["probe_errors"]:
+        problems.append(f"{figures['probe_errors']:.0f} probe calls (5 s deadline) unanswered")
+    if not outcome.serving_after:
+        problems.append("a sidecar did not serve after the fault")
+    goals = []
+    if figures["hot_windows_over"]:
+        goals.append(f"hot key {figures['hot_max_window']:.0f} admitted in a window > bound {figures['hot_bound']:.0f}")
+    beyond = figures["spread_lost_healthy_shards"] or (
+        figures["spread_lost_failed_shard"] and not figures["replication_lost"]
+    )
+    if beyond:
+        goals.append("hits lost beyond what replication lost")
+    if figures["healthy_decisions_at_least"]:
+        goals.append(f">= {figures['healthy_decisions_at_least']:.0f} failure-mode decisions for healthy shards")
+    reasons = ", ".join(f"{key.rsplit('_', 1)[-1]} {value:.0f}" for key, value in figures.items()
+                        if key.startswith("failure_decisions_"))  # fmt: skip
+    notes = (
+        f"answered {figures['answered']:.0f} of {figures['calls']:.0f} ({figures['late_calls']:.0f} past the "
+        f"25 ms deadline); max stall {figures['stall_ms']:.0f} ms; hot key max {figures['hot_max_window']:.0f}"
+        f"/window (bound {figures['hot_bound']:.0f}); spread hits lost {figures['spread_lost_failed_shard']:.0f} "
+        f"on the failed shard, {figures['spread_lost_healthy_shards']:.0f} elsewhere, "
+        f"{figures['spread_doubled']:.0f} doubled; replication lost {figures['replication_lost']:.0f} of "
+        f"{figures['replication_acknowledged']:.0f} acknowledged; promoted/served after "
+        f"{figures['promotion_s']:.1f} s, Redis-decided again after {figures['redis_decided_again_s']:.1f} s; "
+        f"failure-mode decisions {figures['failure_decisions']:.0f} ({reasons or 'none'}) vs "
+        f"{figures['calls_failed_shard']:.0f} calls on the failed shard: >= "
+        f"{figures['healthy_decisions_at_least']:.0f} for healthy shards; hot key per second: {window_list(run)}; "
+        f"before the fault {figures['late_share_before_fault']:.0%} of calls were late, max stall "
+        f"{figures['stall_before_fault_ms']:.0f} ms"
+    )
+    if run.fault.moved_keys:
+        notes += f"; keys MIGRATEd {'+'.join(map(str, run.fault.moved_keys))}"
+    if problems:
+        notes = "; ".join(problems) + " | " + notes
+    return Row(
+        AREA,
+        row_name(mode, run.fault.name),
+        load=f"{HOT_RATE + SPREAD_RATE:.0f} req/s at a 25 ms deadline on {REPLICAS} sidecars",
+        hits_lost=int(figures["spread_lost_failed_shard"] + figures["spread_lost_healthy_shards"]),
+        ok=not problems,
+        notes=notes,
+        goals_missed=goals,
+        figures=figures,
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Rows on one store
+# ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    context: Context
+    group: ProcessGroup
+    sizes: Sizes
+    config: Path
+    keys: Keys
+    logs: Path
+
+
+def sidecar_args(bench: Bench, store: Store, mode: str, prefix: str) -> list[str]:
+    return [
+        "--config", str(bench.config), "--watch-config", "false",
+        "--backend", "redis", "--redis-url", store.url,
+        "--mode", mode, "--redis-failure-mode", "local", "--redis-prefix", prefix,
+        "--redis-timeout", str(REDIS_TIMEOUT), "--sync-max-overshoot", str(SYNC_MAX_OVERSHOOT),
+        "--clock-source", "local",
+    ]  # fmt: skip
+
+
+def start_pair(bench: Bench, label: str, args: list[str]) -> list[SidecarProcess]:
+    where = bench.logs / label
+    sidecars = [start_sidecar(bench.group, bench.context, f"sidecar-{index}", args, where) for index in range(REPLICAS)]
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if all(scrape(s.metrics_url).get("ratelimit_sidecar_replicas") == REPLICAS for s in sidecars):
+                break
+        time.sleep(0.1)
+    return sidecars
+
+
+def stop_pair(bench: Bench, sidecars: Sequence[SidecarProcess]) -> None:
+    for sidecar in sidecars:
+        sidecar.signal(signal.SIGTERM)
+    for sidecar in sidecars:
+        assert sidecar.process is not None
+        try:
+            sidecar.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+        with contextlib.suppress(ValueError):
+            bench.group.children.remove(sidecar)
+
+
+def run_row(bench: Bench, store: Store, sidecars: list[SidecarProcess], mode: str, fault_name: str) -> Row:
+    prefix = sidecars_prefix(sidecars)
+    seconds = bench.sizes.seconds[fault_name]
+    avoid_window_end(DAY, seconds + 120)
+    tag = secrets.token_hex(3)
+    traffic = Traffic(bench.keys, tag, bench.context.seed, with_slot_keys=fault_name == "slot_migration")
+    fault = Fault(fault_name, store, bench.keys.slot, hold=bench.sizes.hold)
+    owners = store.owners() if isinstance(store, ClusterStore) else None
+    run = Run(traffic, fault)
+    probe = WriteProbe(store.client, f"storeprobe:{{{traffic.digests[0]}}}:{tag}").start()
+    try:
+        with client_cpus(bench.context.client_cpus):
+            uvloop.run(load(sidecars, run, seconds, bench.sizes.pre))
+    finally:
+        probe.finish()
+        fault.restore()
+    outcome = Outcome(prefix, owners, probe.acknowledged)
+    outcome.drain_seconds = drained(sidecars)
+    time.sleep(0.3)
+    outcome.probe_held = probe.held()
+    outcome.held = held_counts(store, run, prefix)
+    outcome.serving_after = all(serving(sidecar, traffic.payloads[traffic.probe[0]]) for sidecar in sidecars)
+    return build_row(mode, run, outcome)
+
+
+def sidecars_prefix(sidecars: Sequence[SidecarProcess]) -> str:
+    return sidecars[0].argv[sidecars[0].argv.index("--redis-prefix") + 1]
+
+
+def run_store(bench: Bench, store: Store, faults: Sequence[str]) -> list[Row]:
+    rows = []
+    for mode in bench.sizes.modes:
+        prefix = f"s{secrets.token_hex(3)}"
+        kind = "cluster" if isinstance(store, ClusterStore) else "sentinel"
+        sidecars = start_pair(bench, f"{kind}-{mode}", sidecar_args(bench, store, mode, prefix))
+        try:
+            for fault in faults:
+                try:
+                    rows.append(run_row(bench, store, sidecars, mode, fault))
+                except Exception as error:
+                    rows.append(failed_row(AREA, row_name(mode, fault), error, [*sidecars]))
+                    store.wait_healthy()
+        finally:
+            stop_pair(bench, sidecars)
+    return rows
+
+
+def run(context: Context) -> list[Row]:
+    sizes = QUICK if context.quick else FULL
+    if not redis_available():
+        return [skipped_row(AREA, "Cluster and Sentinel faults under load", "redis-server is not installed")]
+    logs = context.directory / "store-faults"
+    config = logs / "config"
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "store.yaml").write_text(CONFIG)
+    keys = Keys.choose(CounterNames(config, DOMAIN), sizes.slot_keys, context.seed)
+    rows: list[Row] = []
+    cluster_faults = [fault for fault in sizes.faults if fault in CLUSTER_FAULTS]
+    with process_group() as group:
+        bench = Bench(context, group, sizes, config, keys, logs)
+        if cluster_faults:
+            rows += on_store(bench, lambda: ClusterStore.start(group, logs / "cluster"), cluster_faults)
+        if "sentinel_kill" in sizes.faults:
+            rows += on_store(bench, lambda: SentinelStore.start(group, logs / "sentinel"), ["sentinel_kill"])
+    return rows
+
+
+def on_store(bench: Bench, start: Any, faults: list[str]) -> list[Row]:
+    """The rows of ``faults`` on a store ``start()`` brings up; its servers stopped after."""
+    before = list(bench.group.children)
+    try:
+        store = start()
+        return run_store(bench, store, faults)
+    except Exception as error:
+        return [failed_row(AREA, row_name(mode, fault), error, bench.group.children)
+                for mode in bench.sizes.modes for fault in faults]  # fmt: skip
+    finally:
+        bench.group.stop([child for child in bench.group.children if child not in before])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(run))
