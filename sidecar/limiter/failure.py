@@ -125,6 +125,48 @@ def sync_failure_limits(
     return counts, limits
 
 
+def held_to_shares(checks: Sequence[Check], own: Sequence[int], live: int, admit_all: bool) -> tuple[int, ...] | None:
+    """Returning from an outage (``local`` mode, :attr:`Replicas.returning`): the limits
+    that refuse the request when this replica's own hits of a window (``own``, the request's
+    and those of its calls on the wire included) would pass its share, ``ceil(limit / R)``;
+    None when every check fits and Redis may decide as usual.
+
+    A peer may still decide by the failure mode, or hold outage hits Redis lacks, so what
+    Redis answers is not the whole count: every replica finishes the outage under its
+    share until all have settled, and the total then stays within ``R`` shares whatever
+    the order in which they return (docs/redis.md, "Returning from an outage").
+    """
+    limits = failure_limits("local", checks, own, live)
+    admitted, _, _ = decide(checks, own, limits, admit_all)
+    return None if admitted else limits
+
+
+class Settlement:
+    """Whether the hits a limiter admitted before Redis returned are all in Redis.
+
+    The limiter numbers its flushes; at a return, :meth:`returned` notes the last number
+    (plus one when hits wait for a flush not prepared yet), and :meth:`landed` each
+    flush Redis acknowledged (or one prepared empty: nothing was left). A returning
+    replica beats only once settled (:meth:`Replicas.follow_outages`).
+    """
+
+    def __init__(self) -> None:
+        self._due = 0
+        self._landed = 0
+
+    def returned(self, sequence: int, waiting: bool) -> None:
+        """Redis is back; ``sequence``: the last flush numbered, ``waiting``: hits not in one yet."""
+        self._due = sequence + 1 if waiting else sequence
+
+    def landed(self, sequence: int) -> None:
+        """Flush ``sequence`` is in Redis, or was empty (flushes are acknowledged in order)."""
+        self._landed = max(self._landed, sequence)
+
+    def settled(self) -> bool:
+        """Every hit admitted before the last return is in Redis."""
+        return self._landed >= self._due
+
+
 Admitted = dict[str, tuple[int, int]]
 """Owed to Redis: ``{key: (amount, expire_at)}``, ``INCRBY`` amounts (hits, or a TAT's
 microseconds); negative amounts are to be given back."""
@@ -159,6 +201,10 @@ class FailurePolicy:
         self.known = KnownCounts(max_counters)
         """``local`` mode: the counts Redis last answered with per key, plus hits admitted here since."""
         self._since = 0.0
+        self._on_wire: dict[str, int] = {}
+        """Returning from an outage: hits of this replica's script calls on the wire, per key."""
+        self.share_refusals = 0
+        """Requests refused by :meth:`beyond_share` (returning from an outage)."""
 
     # -- deciding --------------------------------------------------------------------
 
@@ -264,6 +310,52 @@ class FailurePolicy:
         self._local.instances = live
         floors = self.known.floors(checks, keys, live, in_doubt) if self.known else ()
         return self._local.check_now(checks, now, floors)
+
+    def beyond_share(
+        self, checks: Sequence[Check], keys: Sequence[str], expire_ats: Sequence[int], now: float
+    ) -> Decision | None:
+        """strict, returning from an outage: the refusal of a request that would take this
+        replica's own hits of a window past its share (:func:`held_to_shares`), counting
+        its calls still on the wire; None when it fits and Redis decides. ``local`` only:
+        ``open`` never held to a share, ``closed`` admitted nothing meanwhile."""
+        if self.mode != "local":
+            return None
+        counts = self._own_counts(checks, keys, now)
+        limits = held_to_shares(checks, counts, max(1, self.live()), self.admit_all)
+        if limits is None:
+            return None
+        self.share_refusals += 1
+        admitted, over, consume = decide(checks, counts, limits, self.admit_all)
+        for check, key, expire_at, spend in zip(checks, keys, expire_ats, consume, strict=True):
+            if spend and check.hits:  # count_past_limit: counted though refused, as the script would
+                self._local.record(check, now)
+                self.ledger.owe_amount(key, check.hits * per_hit(check), expire_at, now, per_hit(check))
+        return Decision(admitted, over, counts, limits)
+
+    def _own_counts(self, checks: Sequence[Check], keys: Sequence[str], now: float) -> tuple[int, ...]:
+        """Per check, this replica's own hits of its window (a bucket's: 0, it has no
+        window), its calls on the wire and the request's hits, earlier checks of a key included."""
+        seen: dict[str, int] = {}
+        counts = []
+        for check, key in zip(checks, keys, strict=True):
+            if check.algorithm is Algorithm.TOKEN_BUCKET:
+                counts.append(0)
+                continue
+            before = seen.get(key)
+            if before is None:
+                before = self._local.count(check.key, check.unit_seconds, now) + self._on_wire.get(key, 0)
+            seen[key] = before + check.hits
+            counts.append(before + check.hits)
+        return tuple(counts)
+
+    def on_wire(self, checks: Sequence[Check], keys: Sequence[str], change: int) -> None:
+        """A call admitted by :meth:`beyond_share` goes to Redis (``change`` 1) or has ended (-1)."""
+        for check, key in zip(checks, keys, strict=True):
+            left = self._on_wire.get(key, 0) + change * check.hits
+            if left > 0:
+                self._on_wire[key] = left
+            else:
+                self._on_wire.pop(key, None)
 
     def note_admitted(self, checks: Sequence[Check], consume: Sequence[bool], now: float) -> None:
         """Count hits Redis admitted for this replica against its local share (``local`` mode)."""
