@@ -53,7 +53,7 @@ import structlog
 
 from sidecar.limiter.algorithms import Algorithm, now_us
 from sidecar.limiter.budget import FailureReasons, Reason, redis_wait
-from sidecar.limiter.failure import FailurePolicy
+from sidecar.limiter.failure import FailurePolicy, Settlement
 from sidecar.limiter.full_windows import FullWindows
 from sidecar.limiter.hooks import RedisWaits
 from sidecar.limiter.known_counts import redis_holds
@@ -151,13 +151,23 @@ class StrictLimiter:
         """Abandoned calls whose answer (or failure) has not come yet."""
         self.redis_waits: RedisWaits | None = None
         """Wraps each script call and flush when tracing is on (:mod:`sidecar.limiter.hooks`)."""
+        self.settlement = Settlement()
+        """Whether the hits owed at Redis's last return have landed: until then this
+        replica does not rejoin the heartbeats (:meth:`Replicas.follow_outages`)."""
         store.add_listener(policy.on_redis_state)
+        store.add_listener(self._on_redis_state)
 
     async def start(self) -> None:
         """Connect (or start probing), join the replica set, start reconciling."""
+        self.replicas.follow_outages(self.settlement.settled)
         await self.store.start()
         await self.replicas.start()
         self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever(), name="strict-reconcile")
+
+    def _on_redis_state(self, available: bool, reason: str) -> None:
+        """Redis is back: what is owed now (or on a flush not acknowledged) is to settle."""
+        if available:
+            self.settlement.returned(self._sequence, self.ledger.owes())
 
     # -- deciding --------------------------------------------------------------------
 
@@ -195,6 +205,20 @@ class StrictLimiter:
         available = self.store.available
         if available and attempts is None and (refused := self.full.refusal(checks, keys, self.admit_all)) is not None:
             return refused  # Redis would refuse it too, recording nothing
+        returning = available and self.replicas.returning
+        if returning and (refused := self.policy.beyond_share(checks, keys, expire_ats, now)) is not None:
+            return refused  # a peer may still hold outage hits Redis lacks: this replica keeps its share
+        if returning:
+            self.policy.on_wire(checks, keys, 1)
+        try:
+            return await self._decide(call, now, budget, available)
+        finally:
+            if returning:
+                self.policy.on_wire(checks, keys, -1)
+
+    async def _decide(self, call: RedisCall, now: float, budget: float | None, available: bool) -> Decision:
+        """Redis's decision within the budget, else the failure policy's."""
+        checks, keys, expire_ats = call.checks, call.keys, call.expire_ats
         wait, limit, deadline = redis_wait(self.store.redis_timeout, budget)
         reason: Reason = "redis_down"
         if available and wait <= 0:
@@ -386,6 +410,7 @@ class StrictLimiter:
         except RedisUnavailable:
             return False
         self._unacknowledged = None
+        self.settlement.landed(flush.sequence)
         self.ledger.settle(flush.adds)
         refused = [key for key in flush.adds if key not in totals]
         if refused:  # keys holding no counter: the store logs each (rate-limited) and counts the hits
