@@ -53,7 +53,7 @@ import structlog
 from sidecar.limiter.algorithms import Algorithm, previous_weight, sliding_part
 from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS, Bans
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT, FailureReasons, Reason, redis_wait
-from sidecar.limiter.failure import FailureMode, sync_failure_limits
+from sidecar.limiter.failure import FailureMode, Settlement, held_to_shares, sync_failure_limits
 from sidecar.limiter.hooks import RedisWaits
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
@@ -63,7 +63,7 @@ from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import CorruptKey, Counts, RedisStore
 from sidecar.limiter.redis.store import verdict as script_verdict
 from sidecar.limiter.suppression import Suppression, lowered_where
-from sidecar.limiter.sync_counters import FlushBatch, WindowCounter, attempt_flush, lowered_check
+from sidecar.limiter.sync_counters import FlushBatch, WindowCounter, attempt_flush, lowered_check, with_doubt
 from sidecar.limiter.sync_table import CounterTable
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
@@ -139,12 +139,14 @@ class SyncLimiter:
         """Requests the failure mode decided, by why (``deadline``, ``redis_down``, ...)."""
         self.redis_waits: RedisWaits | None = None
         """Wraps each escalation and flush when tracing is on (:mod:`sidecar.limiter.hooks`)."""
+        self.settlement = Settlement()  # the hits unflushed at Redis's last return have landed: rejoin
 
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         """Connect (or start probing), start heartbeats and the background flusher."""
         self.store.add_listener(self._on_redis_state)
+        self.replicas.follow_outages(self.settlement.settled)
         await self.store.start()
         await self.replicas.start()
         self._task = asyncio.create_task(self._sync_loop(), name="sync-flusher")
@@ -198,6 +200,7 @@ class SyncLimiter:
         unflushed = self.table.unflushed_hits()
         if available:
             log.info("redis_recovered", mode="sync", unflushed_hits=unflushed)
+            self.settlement.returned(self._sequence, unflushed > 0)
             self._wake.set()
         else:
             self._drop_logged = False  # log the next drop again: once per outage
@@ -247,6 +250,10 @@ class SyncLimiter:
             return self._decide_without_redis(checks, counters, now, "redis_down")
         if self.store.corrupt.any_of(counter.key for counter in counters):
             return self._decide_without_redis(checks, counters, now, "corrupt_key")
+        if self.replicas.returning and self.failure_mode == "local":  # a peer may hold outage hits Redis lacks
+            own = with_doubt(self._would_be(checks, counters, own=True, now=now), counters)
+            if (limits := held_to_shares(checks, own, self.replicas.live, self.admit_all)) is not None:
+                return self._apply(checks, counters, own, limits)
         decision = self._decide_locally(checks, counters, now)
         if decision is not None:
             self.local_decisions += 1
@@ -311,7 +318,7 @@ class SyncLimiter:
             if count > check.limit:
                 continue  # certain: our own knowledge already leaves no room
             cap = self.blind_cap(check.limit, replicas)
-            if counter.unflushed + blind > cap or count + self.reserve(counter, cap, replicas) > check.limit:
+            if counter.unflushed + blind > cap or count + counter.reserve(cap, replicas) > check.limit:
                 return None
         return self._apply(checks, counters, counts, limits)
 
@@ -535,13 +542,6 @@ class SyncLimiter:
             return limit
         return math.floor(self.max_overshoot * limit / (replicas - 1))
 
-    @staticmethod
-    def reserve(counter: WindowCounter, cap: int, replicas: int) -> int:
-        """Room kept for other replicas' blind hits and their growth until our next sync."""
-        if replicas <= 1:
-            return 0
-        return (replicas - 1) * cap + math.ceil(counter.growth)
-
     # ------------------------------------------------------------ local counters
 
     @property
@@ -619,6 +619,7 @@ class SyncLimiter:
             self.table.expire(self.clock())
             batch = self._unacknowledged or self._prepare_flush()
             if not batch.sent and not batch.reads and not batch.bans and batch.attempts is None:
+                self.settlement.landed(batch.sequence)  # nothing unflushed: all landed
                 return
             adds = {key: (hits, counter.expire_at) for key, (counter, hits) in batch.sent.items()}
             once = (self.replicas.replica_id, batch.sequence)
@@ -644,6 +645,7 @@ class SyncLimiter:
                 self._unacknowledged = batch
                 raise
             self._unacknowledged = None
+            self.settlement.landed(batch.sequence)
             self.flush_seconds.observe(time.perf_counter() - started)
             live = totals.pop(self.store.replicas_key, None)
             if live is not None:

@@ -59,9 +59,21 @@ class WindowCounter:
         """Our hits Redis may not hold yet."""
         return self.pending + self.inflight
 
+    def reserve(self, cap: int, replicas: int) -> int:
+        """Room kept for other replicas' blind hits (``cap`` each) and their growth until our next sync."""
+        if replicas <= 1:
+            return 0
+        return (replicas - 1) * cap + math.ceil(self.growth)
+
     def extra_reads(self) -> list[str]:
         """Keys a flush reads besides the counter: the previous window, the ban."""
         return [key for key in (self.previous_key, self.ban_key) if key is not None]
+
+
+def with_doubt(counts: Sequence[int], counters: Sequence[WindowCounter]) -> tuple[int, ...]:
+    """``counts`` plus the hits of this replica's escalations on the wire (Redis may admit
+    them any moment): what a replica returning from an outage holds to its share."""
+    return tuple(count + max(0, counter.doubt) for count, counter in zip(counts, counters, strict=True))
 
 
 def lowered_check(check: Check, own: int, previous_part: int | None) -> Check:

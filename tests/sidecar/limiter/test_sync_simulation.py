@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -124,6 +124,8 @@ class FixedReplicas:
     """Replica membership with a fixed live count."""
 
     alive_since = 0.0
+    returning = False
+    """A simulated Redis never goes away."""
 
     def __init__(self, live: int) -> None:
         self.live = live
@@ -131,6 +133,9 @@ class FixedReplicas:
 
     def observe(self, live: int) -> None:
         """The count is fixed; a simulated store never reports another."""
+
+    def follow_outages(self, settled: Callable[[], bool]) -> None:
+        """A simulated Redis never goes away."""
 
     async def start(self) -> None:
         """No heartbeats in a simulation."""
