@@ -1,0 +1,164 @@
+"""Returning from a Redis outage (issue 31): the outage's hits are settled before a replica
+decides from Redis alone, whatever order the replicas come back in, against real redis-server.
+
+Two replicas share a limit of 40 (a share of 20 each). Each has Redis admit 10, then Redis
+is killed; in the ``local`` failure mode each admits its share's 10 more. Redis comes back
+(its data kept: append-only file) and replica A returns while B's probe is held down for a
+while, as the probe backoff (up to 1 s) does. Before the fix, A decided from Redis, which
+held 30 (B's outage hits were not in it), and admitted 10 more: 50 of 40 in strict mode,
+against a bound of 40 (sync: 42, its ``(R - 1) * Q`` above 40). A also counted itself
+alone once its first heartbeat or flush after the return no longer found B's beat (older
+than three intervals), so its shares and blind cap were those of one replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sidecar.limiter.protocol import Check, Role
+from sidecar.limiter.strict import StrictLimiter
+from sidecar.limiter.sync import SyncLimiter
+from sidecar.server import build_redis_limiter, build_strict_limiter
+from tests.sidecar.limiter.conftest import HOUR, steady_now, strict_settings, sync_settings
+from tests.sidecar.limiter.test_sync_hardening import sum_counters
+from tests.support.redis_servers import RedisServer, fresh_prefix, running
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
+LIMIT = 40
+BEFORE = 10
+"""Hits each replica has Redis admit before the outage."""
+BOUNDS = {"strict": LIMIT, "sync": LIMIT + 2}
+"""Two shares of 20 (strict); sync's bound with Redis up is ``L + (R - 1) * Q``, Q = floor(0.05 * 40)."""
+HEARTBEAT = 1.0
+"""Three missed beats (3 s) count a replica dead: the outage lasts longer, so the beats
+before it are stale when Redis returns; B is held down for less."""
+WAIT = 15.0
+"""Generous bound on each wait for a state change (a loaded machine): never a measured time."""
+
+Limiter = StrictLimiter | SyncLimiter
+
+
+def build(mode: str, url: str, prefix: str) -> Limiter:
+    options: dict[str, object] = {"redis_prefix": prefix, "heartbeat_interval": HEARTBEAT}
+    if mode == "strict":
+        return build_strict_limiter(strict_settings(url, **options))
+    limiter = build_redis_limiter(sync_settings(url, **options))
+    assert isinstance(limiter, SyncLimiter)
+    return limiter
+
+
+async def until(condition: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def noticed_down(limiter: Limiter) -> None:
+    """Beat until the limiter has marked Redis down (the killed server refuses connections)."""
+    deadline = time.monotonic() + WAIT
+    while limiter.store.available:
+        assert time.monotonic() < deadline, "the limiter never noticed the outage"
+        await limiter.replicas.beat()
+        await asyncio.sleep(0.01)
+
+
+def hold_probe(limiter: Limiter) -> list[bool]:
+    """Keep ``limiter``'s probe failing while the returned flag holds True (its backoff, stretched)."""
+    held = [True]
+    availability = limiter.store.availability
+    probe = availability._probe_once
+
+    async def held_probe() -> None:
+        if held[0]:
+            raise ConnectionRefusedError("held down by the test")
+        await probe()
+
+    availability._probe_once = held_probe  # type: ignore[method-assign]
+    return held
+
+
+async def settle(limiter: Limiter) -> None:
+    """Every hit the limiter admitted is in Redis."""
+    if isinstance(limiter, SyncLimiter):
+        while limiter.table.has_unflushed():
+            await limiter.sync_once()
+            await asyncio.sleep(0.01)
+    else:
+        await until(limiter.ledger.reconciled, "strict reconciled")
+
+
+@pytest.mark.parametrize("mode", ["strict", "sync"])
+async def test_a_replica_back_before_its_peer_keeps_its_share_until_the_outage_is_settled(
+    tmp_path: Path, mode: str
+) -> None:
+    server = RedisServer(tmp_path / "redis", extra=["--appendonly", "yes", "--appendfsync", "always"])
+    with running(server):
+        prefix = fresh_prefix("o")
+        first, second = build(mode, server.url, prefix), build(mode, server.url, prefix)
+        try:
+            await first.start()
+            await second.start()
+            await first.replicas.beat()
+            assert (first.replicas.live, second.replicas.live) == (2, 2)
+            now = await steady_now(HOUR)
+            item = Check(("outage-return", mode), HOUR, LIMIT, 1, Role.ENFORCED)
+            admitted = {"before": 0, "outage": 0, "first back": 0, "second held": 0, "after": 0}
+
+            async def ask(limiter: Limiter, phase: str) -> None:
+                admitted[phase] += (await limiter.check([item], now)).admitted
+
+            for _ in range(BEFORE):
+                await ask(first, "before")
+                await ask(second, "before")
+            assert admitted["before"] == 2 * BEFORE
+            await settle(first)
+            await settle(second)
+
+            server.kill()
+            await noticed_down(first)
+            await noticed_down(second)
+            for _ in range(15):
+                await ask(first, "outage")
+                await ask(second, "outage")
+            assert admitted["outage"] == LIMIT - 2 * BEFORE, "each replica's share of 20, less its 10 before"
+            await asyncio.sleep(3 * HEARTBEAT + 0.2)  # every beat in Redis is now older than three intervals
+
+            held = hold_probe(second)
+            await asyncio.to_thread(server.start)
+            await until(lambda: first.store.available, "the first replica back")
+            lives = []
+            for _ in range(40):  # over more than one heartbeat interval of the first replica
+                await ask(first, "first back")
+                await ask(second, "second held")
+                lives.append(first.replicas.live)
+                await asyncio.sleep(0.03)
+            assert not second.store.available, "the second replica was held down throughout"
+            held[0] = False
+            await until(lambda: second.store.available, "the second replica back")
+            await ask(second, "after")
+            lives.append(second.replicas.live)  # its first decision back: it does not count itself alone
+            await until(
+                lambda: (
+                    not getattr(first.replicas, "returning", False) and not getattr(second.replicas, "returning", False)
+                ),
+                "both replicas settled",
+            )
+            for _ in range(BEFORE):
+                await ask(first, "after")
+                await ask(second, "after")
+            await settle(first)
+            await settle(second)
+            total = sum(admitted.values())
+            assert total <= BOUNDS[mode], admitted
+            assert lives == [2] * len(lives), "the live count after the return: it was 2 before the outage"
+            assert sum_counters(server, prefix) == total, "Redis holds exactly the admitted hits"
+        finally:
+            await first.close()
+            await second.close()
