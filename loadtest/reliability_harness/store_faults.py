@@ -61,7 +61,15 @@ import uvloop
 from redis.crc import key_slot
 
 from loadtest.reliability_harness.fault_phases import drained
-from loadtest.reliability_harness.store_topology import ClusterStore, Fault, SentinelStore, Store, WriteProbe
+from loadtest.reliability_harness.store_topology import (
+    ClusterStore,
+    Fault,
+    Keys,
+    SentinelStore,
+    Store,
+    WriteProbe,
+    store_events,
+)
 from loadtest.reliability_harness.support import (
     CODE_ERROR,
     OK,
@@ -161,34 +169,6 @@ def row_name(mode: str, fault: str) -> str:
 # ---------------------------------------------------------------------------------
 # Keys and traffic
 # ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Keys:
-    """The hot key and the spread keys that share its slot, fixed for the run."""
-
-    names: CounterNames
-    hot: str
-    slot: int
-    slot_values: tuple[str, ...]
-
-    @classmethod
-    def choose(cls, names: CounterNames, slot_keys: int, seed: int) -> Keys:
-        """Candidate spread values grouped by slot: the fullest slot (several keys in it);
-        then a hot value in that slot. ~60,000 digests, a second or two."""
-        by_slot: dict[int, list[str]] = {}
-        for index in range(max(20_000, slot_keys * 6_000)):
-            value = f"m{seed}-{index}"
-            by_slot.setdefault(slot_of(names, [("spread", value)]), []).append(value)
-        slot, values = max(by_slot.items(), key=lambda item: len(item[1]))
-        hot = next(
-            f"h{seed}-{index}" for index in range(10**6) if slot_of(names, [("hot", f"h{seed}-{index}")]) == slot
-        )
-        return cls(names, hot, slot, tuple(values[:slot_keys]))
-
-
-def slot_of(names: CounterNames, entries: list[tuple[str, str]]) -> int:
-    return int(key_slot(names.digest(entries).encode()))
 
 
 class Traffic:
@@ -410,6 +390,8 @@ class Outcome:
     held: dict[int, int] = field(default_factory=dict)
     serving_after: bool = False
     drain_seconds: float | None = None
+    events: dict[str, float] = field(default_factory=dict)
+    """What the sidecars logged of the store meanwhile (:func:`store_events`)."""
 
 
 def split_decisions(run: Run, failed: set[int]) -> dict[str, float]:
@@ -493,6 +475,7 @@ def figures_of(mode: str, run: Run, outcome: Outcome) -> dict[str, float]:
         "promotion_s": round(run.marks["served"] - fault, 2) if "served" in run.marks else -1.0,
         "redis_decided_again_s": round(recovery(run), 2),
         **split_decisions(run, failed),
+        **outcome.events,
         "serving_after": float(outcome.serving_after),
         "drain_seconds": round(outcome.drain_seconds, 2) if outcome.drain_seconds is not None else -1.0,
     }
@@ -524,6 +507,8 @@ def build_row(mode: str, run: Run, outcome: Outcome) -> Row:
         goals.append("hits lost beyond what replication lost")
     if figures["healthy_decisions_at_least"]:
         goals.append(f">= {figures['healthy_decisions_at_least']:.0f} failure-mode decisions for healthy shards")
+    if figures["healthy_masters_marked_down"] or (outcome.owners is not None and figures["store_marked_down"]):
+        goals.append("a healthy master (or the whole Cluster) marked down")
     reasons = ", ".join(f"{key.rsplit('_', 1)[-1]} {value:.0f}" for key, value in figures.items()
                         if key.startswith("failure_decisions_"))  # fmt: skip
     notes = (
@@ -536,7 +521,9 @@ def build_row(mode: str, run: Run, outcome: Outcome) -> Row:
         f"{figures['promotion_s']:.1f} s, Redis-decided again after {figures['redis_decided_again_s']:.1f} s; "
         f"failure-mode decisions {figures['failure_decisions']:.0f} ({reasons or 'none'}) vs "
         f"{figures['calls_failed_shard']:.0f} calls on the failed shard: >= "
-        f"{figures['healthy_decisions_at_least']:.0f} for healthy shards; hot key per second: {window_list(run)}; "
+        f"{figures['healthy_decisions_at_least']:.0f} for healthy shards; marked down: the store "
+        f"{figures['store_marked_down']:.0f}x, healthy masters {figures['healthy_masters_marked_down']:.0f}x; "
+        f"hot key per second: {window_list(run)}; "
         f"before the fault {figures['late_share_before_fault']:.0%} of calls were late, max stall "
         f"{figures['stall_before_fault_ms']:.0f} ms"
     )
@@ -615,6 +602,8 @@ def run_row(bench: Bench, store: Store, sidecars: list[SidecarProcess], mode: st
     fault = Fault(fault_name, store, bench.keys.slot, hold=bench.sizes.hold)
     owners = store.owners() if isinstance(store, ClusterStore) else None
     run = Run(traffic, fault)
+    logs = [sidecar.log_path for sidecar in sidecars]
+    offsets = [path.stat().st_size for path in logs]
     probe = WriteProbe(store.client, f"storeprobe:{{{traffic.digests[0]}}}:{tag}").start()
     try:
         with client_cpus(bench.context.client_cpus):
@@ -627,6 +616,7 @@ def run_row(bench: Bench, store: Store, sidecars: list[SidecarProcess], mode: st
     time.sleep(0.3)
     outcome.probe_held = probe.held()
     outcome.held = held_counts(store, run, prefix)
+    outcome.events = store_events(logs, offsets, fault)
     outcome.serving_after = all(serving(sidecar, traffic.payloads[traffic.probe[0]]) for sidecar in sidecars)
     return build_row(mode, run, outcome)
 

@@ -22,14 +22,17 @@ longer holds after the fault.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.reliability_harness.support import ProcessGroup, RedisProcess, wait_for
+from redis.crc import key_slot
+
+from loadtest.reliability_harness.support import CounterNames, ProcessGroup, RedisProcess, wait_for
 from stack import redis as stack_redis
 from stack.redis import SentinelProcess
 
@@ -319,3 +322,57 @@ class WriteProbe:
             return int(client.get(self.key) or 0)
         finally:
             client.close()
+
+
+# ---------------------------------------------------------------------------------
+# Where keys live, and what the sidecars said of the store
+# ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The hot key and the spread keys that share its slot, fixed for the run."""
+
+    names: CounterNames
+    hot: str
+    slot: int
+    slot_values: tuple[str, ...]
+
+    @classmethod
+    def choose(cls, names: CounterNames, slot_keys: int, seed: int) -> Keys:
+        """Candidate spread values grouped by slot: the fullest slot (several keys in it);
+        then a hot value in that slot. ~60,000 digests, a second or two."""
+        by_slot: dict[int, list[str]] = {}
+        for index in range(max(20_000, slot_keys * 6_000)):
+            value = f"m{seed}-{index}"
+            by_slot.setdefault(slot_of(names, [("spread", value)]), []).append(value)
+        slot, values = max(by_slot.items(), key=lambda item: len(item[1]))
+        hot = next(
+            f"h{seed}-{index}" for index in range(10**6) if slot_of(names, [("hot", f"h{seed}-{index}")]) == slot
+        )
+        return cls(names, hot, slot, tuple(values[:slot_keys]))
+
+
+def slot_of(names: CounterNames, entries: list[tuple[str, str]]) -> int:
+    return int(key_slot(names.digest(entries).encode()))
+
+
+def store_events(logs: Sequence[Path], offsets: Sequence[int], fault: Fault) -> dict[str, float]:
+    """What the sidecars logged since ``offsets`` (their logs' sizes when the row began):
+    the store as a whole marked down (``redis_unavailable``; in a Cluster, since issue 31,
+    only when every master is), and a master that the fault did not touch marked down
+    (``redis_node_unavailable`` naming another node; in a slot migration, any node)."""
+    whole = healthy = 0
+    touched = "" if fault.name == "slot_migration" else f"127.0.0.1:{fault.victim}"
+    for path, offset in zip(logs, offsets, strict=True):
+        with path.open("rb") as log:
+            log.seek(offset)
+            lines = log.read().decode(errors="replace").splitlines()
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("event") == "redis_unavailable":
+                    whole += 1
+                elif event.get("event") == "redis_node_unavailable" and event.get("node") != touched:
+                    healthy += 1
+    return {"store_marked_down": whole, "healthy_masters_marked_down": healthy}

@@ -12,6 +12,7 @@ acknowledged.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +21,8 @@ import pytest
 
 from loadtest.reliability import AREAS, table
 from loadtest.reliability_harness import Context, store_faults
-from loadtest.reliability_harness.store_faults import Keys, Run, Traffic, recovery, split_decisions
-from loadtest.reliability_harness.store_topology import Fault
+from loadtest.reliability_harness.store_faults import Run, Traffic, recovery, split_decisions
+from loadtest.reliability_harness.store_topology import Fault, Keys, store_events
 from loadtest.reliability_harness.support import OK, CounterNames, Row
 
 MEASURED = (
@@ -42,6 +43,8 @@ MEASURED = (
     "calls_failed_shard",
     "calls_healthy_shards",
     "healthy_decisions_at_least",
+    "store_marked_down",
+    "healthy_masters_marked_down",
 )
 
 
@@ -125,3 +128,23 @@ def test_healthy_shard_decisions_are_bounded_below_by_what_the_metrics_show(tmp_
     assert recovery(run) == pytest.approx(0.4)
     run.samples[12] = (1.2, 20.0, {'reason="deadline"': 20.0}, (True, True))
     assert recovery(run) == pytest.approx(0.4), "a lone sample up again is not recovery"
+
+
+def test_only_masters_the_fault_did_not_touch_count_as_healthy_ones_marked_down(tmp_path: Path) -> None:
+    log = tmp_path / "sidecar.log"
+    log.write_text('{"event": "redis_node_unavailable", "node": "127.0.0.1:1"}\n')
+    offset = log.stat().st_size
+    lines = [
+        {"event": "redis_node_unavailable", "node": "127.0.0.1:1"},
+        {"event": "redis_node_unavailable", "node": "127.0.0.1:2"},
+        {"event": "redis_unavailable", "reason": "ConnectionError"},
+        {"event": "redis_recovered"},
+    ]
+    with log.open("a") as handle:
+        handle.write("\n".join(json.dumps(line) for line in lines) + "\nnot json\n")
+    kill = Fault.__new__(Fault)
+    kill.name, kill.victim = "cluster_kill", 1
+    assert store_events([log], [offset], kill) == {"store_marked_down": 1, "healthy_masters_marked_down": 1}
+    migration = Fault.__new__(Fault)
+    migration.name, migration.victim = "slot_migration", 1
+    assert store_events([log], [offset], migration)["healthy_masters_marked_down"] == 2
