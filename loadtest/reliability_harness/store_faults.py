@@ -46,6 +46,7 @@ import bisect
 import contextlib
 import itertools
 import math
+import os
 import random
 import secrets
 import signal
@@ -440,6 +441,7 @@ def call_figures(run: Run) -> dict[str, float]:
         "answered": sum(1 for code in [*calls.code, *probe.code] if code != CODE_ERROR),
         "late_calls": late_calls,
         "late_share_before_fault": round(late_before / max(1, len(before)), 3),
+        "load_average": round(os.getloadavg()[0], 1),
         "errors": sum(errors.values()),
         "probe_calls": len(probe),
         "probe_errors": len(probe.errors),
@@ -525,7 +527,7 @@ def build_row(mode: str, run: Run, outcome: Outcome) -> Row:
         f"{figures['store_marked_down']:.0f}x, healthy masters {figures['healthy_masters_marked_down']:.0f}x; "
         f"hot key per second: {window_list(run)}; "
         f"before the fault {figures['late_share_before_fault']:.0%} of calls were late, max stall "
-        f"{figures['stall_before_fault_ms']:.0f} ms"
+        f"{figures['stall_before_fault_ms']:.0f} ms (load average {figures['load_average']:.1f})"
     )
     if run.fault.moved_keys:
         notes += f"; keys MIGRATEd {'+'.join(map(str, run.fault.moved_keys))}"
