@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from sidecar.limiter.protocol import Check, Role
+from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.sync import SyncLimiter
-from sidecar.server import build_redis_limiter, build_strict_limiter
+from sidecar.server import build_redis_limiter, build_redis_store, build_strict_limiter
 from tests.sidecar.limiter.conftest import HOUR, steady_now, strict_settings, sync_settings
 from tests.sidecar.limiter.test_sync_hardening import sum_counters
 from tests.support.redis_servers import RedisServer, fresh_prefix, running
@@ -162,3 +163,49 @@ async def test_a_replica_back_before_its_peer_keeps_its_share_until_the_outage_i
         finally:
             await first.close()
             await second.close()
+
+
+async def test_a_peer_that_died_in_the_outage_counts_until_three_intervals_after_the_return(
+    own_redis: RedisServer,
+) -> None:
+    """The count before the outage holds until the peers could have beaten since the return;
+    and a returning replica sends no beat before its limiter has settled its outage hits."""
+    settings = strict_settings(own_redis.url, redis_prefix=fresh_prefix("d"))
+    stores = [build_redis_store(settings) for _ in range(2)]
+    for store in stores:
+        await store.start()
+    settled = [True]
+    survivor, dying = (Replicas(store, 0.2) for store in stores)
+    survivor.follow_outages(lambda: settled[0])
+    dying.follow_outages(lambda: True)
+    try:
+        await survivor.start()
+        await dying.start()
+        await survivor.beat()
+        assert survivor.live == 2
+        key = stores[0].replicas_key
+        own_redis.kill()
+        for replicas in (survivor, dying):
+            while replicas.store.available:
+                await replicas.beat()
+                await asyncio.sleep(0.01)
+        await dying.close()  # it dies during the outage: it will never beat again
+        await stores[1].close()
+        await asyncio.sleep(3 * 0.2 + 0.1)  # every beat in Redis is now stale
+        settled[0] = False
+        await asyncio.to_thread(own_redis.start)  # its data lost: no beat at all
+        await until(lambda: stores[0].available, "Redis back")
+        await asyncio.sleep(0.5)  # more than two intervals: an unheld replica would have beaten
+        assert own_redis.client().zscore(key, survivor.replica_id) is None, "no beat before the hits are settled"
+        assert survivor.returning and survivor.live == 2
+        settled[0] = True
+        seen = []
+        while survivor.returning:
+            seen.append(survivor.live)
+            await asyncio.sleep(0.01)
+        assert own_redis.client().zscore(key, survivor.replica_id) is not None
+        assert seen and set(seen) == {2}, "the peer counts until three intervals after the return"
+        assert survivor.live == 1, "then it is dead, as any replica silent that long"
+    finally:
+        await survivor.close()
+        await stores[0].close()
