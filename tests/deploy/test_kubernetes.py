@@ -435,6 +435,10 @@ def test_quota_envoy_keeps_the_base_routes_and_reaches_app_and_sidecar(overlays:
     assert len([key for key in resources if key[0] == "ConfigMap" and key[1].startswith("envoy-config")]) == 1
     quota, base = yaml.safe_load(text), yaml.safe_load((BASE / "envoy" / "sidecar.yaml").read_text())
     quota_manager, base_manager = ingress_manager(quota, QUOTA_ENVOY), ingress_manager(base, BASE)
+    for host in quota_manager["route_config"]["virtual_hosts"]:  # quota filters turned on per route
+        for route in host["routes"]:
+            configs = route.pop("typed_per_filter_config", {})
+            assert all(name.startswith("envoy.filters.http.rate_limit_quota") for name in configs)
     assert {key: value for key, value in quota_manager.items() if key != "http_filters"} == {
         key: value for key, value in base_manager.items() if key != "http_filters"
     }, "the same listener and routes (rate_limits included) as the base's Envoy"

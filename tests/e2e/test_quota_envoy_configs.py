@@ -38,6 +38,10 @@ def test_quota_yaml_is_current(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_quota_yaml_keeps_front_yaml_listener_routes_and_upstream() -> None:
     front, quota = (yaml.safe_load(path.read_text()) for path in (ENVOY_CONFIGS / "front.yaml", QUOTA))
     front_manager, quota_manager = ingress_manager(front, ENVOY_CONFIGS), ingress_manager(quota, ENVOY_CONFIGS)
+    for host in quota_manager["route_config"]["virtual_hosts"]:  # the route shape turns quota filters on per route
+        for route in host["routes"]:
+            configs = route.pop("typed_per_filter_config", {})
+            assert all(name.startswith("envoy.filters.http.rate_limit_quota") for name in configs)
     assert quota_manager["route_config"] == front_manager["route_config"]
     assert {key: value for key, value in quota_manager.items() if key != "http_filters"} == {
         key: value for key, value in front_manager.items() if key != "http_filters"
@@ -92,7 +96,8 @@ def test_envoy_accepts_a_token_bucket_fallback_so_the_check_must_refuse_it(tmp_p
     segfaults on the bucket's second request: only our check stands in the way."""
     document = yaml.safe_load(QUOTA.read_text())
     chain = ingress_manager(document, QUOTA)["http_filters"]
-    action = chain[0]["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"][0]["on_match"]["action"]
+    matcher = chain[0]["typed_config"]["bucket_matchers"]
+    action = (matcher.get("on_no_match") or matcher["matcher_list"]["matchers"][0]["on_match"])["action"]
     action["typed_config"]["no_assignment_behavior"] = {
         "fallback_rate_limit": {"token_bucket": {"max_tokens": 5, "tokens_per_fill": 5, "fill_interval": "1s"}}
     }

@@ -15,6 +15,11 @@ routes from the Envoy config (:mod:`.routes`, on the reader both exporters share
 - a request matching no entry gets no bucket and passes, as a request sending no
   descriptor passes the ``ratelimit`` filter.
 
+Two shapes of the same buckets (:mod:`.filters`): ``list`` (the filters alone, as printed
+without ``--full``: every filter tests the request's host and path) and ``route`` (with
+``--full``, which writes the routes too: one filter per descriptor, turned on only on the
+routes sending it, so Envoy's router has already chosen and no route test runs per request).
+
 Whatever cannot be translated is listed on stderr (one line each, with the route and action),
 never left out silently: a limit left out fails the export (nothing printed on stdout) unless
 ``--allow-dropped`` accepts the loss; notes (differences) never fail it. ``--check`` refuses an Envoy config whose quota
@@ -29,14 +34,14 @@ import shlex
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from sidecar.config.load import load_config
 from sidecar.config.model import DomainConfig
 from sidecar.export.envoy_quota import objects
-from sidecar.export.envoy_quota.filters import build_filters, keep_reachable
+from sidecar.export.envoy_quota.filters import RouteKey, build_filters, keep_reachable, route_filters
 from sidecar.export.envoy_quota.objects import Fallback
 from sidecar.export.envoy_quota.routes import QuotaRoute, RouteReader
 from sidecar.export.envoy_routes import (
@@ -55,6 +60,7 @@ from sidecar.export.rules import pick_domain, subtree_rules, where_of
 COMMAND = "export-envoy-quota"
 DEFAULT_CLUSTER = "rlqs"
 QUOTA_FILTER_TYPE = "envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig"
+Shape = Literal["list", "route"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +70,10 @@ class QuotaExport:
     domain: str
     filters: list[dict[str, Any]]
     problems: tuple[Problem, ...]
-    per_request: tuple[tuple[str, int], ...] = ()
+    per_request: tuple[RouteKey, ...] = ()
     """``(virtual host, route index)`` of the routes kept on the per-request filter."""
+    enabled: Mapping[str, tuple[RouteKey, ...]] | None = None
+    """``route`` shape: per filter name, the routes it is turned on for (None: ``list``, on everywhere)."""
 
     @property
     def dropped(self) -> tuple[Problem, ...]:
@@ -82,11 +90,13 @@ def export_quota(
     fallback: Fallback = "allow",
     per_request: Collection[str] = (),
     untranslated_per_request: bool = False,
+    shape: Shape = "list",
 ) -> QuotaExport:
     """The quota filters standing for the ``ratelimit`` filter and routes of the Envoy ``document``;
     the routes ``per_request`` names (route names or ``HOST:INDEX``) keep the ``ratelimit``
     filter, and with ``untranslated_per_request`` so does every route with a limit quota mode
-    cannot express."""
+    cannot express. ``shape`` ``route`` needs the routes changed too (:func:`quota_document`
+    with ``enabled``)."""
     manager, limiter = envoy_parts(document, origin)
     domain_name = filter_domain(limiter, origin)
     domain = pick_domain(domains, domain_name)
@@ -105,12 +115,17 @@ def export_quota(
     routes = keep_reachable(domain, routes, problems)
     problems.extend([*filter_differences(limiter, origin, fallback), *rule_refusals(domain)])
     problems.extend(repeated_header_note(routes, origin))
-    filters = build_filters(domain_name, routes, cluster, fallback)
+    enabled = None
+    if shape == "route":
+        chosen = route_filters(domain_name, routes, cluster, fallback)
+        filters, enabled = chosen.filters, chosen.enabled
+    else:
+        filters = build_filters(domain_name, routes, cluster, fallback)
     unique = tuple(dict.fromkeys(problems))
     if not filters:
         raise ExportError(f"{origin}: no route sends a descriptor that could be exported", unique)
     kept = tuple((route.host, route.index) for route in routes if route.per_request)
-    return QuotaExport(domain_name, filters, unique, kept)
+    return QuotaExport(domain_name, filters, unique, kept, enabled)
 
 
 def repeated_header_note(routes: Sequence[QuotaRoute], origin: Path) -> list[Problem]:
@@ -208,10 +223,15 @@ def quota_document(
     origin: Path,
     filters: Sequence[Mapping[str, Any]],
     cluster: str,
-    per_request: Collection[tuple[str, int]] = (),
+    per_request: Collection[RouteKey] = (),
+    *,
+    enabled: Mapping[str, Collection[RouteKey]] | None = None,
 ) -> dict[str, Any]:
     """``document`` with its ``ratelimit`` filter replaced by ``filters`` (same place in the chain)
     and the sidecar's cluster renamed ``cluster``: the sidecar serves both services on one port.
+
+    With ``enabled`` (the ``route`` shape: filter name to routes), a filter on fewer than every
+    route is off by default (``disabled``) and turned on by those routes (:func:`enable_on_routes`).
 
     With ``per_request`` routes (``(virtual host, route index)``), the ``ratelimit`` filter stays
     after ``filters`` and its cluster stays too (``cluster`` is added beside it); every other
@@ -242,6 +262,8 @@ def quota_document(
             clusters[names.index(old)] = renamed
     if per_request:
         disable_per_request_filter(manager["route_config"], set(per_request))
+    if enabled is not None:
+        enable_on_routes(manager["route_config"], chain, enabled)
     return copied
 
 
@@ -250,12 +272,43 @@ FILTER_CONFIG = "type.googleapis.com/envoy.config.route.v3.FilterConfig"
 
 def disable_per_request_filter(route_config: Mapping[str, Any], per_request: set[tuple[str, int]]) -> None:
     """Turn the ``ratelimit`` filter off on every route not in ``per_request`` (in place)."""
+    for key, route in route_table(route_config).items():
+        if key not in per_request:
+            configs = route.setdefault("typed_per_filter_config", {})
+            configs[RATELIMIT_FILTER] = {"@type": FILTER_CONFIG, "disabled": True}
+
+
+def route_table(route_config: Mapping[str, Any]) -> dict[RouteKey, dict[str, Any]]:
+    """Every route by ``(virtual host, index)``, each its own object (in place: a route written
+    once and aliased in YAML under several hosts is copied, so a change to one stays there)."""
+    table: dict[RouteKey, dict[str, Any]] = {}
+    seen: set[int] = set()
     for number, host in enumerate(route_config.get("virtual_hosts") or []):
-        name = str(host.get("name", number))
-        for index, route in enumerate(host.get("routes") or []):
-            if (name, index) not in per_request:
-                configs = route.setdefault("typed_per_filter_config", {})
-                configs[RATELIMIT_FILTER] = {"@type": FILTER_CONFIG, "disabled": True}
+        routes = host.get("routes") or []
+        for index in range(len(routes)):
+            if id(routes[index]) in seen:
+                routes[index] = dict(routes[index])
+            seen.add(id(routes[index]))
+            table[(str(host.get("name", number)), index)] = routes[index]
+    return table
+
+
+def enable_on_routes(
+    route_config: Mapping[str, Any], chain: Sequence[dict[str, Any]], enabled: Mapping[str, Collection[RouteKey]]
+) -> None:
+    """Each filter of ``enabled`` on its routes only (in place): ``disabled`` in ``chain`` and a
+    ``FilterConfig`` with an empty ``config`` on each of its routes (Envoy's "on here"), unless
+    those are every route of ``route_config``. The router picks the route before the filter
+    chain is made, so the filter runs on exactly the requests of those routes."""
+    routes = route_table(route_config)
+    for item in chain:
+        wanted = enabled.get(str(item.get("name")))
+        if wanted is None or set(wanted) == set(routes):
+            continue
+        item["disabled"] = True
+        for key in wanted:
+            configs = routes[key].setdefault("typed_per_filter_config", {})
+            configs[item["name"]] = {"@type": FILTER_CONFIG, "config": {}}
 
 
 # ---------------------------------------------------------------- the crash check
@@ -323,6 +376,11 @@ def header(arguments: argparse.Namespace, export: QuotaExport) -> str:
         "then abandoned (a new request re-creates it).",
         f"reporting_interval {objects.REPORTING_SECONDS}s: Envoy 1.40 reports every 5 s whatever is set.",
     ]
+    if export.enabled is not None:
+        lines.append("One filter per descriptor, on only on the routes sending it (typed_per_filter_config):")
+        lines.append("the router has chosen the route, so no filter tests the route per request (`route` shape).")
+    else:
+        lines.append("Each filter tests the request's host and path (`list` shape; --full writes the `route` shape).")
     if export.per_request:
         kept = ", ".join(f"{host}:{index}" for host, index in export.per_request)
         lines.append(f"Routes kept on the per-request {RATELIMIT_FILTER} filter (off on every other route): {kept}")
@@ -357,13 +415,16 @@ def run_quota_export(arguments: argparse.Namespace) -> QuotaOutput:
         fallback=arguments.no_assignment,
         per_request=arguments.per_request or (),
         untranslated_per_request=arguments.per_request_untranslated,
+        shape="route" if arguments.full else "list",
     )
     if export.dropped and not arguments.allow_dropped:
         last = refusal(COMMAND, len(export.dropped))
         return QuotaOutput("", (*(str(problem) for problem in export.problems), last), True)
     body: Any = export.filters
     if arguments.full:
-        body = quota_document(document, origin, export.filters, arguments.cluster, export.per_request)
+        body = quota_document(
+            document, origin, export.filters, arguments.cluster, export.per_request, enabled=export.enabled
+        )
     errors = check_quota_filters({"static_resources": {"listeners": [_as_listener(export.filters)]}}, "output")
     if errors:  # never print a config that would crash Envoy
         raise ExportError("; ".join(errors))

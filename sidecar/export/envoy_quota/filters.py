@@ -9,18 +9,26 @@ descriptor for it: the test of the route's virtual host (when there is more than
 the earlier routes of that host that could have taken the request", since Envoy picks the
 first matching route and the matcher list the first matching entry, but an earlier route
 without a bucket here leaves the request to later entries.
+
+That is the ``list`` shape: every filter runs on every request and walks its entries. The
+``route`` shape (:func:`route_filters`, what ``--full`` writes) lets Envoy's router do the
+choosing: one filter per descriptor, off by default and turned on (``typed_per_filter_config``)
+on exactly the routes that send it, so its matcher holds no route test at all: only the
+descriptor's own conditions, or none (``on_no_match``). Envoy's ``RateLimitQuotaOverride``
+cannot do this: Envoy 1.36-1.40 refuse it on a route ("doesn't support virtual host or route
+specific configurations") and the filter never reads one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sidecar.config.model import DomainConfig, Level
 from sidecar.export.envoy_quota import objects
 from sidecar.export.envoy_quota.objects import BucketValue, Fallback, Predicate
-from sidecar.export.envoy_quota.routes import QuotaRoute
+from sidecar.export.envoy_quota.routes import Descriptor, QuotaRoute
 from sidecar.export.problems import Problem
 from sidecar.export.rules import landing_nodes, node_limits
 
@@ -58,8 +66,9 @@ def assign_filters(routes: Sequence[QuotaRoute]) -> dict[Shape, int]:
     return chosen
 
 
-def filter_matchers(routes: Sequence[QuotaRoute], shapes: Mapping[Shape, int], number: int) -> Iterator[Any]:
-    """``(route, descriptor, predicate)`` of filter ``number``'s entries, in route order."""
+def filter_matchers(routes: Sequence[QuotaRoute], belongs: Callable[[Shape], bool]) -> Iterator[Any]:
+    """``(route, descriptor, predicate)`` of the entries of the filter holding the descriptors
+    ``belongs`` says, in route order."""
     earlier: list[Predicate] = []
     """Paths of earlier routes of the same host that leave some of their requests without a bucket here."""
     host = None
@@ -68,7 +77,7 @@ def filter_matchers(routes: Sequence[QuotaRoute], shapes: Mapping[Shape, int], n
             host, earlier = route.host, []
         if route.path is None:
             continue
-        mine = [item for item in route.descriptors if shapes[item.entries] == number]
+        mine = [item for item in route.descriptors if belongs(item.entries)]
         descriptor = mine[0] if mine else None
         if descriptor is not None:
             tests = [
@@ -88,11 +97,67 @@ def build_filters(domain: str, routes: Sequence[QuotaRoute], cluster: str, fallb
     for number in range(max(shapes.values(), default=-1) + 1):
         matchers = [
             objects.field_matcher(predicate, objects.bucket_settings(domain, descriptor.entries, fallback))
-            for _, descriptor, predicate in filter_matchers(routes, shapes, number)
+            for _, descriptor, predicate in filter_matchers(routes, in_filter(shapes, number))
         ]
-        name = objects.FILTER_NAME if number == 0 else f"{objects.FILTER_NAME}.{number}"
-        filters.append(objects.as_yaml_dict(objects.quota_filter(name, domain, cluster, matchers)))
+        matcher = objects.matcher_list(matchers)
+        filters.append(objects.as_yaml_dict(objects.quota_filter(filter_name(number), domain, cluster, matcher)))
     return filters
+
+
+def in_filter(shapes: dict[Shape, int], number: int) -> Callable[[Shape], bool]:
+    """Whether a descriptor is in filter ``number``."""
+    return lambda entries: shapes[entries] == number
+
+
+def filter_name(number: int) -> str:
+    return objects.FILTER_NAME if number == 0 else f"{objects.FILTER_NAME}.{number}"
+
+
+RouteKey = tuple[str, int]
+"""``(virtual host name, route index)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteFilters:
+    """The ``route`` shape: the filters (YAML data, chain order) and, per filter name, the
+    routes it is turned on for (it is off everywhere else)."""
+
+    filters: list[dict[str, Any]]
+    enabled: dict[str, tuple[RouteKey, ...]]
+
+
+def route_filters(domain: str, routes: Sequence[QuotaRoute], cluster: str, fallback: Fallback) -> RouteFilters:
+    """One filter per descriptor, in the order of first sending, on only on the routes sending it.
+
+    The router has chosen the route (virtual host included) before the filter chain is made,
+    so a filter that is on runs on exactly that route's requests: its matcher holds only the
+    descriptor's conditions (a header present, a header matching) or nothing. One filter per
+    descriptor keeps a bucket in one filter, counted once, as the sidecar counts it. Only a
+    descriptor sent under different conditions by different routes needs to tell the routes
+    apart: its filter keeps the route tests of the ``list`` shape (exact there too).
+    """
+    senders: dict[Shape, list[tuple[QuotaRoute, Descriptor]]] = {}
+    for route in routes:
+        if route.path is not None:
+            for descriptor in route.descriptors:
+                senders.setdefault(descriptor.entries, []).append((route, descriptor))
+    filters, enabled = [], {}
+    for number, (entries, sent) in enumerate(senders.items()):
+        settings = objects.bucket_settings(domain, entries, fallback)
+        conditions = [list(descriptor.conditions) for _, descriptor in sent]
+        if all(item == conditions[0] for item in conditions):
+            matcher = objects.conditional_matcher(conditions[0], settings)
+        else:
+            matcher = objects.matcher_list(
+                [
+                    objects.field_matcher(predicate, settings)
+                    for _, _, predicate in filter_matchers(routes, entries.__eq__)
+                ]
+            )
+        name = filter_name(number)
+        filters.append(objects.as_yaml_dict(objects.quota_filter(name, domain, cluster, matcher)))
+        enabled[name] = tuple(dict.fromkeys((route.host, route.index) for route, _ in sent))
+    return RouteFilters(filters, enabled)
 
 
 def keep_reachable(domain: DomainConfig, routes: Sequence[QuotaRoute], problems: list[Problem]) -> list[QuotaRoute]:

@@ -260,15 +260,27 @@ def field_matcher(predicate: Predicate, settings: RateLimitQuotaBucketSettings) 
     return MatcherMatcherListFieldMatcher(predicate=predicate, on_match=MatcherOnMatch(action=action))
 
 
-def quota_filter(
-    name: str, domain: str, cluster: str, matchers: Sequence[MatcherMatcherListFieldMatcher]
-) -> HttpFilter:
-    """One ``rate_limit_quota`` filter: its buckets (first matching entry wins; a request matching
-    none has no bucket and passes) and the stream to the sidecar through ``cluster``."""
+def matcher_list(matchers: Sequence[MatcherMatcherListFieldMatcher]) -> Matcher:
+    """First matching entry wins; a request matching none has no bucket and passes."""
+    return Matcher(matcher_list=MatcherMatcherList(matchers=list(matchers)))
+
+
+def conditional_matcher(conditions: Sequence[Predicate], settings: RateLimitQuotaBucketSettings) -> Matcher:
+    """Every request in the bucket when ``conditions`` hold (all of them): with none, the
+    bucket is the matcher's ``on_no_match`` and nothing is tested per request."""
+    if conditions:
+        return matcher_list([field_matcher(all_of(conditions), settings)])
+    action = TypedExtensionConfig(name="bucket", typed_config=AnyMessage.pack(settings))
+    return Matcher(on_no_match=MatcherOnMatch(action=action))
+
+
+def quota_filter(name: str, domain: str, cluster: str, matcher: Matcher) -> HttpFilter:
+    """One ``rate_limit_quota`` filter: its buckets (``matcher``) and the stream to the sidecar
+    through ``cluster``."""
     config = RateLimitQuotaFilterConfig(
         rlqs_server=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster)),
         domain=domain,
-        bucket_matchers=Matcher(matcher_list=MatcherMatcherList(matchers=list(matchers))),
+        bucket_matchers=matcher,
     )
     return HttpFilter(name=name, typed_config=AnyMessage.pack(config))
 

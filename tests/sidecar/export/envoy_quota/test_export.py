@@ -341,8 +341,8 @@ def token_bucket_config(tmp_path: Path) -> Path:
     document = yaml.safe_load((REPO / "envoy" / "quota.yaml").read_text())
     listener = document["static_resources"]["listeners"][0]
     chain = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-    first = chain[1]["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"][0]
-    first["on_match"]["action"]["typed_config"]["no_assignment_behavior"] = {
+    first = chain[1]["typed_config"]["bucket_matchers"]  # the route shape: nothing tested, on_no_match
+    first["on_no_match"]["action"]["typed_config"]["no_assignment_behavior"] = {
         "fallback_rate_limit": {
             "token_bucket": {"max_tokens": 10, "tokens_per_fill": 10, "fill_interval": "1s"},
         }
@@ -374,7 +374,7 @@ def test_check_flag_exit_codes(tmp_path: Path) -> None:
     assert "token_bucket" in err
     code, out, err = run_cli("export-envoy-quota", "--envoy", str(REPO / "envoy" / "quota.yaml"), "--check")
     assert code == 0, err
-    assert "4 rate_limit_quota filter(s) checked: OK" in out
+    assert "5 rate_limit_quota filter(s) checked: OK" in out  # one per descriptor (route shape)
 
 
 def test_cli_prints_filters_and_lists_problems_on_stderr(tmp_path: Path) -> None:
