@@ -639,7 +639,8 @@ def run_store(bench: Bench, store: Store, faults: Sequence[str]) -> list[Row]:
                     rows.append(run_row(bench, store, sidecars, mode, fault))
                 except Exception as error:
                     rows.append(failed_row(AREA, row_name(mode, fault), error, [*sidecars]))
-                    store.wait_healthy()
+                    with contextlib.suppress(Exception):  # the next row says it if the store stays broken
+                        store.wait_healthy()
         finally:
             stop_pair(bench, sidecars)
     return rows
