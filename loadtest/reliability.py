@@ -6,6 +6,7 @@ in time and count, and stops what it started; each prints one row: the load it h
 the measured bound of a replica killed with SIGKILL), and whether the invariant held.
 
     python -m loadtest.reliability --quick        # CI-sized, a few minutes
+    python -m loadtest.reliability --smoke        # the tests' size: same checks, no figures to quote
     python -m loadtest.reliability                # longer soak and floods, ~15 minutes
     python -m loadtest.reliability --areas faults,clock
 
@@ -97,6 +98,9 @@ def summary(rows: Sequence[Row]) -> str:
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = tool_parser("loadtest.reliability", __doc__)
     parser.add_argument("--quick", action="store_true", help="CI-sized: seconds per scenario")
+    parser.add_argument(
+        "--smoke", action="store_true", help="the tests' size (implies --quick): smaller runs, the same checks"
+    )
     parser.add_argument("--areas", default=",".join(AREAS), help=f"comma-separated, of: {', '.join(AREAS)}")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--server-cpus", help="pin servers to these cpus, e.g. 0")
@@ -115,7 +119,8 @@ def report(arguments: argparse.Namespace) -> int:
     directory = Path(tempfile.mkdtemp(prefix="reliability-"))
     context = Context(
         directory,
-        quick=arguments.quick,
+        quick=arguments.quick or arguments.smoke,
+        smoke=arguments.smoke,
         seed=arguments.seed,
         server_cpus=parse_cpus(arguments.server_cpus),
         client_cpus=parse_cpus(arguments.client_cpus),

@@ -25,6 +25,15 @@ class Context:
     seed: int = 1
     server_cpus: tuple[int, ...] | None = None
     client_cpus: tuple[int, ...] | None = None
+    smoke: bool = False
+    """Test-sized (tests/tools): smaller than quick where an area has a smoke size of its own (fewer
+    seconds, values, rounds), still every code path and every invariant its rows check; the
+    report's figures come from quick and full runs, never from this size. Implies ``quick``."""
+
+    @property
+    def size(self) -> str:
+        """``smoke``, ``quick`` or ``full``: what an area sizes its run by."""
+        return "smoke" if self.smoke else "quick" if self.quick else "full"
 
 
 @dataclass

@@ -68,7 +68,7 @@ def overshoot(outcomes: list[tuple[float, bool]]) -> tuple[int, int, int]:
 def one_run(context: Context, skew: float, source: str) -> Row:
     directory = context.directory / f"skew-{skew:g}-{source}"
     directory.mkdir(parents=True, exist_ok=True)
-    seconds = 4.0 if context.quick else 20.0
+    seconds = {"smoke": 3.0, "quick": 4.0, "full": 20.0}[context.size]
     with process_group() as group:
         redis = group.start_ready(lambda: RedisProcess(directory))
         flags = ["--config", str(EXAMPLES), "--backend", "redis", "--redis-url", redis.url, "--clock-source", source]
@@ -87,16 +87,22 @@ def one_run(context: Context, skew: float, source: str) -> Row:
         load=f"{2 * LIMIT} req/s for {seconds:g} s, limit {LIMIT}/s",
         ok=beyond == 0 if source == "redis" else True,
         notes=f"admitted {admitted} (ideal {ideal}), {beyond} beyond the limit over true seconds, worst second {worst}",
-        figures={"skew_seconds": skew, "admitted": admitted, "beyond": beyond, "worst_second": worst},
+        figures={"skew_seconds": skew, "admitted": admitted, "ideal": ideal, "beyond": beyond, "worst_second": worst},
     )
+
+
+def runs(context: Context) -> list[tuple[float, str]]:
+    """Every skew on both clocks; the smoke size leaves out the small skew on local clocks, whose
+    overshoot the report shows but nothing checks (only the 1 s skew's must show)."""
+    pairs = [(skew, source) for skew in SKEWS for source in ("local", "redis")]
+    return [pair for pair in pairs if not (context.smoke and pair == (SKEWS[0], "local"))]
 
 
 def run(context: Context) -> list[Row]:
     rows = []
-    for skew in SKEWS:
-        for source in ("local", "redis"):
-            try:
-                rows.append(one_run(context, skew, source))
-            except Exception as error:  # a failed scenario is a row, never a missing area
-                rows.append(failed_row("clock", f"replica clock +{skew * 1000:g} ms ({source})", error))
+    for skew, source in runs(context):
+        try:
+            rows.append(one_run(context, skew, source))
+        except Exception as error:  # a failed scenario is a row, never a missing area
+            rows.append(failed_row("clock", f"replica clock +{skew * 1000:g} ms ({source})", error))
     return rows

@@ -2,15 +2,15 @@
 
 A key-only rule counts each value separately, so a client sending a new value with
 every request makes the sidecar create a counter per request. This scenario sends
-``N`` distinct values (1,000,000; quick: 100,000) to a real sidecar process and
-measures what that costs:
+``N`` distinct values (1,000,000; quick: 100,000; the tests' smoke size: 25,000) to a
+real sidecar process and measures what that costs:
 
 * **memory backend, cap below the flood** (``--max-counters`` 200,000; quick 20,000):
   live counters must stop at the cap, the rest evicted (``ratelimit_sidecar_evictions_total``),
   and RSS must stay within the cap's budget (:data:`BUDGET_BYTES_PER_COUNTER` per counter);
 * **memory backend, cap above the flood**: nothing evicted, every value live; RSS growth
   divided by the live counters is the price of one counter;
-* **sync mode with Redis** (quick size in every run): the cap evicts only counters whose
+* **sync mode with Redis** (quick size in full runs too): the cap evicts only counters whose
   hits Redis already holds, so the flood loses no admitted hit (Redis holds exactly
   ``N`` hits afterwards).
 
@@ -117,12 +117,15 @@ class Sent:
     peak_rss: int = 0
 
 
-def plan(quick: bool) -> list[Flood]:
-    size = 100_000 if quick else 1_000_000
+def plan(size_name: str) -> list[Flood]:
+    """The floods of a ``full``, ``quick`` or ``smoke`` run (the tests': a quarter of quick, which
+    still passes each cap many times over; the exact counts the rows check hold at any size)."""
+    size = {"full": 1_000_000, "quick": 100_000, "smoke": 25_000}[size_name]
+    sync_size = 25_000 if size_name == "smoke" else 100_000
     return [
         Flood("memory, cap below the flood", "memory", size, size // 5),
         Flood("memory, cap above the flood", "memory", size, 2 * size),
-        Flood("sync mode (Redis), cap below the flood", "sync", 100_000, 20_000),
+        Flood("sync mode (Redis), cap below the flood", "sync", sync_size, sync_size // 5),
         # Every counter of the flood is unflushed when the cap is passed: eviction must then
         # keep them all (and the counters of the request being decided) or hits are lost.
         Flood("sync mode, cap passed before any flush", "sync", 4_096, 1_000, sync_interval=2.0),
@@ -367,7 +370,7 @@ def judge(
 
 def run(context: Context) -> list[Row]:
     check_encoding()
-    floods = plan(context.quick)
+    floods = plan(context.size)
     config_dir = context.directory / "flood-config"
     config_dir.mkdir(parents=True, exist_ok=True)
     (config_dir / "flood.yaml").write_text(CONFIG)

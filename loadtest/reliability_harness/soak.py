@@ -4,7 +4,7 @@
    ``examples/config``, driven closed loop (32 calls in flight) with ``grpc_bench``'s
    Envoy-like ``mixed`` request pool (about 13 % over a limit) for a few seconds.
 2. **Soak**: 70 % of that rate, open loop (paced lanes: a slow answer does not slow the
-   offered load), for 45 s (quick) or 3 minutes, sampling every second: calls sent,
+   offered load), for 45 s (quick; 15 s in the tests' smoke size) or 3 minutes, sampling every second: calls sent,
    errors, p99, the sidecar's RSS. The row holds when the load was held (achieved rate
    at least 90 % of the target, no error) and RSS stayed flat after warm-up (growth under
    20 MiB or under 10 %). A stable p99 (median p99 of the last third within 2x that of the
@@ -93,7 +93,10 @@ class Timing:
     soak: float
 
     @classmethod
-    def of(cls, quick: bool) -> Timing:
+    def of(cls, quick: bool, smoke: bool = False) -> Timing:
+        """Full, quick, or smoke (the tests': thirds of 5 s, RSS judged over the 12 s after warm-up)."""
+        if smoke:
+            return cls(0.5, 2.0, 15.0)
         return cls(1.0, 3.0, 45.0) if quick else cls(2.0, 5.0, 180.0)
 
 
@@ -421,7 +424,7 @@ def series_file(context: Context, result: SoakResult) -> None:
 def run(context: Context) -> list[Row]:
     if not redis_available():
         return [skipped_row(AREA, f"soak: sync mode at {SOAK_SHARE:.0%} of max throughput", "no redis-server")]
-    timing = Timing.of(context.quick)
+    timing = Timing.of(context.quick, context.smoke)
     where = context.directory / "soak"
     where.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []

@@ -414,19 +414,21 @@ def print_rows(rows: Sequence[Row]) -> None:
 
 
 def main(run: Callable[[Context], list[Row]], argv: Sequence[str] | None = None) -> int:
-    """``python -m loadtest.reliability_harness.<module> [--full] [--directory DIR]``."""
+    """``python -m loadtest.reliability_harness.<module> [--full | --smoke] [--directory DIR]``."""
     import argparse
     import tempfile
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--full", action="store_true", help="full size (default: quick)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="full size (default: quick)")
+    size.add_argument("--smoke", action="store_true", help="the tests' size: smaller than quick, same checks")
     parser.add_argument("--directory", type=Path, help="where logs go (default: a temporary directory)")
     arguments = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         directory = arguments.directory or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="reliab-")))
         directory.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        rows = run(Context(directory, quick=not arguments.full))
+        rows = run(Context(directory, quick=not arguments.full, smoke=arguments.smoke))
         print_rows(rows)
         print(f"{len(rows)} rows in {time.monotonic() - started:.1f} s; logs in {directory}")
     return 0 if all(row.ok is not False for row in rows) else 1
