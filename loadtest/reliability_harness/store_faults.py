@@ -398,9 +398,9 @@ class Outcome:
 def split_decisions(run: Run, failed: set[int]) -> dict[str, float]:
     """Failure-mode decisions from the fault on, and what can be said of their shards:
     ``/metrics`` counts them by reason only, so healthy shards got at least the decisions
-    beyond the calls on the failed shard, and at least the calls on healthy shards sent
-    while the sidecar that took them reported Redis down (it then decides every call by
-    the failure mode)."""
+    for Redis's reasons (``deadline`` ones are this loaded machine's) beyond the calls on
+    the failed shard, and at least the calls on healthy shards sent while the sidecar
+    that took them reported Redis down (it then decides every call by the failure mode)."""
     calls, probe = run.calls, run.probe
     fault = run.marks["fault"]
     decided, reasons = decisions_since(run, fault)
@@ -423,7 +423,7 @@ def split_decisions(run: Run, failed: set[int]) -> dict[str, float]:
         "calls_failed_shard": failed_calls,
         "calls_healthy_shards": healthy_calls,
         "healthy_calls_while_marked_down": healthy_down,
-        "healthy_decisions_at_least": max(decided - failed_calls, float(healthy_down), 0.0),
+        "healthy_decisions_at_least": max(redis_decided(reasons) - failed_calls, float(healthy_down), 0.0),
     }
 
 

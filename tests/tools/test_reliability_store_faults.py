@@ -125,6 +125,9 @@ def test_healthy_shard_decisions_are_bounded_below_by_what_the_metrics_show(tmp_
     assert split["healthy_calls_while_marked_down"] == 2  # sidecar 1's calls at 1.1 and 1.3 s
     assert split["failure_decisions"] == split["failure_decisions_redis_down"] == 40
     assert split["healthy_decisions_at_least"] == 40 - 2
+    run.samples[-1] = (1.9, 60.0, {'reason="redis_down"': 40.0, 'reason="deadline"': 20.0}, (True, True))
+    again = split_decisions(run, failed={1})
+    assert again["failure_decisions"] == 60 and again["healthy_decisions_at_least"] == 40 - 2, "deadline ones aside"
     assert recovery(run) == pytest.approx(0.4)
     run.samples[12] = (1.2, 20.0, {'reason="deadline"': 20.0}, (True, True))
     assert recovery(run) == pytest.approx(0.4), "a lone sample up again is not recovery"
