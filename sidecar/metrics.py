@@ -352,6 +352,8 @@ class LimiterSnapshot:
     loop_lag_max: float | None = None
     """Largest lateness since the previous scrape."""
     loop_lag: Buckets | None = None
+    redis_nodes_up: dict[str, bool] | None = None
+    """Redis Cluster: each master (``host:port``, at most 64) and whether it answers."""
 
 
 OPTIONAL_SCALARS: tuple[tuple[str, type[GaugeMetricFamily] | type[CounterMetricFamily], str, str], ...] = (
@@ -408,6 +410,15 @@ def limiter_families(snapshot: LimiterSnapshot) -> Iterator[Metric]:
     if snapshot.redis_up is None:
         return
     yield GaugeMetricFamily("ratelimit_sidecar_redis_up", "1 while Redis answers", value=int(snapshot.redis_up))
+    if snapshot.redis_nodes_up:
+        nodes = GaugeMetricFamily(
+            "ratelimit_sidecar_redis_node_up",
+            "Redis Cluster: 1 while this master answers (0: requests on its slots get the failure mode)",
+            labels=("node",),
+        )
+        for node, up in sorted(snapshot.redis_nodes_up.items()):
+            nodes.add_metric((node,), int(up))
+        yield nodes
     yield GaugeMetricFamily("ratelimit_sidecar_replicas", "Live replicas seen in Redis", value=snapshot.replicas or 0)
     trips = CounterMetricFamily(
         "ratelimit_sidecar_redis_round_trips", "Redis round trips, by where they happen", labels=("path",)

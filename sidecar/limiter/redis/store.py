@@ -279,13 +279,11 @@ class RedisStore:
         mode's attempted hits of ``overload: suppress``); their totals come back in
         :attr:`Counts.totals`.
         In Cluster mode the requests go out concurrently, one script (or one per check
-        when they span slots) each, under that same background timeout, not the request
-        budget (a call cut off at the budget may still run, and nobody would hear of it);
-        a request on a master known down fails alone (:mod:`.cluster_health`).
-        ``on_answer`` hears ``(index, answer)`` of each request as soon as it is known: in
-        Cluster mode when that request's own script returns, so one slow master does not
-        hold the answers of the others past their deadline (issue 31); on plain Redis,
-        when the one round trip returns.
+        when they span slots) each, under that same background timeout (a call cut off at
+        the budget may still run, and nobody would hear of it); one on a master known down
+        fails alone (:mod:`.cluster_health`). ``on_answer`` hears ``(index, answer)`` of
+        each request as soon as it is known: in Cluster when its own script returns, so a
+        slow master does not hold the others' answers past their deadline (issue 31).
         """
         self.availability.ensure_available()
         clocks = list(nows) if nows is not None else [0] * len(requests)
@@ -523,6 +521,7 @@ class RedisStore:
             pending_hits=pending_hits,
             corrupt_keys=self.corrupt.found_times,
             refused_hits=self.corrupt.refused_hits,
+            redis_nodes_up=self.nodes.states() if self.nodes is not None else None,
             **rest,
         )
 

@@ -175,6 +175,9 @@ async def test_a_dead_master_fails_its_own_slots_until_its_replica_takes_over(
             calls = {port: asyncio.ensure_future(decide_one(store, check)) for port, check in checks.items()}
             rounds.append({port: await outcome(call) for port, call in calls.items()})
             assert store.available, store.last_error
+            if rounds[-1][victim_port] == "shard_down":  # the per-node gauge says which master
+                assert store.nodes is not None
+                assert store.nodes.states()[f"127.0.0.1:{victim_port}"] is False
             recovered = [row[victim_port] for row in rounds[-10:]]
             if len(rounds) > 10 and any(row[victim_port] != "redis" for row in rounds) and set(recovered) == {"redis"}:
                 break

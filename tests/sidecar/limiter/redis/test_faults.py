@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sidecar.limiter.redis.availability import Availability, RedisUnavailable
 from sidecar.limiter.redis.faults import Fault, classify
+from sidecar.metrics import LimiterSnapshot, limiter_families
 
 REPLIES = [
     "TRYAGAIN Multiple keys request during rehashing of slot",
@@ -112,3 +113,14 @@ async def test_availability_goes_down_on_a_lost_connection_and_on_long_silence_o
     assert str(failure).startswith("redis node 127.0.0.1:7000 unavailable")
     await asyncio.sleep(0)
     await again.close()
+
+
+def test_the_per_node_gauge_names_each_cluster_master() -> None:
+    snapshot = LimiterSnapshot(
+        counters=0, evictions=0, redis_up=True, redis_nodes_up={"127.0.0.1:7001": False, "127.0.0.1:7000": True}
+    )
+    families = {family.name: family for family in limiter_families(snapshot)}
+    samples = [(sample.labels, sample.value) for sample in families["ratelimit_sidecar_redis_node_up"].samples]
+    assert samples == [({"node": "127.0.0.1:7000"}, 1), ({"node": "127.0.0.1:7001"}, 0)]
+    single = LimiterSnapshot(counters=0, evictions=0, redis_up=True)
+    assert "ratelimit_sidecar_redis_node_up" not in {family.name for family in limiter_families(single)}
