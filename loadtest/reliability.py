@@ -114,10 +114,9 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     return arguments
 
 
-def report(arguments: argparse.Namespace) -> int:
-    names = arguments.areas.split(",")
-    directory = Path(tempfile.mkdtemp(prefix="reliability-"))
-    context = Context(
+def build_context(arguments: argparse.Namespace, directory: Path) -> Context:
+    """What every area gets from the command line (``--smoke`` implies ``--quick``)."""
+    return Context(
         directory,
         quick=arguments.quick or arguments.smoke,
         smoke=arguments.smoke,
@@ -125,6 +124,12 @@ def report(arguments: argparse.Namespace) -> int:
         server_cpus=parse_cpus(arguments.server_cpus),
         client_cpus=parse_cpus(arguments.client_cpus),
     )
+
+
+def report(arguments: argparse.Namespace) -> int:
+    names = arguments.areas.split(",")
+    directory = Path(tempfile.mkdtemp(prefix="reliability-"))
+    context = build_context(arguments, directory)
     rows: list[Row] = []
     timings: dict[str, float] = {}
     for name in names:

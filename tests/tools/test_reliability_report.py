@@ -50,3 +50,26 @@ def test_unknown_areas_are_refused_with_one_line() -> None:
     )
     assert result.returncode == 2
     assert "unknown area(s): nope" in result.stderr
+
+
+def test_the_sizes_reach_every_area_smoke_implying_quick(tmp_path: Path) -> None:
+    from loadtest.reliability import build_context, parse_arguments
+    from loadtest.reliability_harness import Context, Row
+    from loadtest.reliability_harness.support import main
+
+    sizes = {
+        flags: build_context(parse_arguments(list(flags)), tmp_path).size for flags in [(), ("--quick",), ("--smoke",)]
+    }
+    assert sizes == {(): "full", ("--quick",): "quick", ("--smoke",): "smoke"}
+    assert build_context(parse_arguments(["--smoke"]), tmp_path).quick is True
+
+    seen: list[Context] = []
+
+    def area(context: Context) -> list[Row]:
+        seen.append(context)
+        return []
+
+    for flags in ([], ["--full"], ["--smoke"]):
+        assert main(area, [*flags, "--directory", str(tmp_path)]) == 0
+    assert [context.size for context in seen] == ["quick", "full", "smoke"]
+    assert all(context.quick for context in seen if context.size != "full")
