@@ -18,6 +18,14 @@ every connection is served on the loop that answers Envoy:
 
 Anything malformed (a ``Content-Length`` of ``²`` or of 5,000 digits, a bad request line, a
 missing ``Host`` in HTTP/1.1) is h11's ``RemoteProtocolError``: 400, no traceback.
+
+A connection whose request kept the loop's thread busy for a while (a 63 KB ``/json`` body
+parsed and refused, a ``/config`` render written out) **rests as long as that took** before
+its next request is read, as bulk work does between chunks (``sidecar/turns.py``): a client
+that loops such requests back to back would otherwise keep the loop busy all the time, and
+gRPC's poller thread would wait for the GIL up to the switch interval per hand-off of every
+``ShouldRateLimit`` call (probe p50 2 -> 21 ms under one client looping 63 KB bodies). A
+cheap request (under :data:`PACE_FROM`) never rests.
 """
 
 from __future__ import annotations
@@ -44,6 +52,16 @@ MAX_REASON = 200
 """Characters of h11's reason for a malformed request quoted back (it may quote the request)."""
 REFUSAL_LOG_SECONDS = 60.0
 """At most one log line per listener this often about connections refused at the cap."""
+PACE_FROM = 0.002
+"""Seconds of the loop thread's CPU one request may take before its connection rests (an
+ordinary ``/json`` decision takes 0.1-1 ms here, a 63 KB body refused after parsing 3-7 ms)."""
+MAX_PACE = 0.02
+"""The longest rest after one request (as ``sidecar.turns.MAX_REST``)."""
+
+
+def rest_after(busy: float) -> float:
+    """Seconds a connection rests after a request that kept the loop's thread ``busy`` seconds."""
+    return 0.0 if busy < PACE_FROM else min(busy, MAX_PACE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +157,8 @@ class HttpServer:
         """Connections answered ``busy`` because ``max_connections`` were open (since start)."""
         self.dropped = 0
         """Clients dropped for not reading their answer within ``write_timeout`` (since start)."""
+        self.rested = 0.0
+        """Seconds connections rested after costly requests (see :func:`rest_after`; since start)."""
         self._refusal_logged = -REFUSAL_LOG_SECONDS
 
     async def start(self, address: str) -> None:
@@ -200,9 +220,11 @@ class Exchange:
         wait = self.bounds.read_timeout  # a new connection is expected to ask at once
         while True:
             method = "GET"
+            busy = 0.0
             try:
                 request = await self._receive(wait)
                 method = request.method
+                busy = time.thread_time()
                 answer = await self._answer(request)
             except RequestError as refused:
                 answer = self._close(self.server.error(refused.status, refused.reason))
@@ -211,6 +233,10 @@ class Exchange:
                 return
             self.http.start_next_cycle()
             wait = self.bounds.idle_timeout
+            rest = rest_after(time.thread_time() - busy) if busy else 0.0
+            if rest:
+                self.server.rested += rest
+                await asyncio.sleep(rest)
 
     async def _answer(self, request: Request) -> Answer:
         """The handler's answer; a fault of ours is a 500 (logged) and the connection closes."""

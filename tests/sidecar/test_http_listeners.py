@@ -20,7 +20,8 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.admin import AdminEndpoint, SharedRender, config_json
 from sidecar.config import load_config
-from sidecar.service.json_api import JsonEndpoint
+from sidecar.http_server import MAX_PACE, rest_after
+from sidecar.service.json_api import JsonEndpoint, decide_json
 
 RULES = """
     domain: api
@@ -274,3 +275,40 @@ async def test_a_config_render_is_shown_again_for_its_max_age_unless_the_config_
     now[0] += 1.0
     assert await shared.get(snapshot("d"), second) == b"d", "past max_age: rendered again"
     assert made == ["a", "c", "d"] and shared.renders == 3
+
+
+def test_a_connection_rests_as_long_as_its_request_kept_the_loop_busy() -> None:
+    assert rest_after(0.001) == 0.0  # a cheap request never waits
+    assert rest_after(0.004) == 0.004
+    assert rest_after(5.0) == MAX_PACE  # a slow machine does not stretch the rest without bound
+
+
+def blocking_exchange(port: int, data: bytes) -> bytes:
+    """:func:`exchange` from another thread: the loop thread's CPU is then the server's alone."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+        client.sendall(data)
+        received = b""
+        while chunk := client.recv(65536):
+            received += chunk
+    return received
+
+
+async def test_a_looped_costly_json_body_rests_its_connection_and_a_cheap_one_does_not(h: Any, clock: Any) -> None:
+    """Issue 25: a client looping 63 KB bodies, each refused after parsing, kept the loop busy
+    all the time (ShouldRateLimit p50 2 -> 21 ms); its connection now rests between them."""
+    endpoint = JsonEndpoint(h.memory_service(RULES, clock), read_timeout=2.0, idle_timeout=2.0)
+    await endpoint.start("127.0.0.1:0")
+    try:
+        cheap = b'{"domain": "api", "descriptors": [{"entries": [{"key": "client", "value": "a"}]}]}'
+        costly = ('{"domain": "api", "descriptors": [' + ",".join(["{}"] * 21000) + "]}").encode()
+        await decide_json(endpoint.service, cheap)  # first-use costs (imports, caches) are not a request's
+        health = b"GET /healthcheck HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        for body, answers in ((cheap, b"HTTP/1.1 200"), (costly, b"HTTP/1.1 400")):
+            before = endpoint.http.rested
+            head = f"POST /json HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            got = await asyncio.to_thread(blocking_exchange, endpoint.port, (head + body) * 2 + health)
+            assert got.count(b"HTTP/1.1 ") == 3, got[:200]
+            assert got.startswith(answers), got[:200]
+            assert (endpoint.http.rested > before) is (body is costly)
+    finally:
+        await endpoint.close()
