@@ -658,18 +658,18 @@ class RedisStore:
         task.add_done_callback(self._tasks.discard)
 
     def _count(self, request_path: bool) -> None:
-        """A round trip goes out: counted, and Redis's silence measured from it."""
-        self.availability.sent()
+        """A round trip goes out: counted, and Redis's silence measured from it (in Cluster,
+        each master's, by :class:`ClusterNodes`)."""
+        if self.nodes is None:
+            self.availability.sent()
         if request_path:
             self.round_trips_request_path += 1
         else:
             self.round_trips_background += 1
 
     async def _background(self, call: Any) -> Any:
-        """Await one background round trip with the background timeout; failures -> RedisUnavailable.
-
-        In Cluster mode the failure is this call's only: which master failed is learned
-        by the script calls, which :class:`ClusterNodes` groups by master."""
+        """Await one background round trip with the background timeout; failures -> RedisUnavailable
+        (in Cluster, this call's only: script calls, grouped per master, tell which one failed)."""
         self._count(request_path=False)
         try:
             async with asyncio.timeout(self.background_timeout):
