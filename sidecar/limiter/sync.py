@@ -23,13 +23,12 @@ The rule for admitting locally (per counter, per window, ``R`` live replicas):
   already leaves no room, so a well-behaved client is never refused while the
   global admitted total is below the limit.
 
-Bound (see README): escalations are exact against the counts Redis holds, and the
-only hits Redis does not hold are the other replicas' blind hits, at most ``Q`` each,
-so the admitted total per counter and window exceeds the limit by at most
-``(R - 1) * Q <= max_overshoot * limit`` hits. It holds while Redis answers within
-the request budget (otherwise the failure mode decides) and while the replicas agree
-on ``R`` (every flush reads the live count, so a new replica is seen within one
-flush of the others).
+Bound (docs/redis.md): escalations are exact against the counts Redis holds, and the
+only hits Redis does not hold are the other replicas' blind hits, at most ``Q`` each, so
+the total per counter and window exceeds the limit by at most ``(R - 1) * Q <=
+max_overshoot * limit``, while Redis answers within the budget and the replicas agree on
+``R`` (every flush reads the live count). Returning from an outage, a counter is also held
+to the replica's share until the peers' outage hits are in what it knows (:class:`ReturnWatch`).
 
 Sliding windows decide on the same rule with the previous window's weighted total
 added to the count; that total is read back by every flush, so right after a
@@ -63,7 +62,7 @@ from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import CorruptKey, Counts, RedisStore
 from sidecar.limiter.redis.store import verdict as script_verdict
 from sidecar.limiter.suppression import Suppression, lowered_where
-from sidecar.limiter.sync_counters import FlushBatch, WindowCounter, attempt_flush, lowered_check, with_doubt
+from sidecar.limiter.sync_counters import FlushBatch, ReturnWatch, WindowCounter, attempt_flush, lowered_check
 from sidecar.limiter.sync_table import CounterTable
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
@@ -139,7 +138,7 @@ class SyncLimiter:
         """Requests the failure mode decided, by why (``deadline``, ``redis_down``, ...)."""
         self.redis_waits: RedisWaits | None = None
         """Wraps each escalation and flush when tracing is on (:mod:`sidecar.limiter.hooks`)."""
-        self.settlement = Settlement()  # the hits unflushed at Redis's last return have landed: rejoin
+        self.settlement, self.returns = Settlement(), ReturnWatch()  # returning from an outage (docs/redis.md)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -204,6 +203,7 @@ class SyncLimiter:
             self._wake.set()
         else:
             self._drop_logged = False  # log the next drop again: once per outage
+            self.returns.outage()
             log.warning("redis_unavailable", mode="sync", reason=reason, failure_mode=self.failure_mode)
 
     # -------------------------------------------------------------- the decision
@@ -250,8 +250,8 @@ class SyncLimiter:
             return self._decide_without_redis(checks, counters, now, "redis_down")
         if self.store.corrupt.any_of(counter.key for counter in counters):
             return self._decide_without_redis(checks, counters, now, "corrupt_key")
-        if self.replicas.returning and self.failure_mode == "local":  # a peer may hold outage hits Redis lacks
-            own = with_doubt(self._would_be(checks, counters, own=True, now=now), counters)
+        if self.returns.held(self.replicas.returning, self._sequence, counters) and self.failure_mode == "local":
+            own = self.returns.with_doubt(self._would_be(checks, counters, own=True, now=now), counters)
             if (limits := held_to_shares(checks, own, self.replicas.live, self.admit_all)) is not None:
                 return self._apply(checks, counters, own, limits)
         decision = self._decide_locally(checks, counters, now)
@@ -697,4 +697,4 @@ class SyncLimiter:
             others = max(0, total - counter.known - sent)
             counter.growth = GROWTH_SMOOTHING * others + (1 - GROWTH_SMOOTHING) * counter.growth
             counter.inflight -= sent
-            counter.known = max(counter.known, total)
+            counter.known, counter.read = max(counter.known, total), batch.sequence

@@ -39,6 +39,8 @@ class WindowCounter:
     ``local`` failure mode counts them as admitted until their answer comes)."""
     touched: bool = True
     """Used since the last flush: its total is worth reading back."""
+    read: int = -1
+    """Sequence number of the last flush that read its total back (-1: none yet)."""
     busy: int = 0
     """Requests deciding with this counter right now: it must not be evicted or expired
     under them, or the hits they admit would land on a counter nobody flushes."""
@@ -70,10 +72,39 @@ class WindowCounter:
         return [key for key in (self.previous_key, self.ban_key) if key is not None]
 
 
-def with_doubt(counts: Sequence[int], counters: Sequence[WindowCounter]) -> tuple[int, ...]:
-    """``counts`` plus the hits of this replica's escalations on the wire (Redis may admit
-    them any moment): what a replica returning from an outage holds to its share."""
-    return tuple(count + max(0, counter.doubt) for count, counter in zip(counts, counters, strict=True))
+class ReturnWatch:
+    """sync, returning from an outage: whether a counter may still lack a peer's outage hits.
+
+    All may until this replica is settled (:attr:`Replicas.returning`); then each one that
+    a flush read back before that, until a flush prepared since has read it again: what it
+    knew was read before the peers' outage hits landed. A counter no flush has read yet is
+    a first touch, as with Redis up all along.
+    """
+
+    def __init__(self) -> None:
+        self.fresh_from: int | None = 0
+        """Flushes from this sequence number on read every outage hit (None: still returning)."""
+
+    def outage(self) -> None:
+        """Redis was marked down."""
+        self.fresh_from = None
+
+    def held(self, returning: bool, sequence: int, counters: Sequence[WindowCounter]) -> bool:
+        """Whether a decision on ``counters`` is held to this replica's share; ``sequence``:
+        the last flush numbered."""
+        if returning:
+            self.fresh_from = None
+            return True
+        if self.fresh_from is None:
+            self.fresh_from = sequence + 1
+        fresh = self.fresh_from
+        return any(0 <= counter.read < fresh for counter in counters)
+
+    @staticmethod
+    def with_doubt(counts: Sequence[int], counters: Sequence[WindowCounter]) -> tuple[int, ...]:
+        """``counts`` (own hits) plus the hits of this replica's escalations on the wire (Redis
+        may admit them any moment): what a held decision counts against the share."""
+        return tuple(count + max(0, counter.doubt) for count, counter in zip(counts, counters, strict=True))
 
 
 def lowered_check(check: Check, own: int, previous_part: int | None) -> Check:
