@@ -500,6 +500,23 @@ def test_failure_policy_local_share_follows_live_replicas() -> None:
     assert not policy.ledger.owes()
 
 
+def test_failure_policy_holds_a_returning_replica_to_its_share_counting_calls_on_the_wire() -> None:
+    """Returning from an outage, a request Redis would decide is first held to the replica's
+    share of its own hits (those Redis admitted included), its calls on the wire counted."""
+    policy = FailurePolicy("local", lambda: 2)
+    now, expires = 1_700_000_010.0, [1_700_000_100]
+    policy.note_admitted([one(10, hits=4)], [True], now)  # Redis admitted 4 for it: share 5
+    assert policy.beyond_share([one(10)], ["k"], expires, now) is None
+    policy.on_wire([one(10)], ["k"], 1)  # that one's script is on its way
+    refused = policy.beyond_share([one(10)], ["k"], expires, now)
+    assert refused is not None and not refused.admitted and refused.limits == (5,)
+    counted = policy.beyond_share([one(10, hits=2)._replace(count_past=True)], ["k"], expires, now)
+    assert counted is not None and not counted.admitted
+    assert policy.ledger.owed_hits == 2, "count_past_limit hits are counted though refused, as the script would"
+    policy.on_wire([one(10)], ["k"], -1)
+    assert FailurePolicy("open").beyond_share([one(10, hits=50)], ["k"], expires, now) is None, "open holds nothing"
+
+
 def test_failure_policy_holds_decides_without_owing_and_merges_corrections() -> None:
     policy = FailurePolicy("open")
     deadline = 1_700_000_100
