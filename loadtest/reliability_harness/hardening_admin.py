@@ -15,6 +15,8 @@ Rows, each against a real sidecar process:
   quick: 3,000) reloaded under steady calls. Holds when the calls' p99 during reloads
   stays within 100 ms.
 
+The tests' smoke size scrapes for 1 s (quick 4 s, full 20 s) and reloads once (quick twice).
+
     python -m loadtest.reliability_harness.hardening_admin [--full]
 """
 
@@ -116,7 +118,7 @@ def metrics_flood(context: Context) -> Row:
             sidecar = start_sidecar(group, context, "metrics-flood", ["--config", str(config)])
             flood(sidecar.address)
             _, size = scrape(sidecar.metrics_url)
-            seconds = 4.0 if context.quick else 20.0
+            seconds = {"smoke": 1.0, "quick": 4.0, "full": 20.0}[context.size]
             stop = threading.Event()
             scrapes: list[float] = []
 
@@ -245,7 +247,8 @@ def hot_reload(context: Context) -> Row:
     try:
         directory = context.directory / "reload-stall"
         directory.mkdir(parents=True, exist_ok=True)
-        result = reload_stall.run_variant("after", rules, 2 if context.quick else 3, 0.002, Path(directory))
+        reloads = {"smoke": 1, "quick": 2, "full": 3}[context.size]
+        result = reload_stall.run_variant("after", rules, reloads, 0.002, Path(directory))
     except Exception as error:
         return failed_row(AREA, scenario, error)
     during, quiet = result["during"], result["quiet"]
