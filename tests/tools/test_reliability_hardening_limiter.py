@@ -1,6 +1,6 @@
 """``loadtest.reliability_harness.hardening_limiter``: the issue 21 attacks on the limiter hold.
 
-Runs the area quick (real sidecars and redis-server, ~15 s) and checks every row held
+Runs the area at its smoke size (real sidecars and redis-server; smaller floods than quick) and checks every row held
 with the figures it reports: at most 105 of 100 hits for a repeated descriptor across two
 sync replicas, live counters at the cap and flat call times for a unique-value flood
 during an outage, and 50 of 50 hits in Redis after a SIGTERM during a short outage.
@@ -22,7 +22,7 @@ def test_every_attack_row_holds(tmp_path: Path) -> None:
     from loadtest.reliability_harness import Context
     from loadtest.reliability_harness.hardening_limiter import BOUND, OUTAGE_HITS, SYNC_CAP, run
 
-    rows = run(Context(tmp_path, quick=True))
+    rows = run(Context(tmp_path, quick=True, smoke=True))
     assert [row.ok for row in rows] == [True] * 5, [(row.scenario, row.notes) for row in rows]
     repeats, sync_flood, strict_flood, *shutdowns = rows
     assert max(repeats.figures["admitted_64x1"], repeats.figures["admitted_19x5"]) <= BOUND
