@@ -139,6 +139,10 @@ class ClusterNodes:
                 self.whole.mark_up()
             return
         log.warning("redis_node_unavailable", node=name, reason=reason, down_nodes=self.down())
+        # Tried last when redis-py re-reads the slot map, and never its default node: a
+        # re-read after any lost connection asks the default node for its COMMAND table,
+        # and failing there would fail every call of every master.
+        self.client.nodes_manager.move_node_to_end_of_cached_nodes(name)
         masters = self._masters()
         if masters and all(name in self.nodes and not self.nodes[name].available for name in masters):
             self.whole.mark_down(f"every Cluster master is down (last: {name}: {reason})")
