@@ -133,8 +133,8 @@ def held_to_shares(checks: Sequence[Check], own: Sequence[int], live: int, admit
 
     A peer may still decide by the failure mode, or hold outage hits Redis lacks, so what
     Redis answers is not the whole count: every replica finishes the outage under its
-    share until all have settled, and the total then stays within ``R`` shares whatever
-    the order in which they return (docs/redis.md, "Returning from an outage").
+    share until all have settled, which keeps the bound whatever the order in which they
+    return (proved in docs/redis.md, "Returning from an outage").
     """
     limits = failure_limits("local", checks, own, live)
     admitted, _, _ = decide(checks, own, limits, admit_all)
@@ -203,8 +203,6 @@ class FailurePolicy:
         self._since = 0.0
         self._on_wire: dict[str, int] = {}
         """Returning from an outage: hits of this replica's script calls on the wire, per key."""
-        self.share_refusals = 0
-        """Requests refused by :meth:`beyond_share` (returning from an outage)."""
 
     # -- deciding --------------------------------------------------------------------
 
@@ -324,7 +322,6 @@ class FailurePolicy:
         limits = held_to_shares(checks, counts, max(1, self.live()), self.admit_all)
         if limits is None:
             return None
-        self.share_refusals += 1
         admitted, over, consume = decide(checks, counts, limits, self.admit_all)
         for check, key, expire_at, spend in zip(checks, keys, expire_ats, consume, strict=True):
             if spend and check.hits:  # count_past_limit: counted though refused, as the script would
