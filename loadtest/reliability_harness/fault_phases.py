@@ -73,7 +73,11 @@ class Timing:
     """``redis_pause``: shorter than the background timeout, so every late answer arrives."""
 
     @classmethod
-    def of(cls, quick: bool) -> Timing:
+    def of(cls, quick: bool, smoke: bool = False) -> Timing:
+        """Full, quick, or smoke (the tests': each fault still long enough for calls to meet it
+        and for Redis to restart; the stall still outlasts the background timeout, the pause not)."""
+        if smoke:
+            return cls(0.5, 1.0, 0.6, 4.5)
         return cls(0.8, 1.5, 1.0, 4.5) if quick else cls(2.0, 5.0, 3.0, 8.0)
 
     def duration(self, fault: str) -> float:

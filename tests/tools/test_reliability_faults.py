@@ -1,4 +1,4 @@
-"""The reliability harness's fault scenarios, quick size: Redis and replica faults under load.
+"""The reliability harness's fault scenarios, smoke size: Redis and replica faults under load.
 
 Runs ``loadtest/reliability_harness/faults.py`` in this process: two real sidecar
 processes per configuration (sync mode with each ``--redis-failure-mode``, strict mode)
@@ -13,6 +13,10 @@ timeout, slow, unreachable), then a replica SIGKILLed. It checks what the rows p
   faults that cut connections may leave hits counted twice (documented ambiguity);
 * the SIGKILLed replica's loss is at most what it admitted in its last two sync
   intervals, and the survivor kept its limits.
+
+The smoke size (``Context.smoke``) keeps every configuration and every fault and only
+shortens the phases around them (``fault_phases.Timing``); the report's figures come from
+``python -m loadtest.reliability --quick`` or full runs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(420)]
+
+def real_run(test: Any) -> Any:
+    """The marks of a test on the harness's rows: real processes, a fault timeline (serial phase)."""
+    for mark in (pytest.mark.redis, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(420)):
+        test = mark(test)
+    return test
 
 
 def faults_module() -> Any:
@@ -45,9 +54,10 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     faults = faults_module()
     from loadtest.reliability_harness import Context
 
-    yield faults.run(Context(tmp_path_factory.mktemp("faults"), quick=True))
+    yield faults.run(Context(tmp_path_factory.mktemp("faults"), quick=True, smoke=True))
 
 
+@real_run
 def test_every_configuration_meets_every_fault(rows: list[Any]) -> None:
     faults = faults_module()
     expected = {
@@ -57,6 +67,7 @@ def test_every_configuration_meets_every_fault(rows: list[Any]) -> None:
     assert expected <= seen, f"missing rows: {sorted(expected - seen)}; got {sorted(seen)}"
 
 
+@real_run
 def test_every_call_is_answered_and_redis_holds_every_admitted_hit(rows: list[Any]) -> None:
     checked = [row for row in rows if "replica SIGKILLed" not in row.scenario]
     assert checked
@@ -72,9 +83,28 @@ def test_every_call_is_answered_and_redis_holds_every_admitted_hit(rows: list[An
         assert figures["hits_lost_at_drain"] == 0, explain(row)
 
 
+@real_run
 def test_a_killed_replica_loses_at_most_its_unflushed_hits(rows: list[Any]) -> None:
     row = next(row for row in rows if "replica SIGKILLed" in row.scenario)
     assert row.ok is True, explain(row)
     assert row.hits_lost is not None, explain(row)
     assert 0 <= row.hits_lost <= row.figures["loss_bound"], explain(row)
     assert row.figures["victim_hits_admitted"] > 0 and row.figures["survivor_calls_after_kill"] > 0, explain(row)
+
+
+def test_a_near_counter_may_fall_short_only_by_the_hits_the_kill_cut() -> None:
+    counter = faults_module().NearCounter
+    short = counter("near_b", limit=53, admitted=52, offered=90, lost=0)
+    assert short.problems(cut_hits=1) == []  # the victim counted a hit whose answer the kill cut
+    assert short.problems(cut_hits=0) == [
+        "near_b: only 52 admitted of a limit of 53 (offered more; 0 hits in calls the kill cut)"
+    ]
+    assert counter("near_b", limit=53, admitted=40, offered=90, lost=0).problems(cut_hits=1)
+    assert (
+        counter("near_a", limit=13, admitted=5, offered=20, lost=0).problems(cut_hits=0) == []
+    )  # offered < limit + 10
+    # Above: the limit, sync mode's bound (floor(5 % of 53) = 2 with two replicas) and what was lost.
+    assert counter("near_b", limit=53, admitted=56, offered=90, lost=1).problems(cut_hits=0) == []
+    assert counter("near_b", limit=53, admitted=57, offered=90, lost=1).problems(cut_hits=9) == [
+        "near_b: 57 admitted > limit 53 + bound 2 + lost"
+    ]
