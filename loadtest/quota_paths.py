@@ -10,7 +10,17 @@ Variants, all with the routes of ``envoy/front.yaml`` in front of the sample app
 
 (a) ``envoy``   Envoy alone (the ``ratelimit`` filter removed);
 (b) ``local``   Envoy + ``local_ratelimit`` (one token bucket far above the load);
-(c) ``quota``   Envoy + the ``rate_limit_quota`` filter(s) of ``export-envoy-quota`` + a sidecar;
+(c) ``quota``   Envoy + the ``rate_limit_quota`` filter(s) of ``export-envoy-quota`` + a sidecar,
+    one Envoy per ``--quota-shapes`` entry (the same buckets, matched differently):
+    ``route``   what ``--full`` writes: one filter per descriptor, on only on the routes sending it,
+                ``on_no_match`` (nothing tested per request);
+    ``list``    the filters alone: a matcher list of ``:path`` prefix tests in route order;
+    ``tree``    ``list`` as a ``matcher_tree`` on ``:path`` (``prefix_match_map``; exact only when
+                no earlier route's prefix is a prefix of a later one's, checked);
+    ``cel``     ``list`` with each ``:path`` prefix test a CEL ``request.path.startsWith`` matcher;
+    ``list-all`` / ``route-all``  the same with every descriptor of ``examples/config`` (the filters
+                of ``envoy/quota.yaml``: 4 in ``list``, each walked per request; 5 in ``route``,
+                2 of them on for ``/bench``'s route);
 (d) ``ratelimit`` Envoy + ``ratelimit`` filter + a sidecar (memory backend).
 
 The sidecars run as real processes (``python -m sidecar serve``) on a config whose only rule
@@ -25,6 +35,12 @@ quota result counts only if it did (else Envoy ran on ``no_assignment_behavior``
 
     python -m loadtest.quota_paths                         # 3 rounds x 5 s per variant, Envoy on cpu 0, wrk on 1
     python -m loadtest.quota_paths --rounds 5 --plot docs/quota-paths.png
+    python -m loadtest.quota_paths --rounds 7 --quota-shapes route,list,tree,cel,list-all,route-all
+
+Each round runs every variant once, starting one variant later than the round before (so no
+variant always runs first or right after another); the report gives per variant the median
+over rounds, its ratio to (b) (of medians) and the spread of the per-round ratio to (b) (each
+round's run divided by the same round's (b) run: median, min-max).
 
 Only 127.0.0.1; every child is stopped at the end, also on Ctrl-C, SIGTERM or error.
 """
@@ -76,6 +92,12 @@ VARIANTS = {
     "ratelimit": "(d) Envoy + ratelimit filter + sidecar",
 }
 REFERENCE = "local"
+QUOTA_SHAPES = ("route", "list", "tree", "cel", "list-all", "route-all")
+"""``--quota-shapes`` choices; the first of the option is ``quota`` (c), the others ``quota:<shape>``."""
+DEFAULT_SHAPE = "route"
+"""What ``export-envoy-quota --full`` writes (and ``envoy/quota.yaml`` is)."""
+ALL_DESCRIPTORS = ENVOY_CONFIGS.parent / "examples" / "config"
+"""The ``-all`` shapes export with this descriptor config: every descriptor of front.yaml kept."""
 CPU_SKIP_START = 1.0
 CPU_SKIP_END = 0.5
 BENCH_CONFIG = f"""\
@@ -111,17 +133,126 @@ def local_ratelimit(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def variant_config(variant: str, ports: EnvoyPorts, rules: Path) -> dict[str, Any]:
-    """The Envoy config of one variant on ``ports`` (``ports.ratelimit``: that variant's sidecar)."""
+def variant_config(
+    variant: str, ports: EnvoyPorts, rules: Path, shapes: Sequence[str], extra_routes: int = 0
+) -> dict[str, Any]:
+    """The Envoy config of one variant on ``ports`` (``ports.ratelimit``: that variant's sidecar),
+    with ``extra_routes`` routes before front.yaml's (:func:`add_routes`)."""
+    config = add_routes(render(TEMPLATE, ports, ratelimit=variant not in {"envoy", "local"}), extra_routes)
     if variant == "envoy":
-        return render(TEMPLATE, ports, ratelimit=False)
+        return config
     if variant == "local":
-        return local_ratelimit(render(TEMPLATE, ports, ratelimit=False))
-    config = render(TEMPLATE, ports)
+        return local_ratelimit(config)
     if variant == "ratelimit":
         return config
-    export = export_quota(load_config(str(rules)).domains, config, TEMPLATE)
-    return quota_document(config, TEMPLATE, export.filters, "rlqs")
+    return quota_config(config, rules, shape_of(variant, shapes))
+
+
+def add_routes(config: dict[str, Any], count: int) -> dict[str, Any]:
+    """``count`` routes ``/extra/<n>/`` (each sending the client address, as front.yaml's routes
+    do) before front.yaml's: ``GET /bench`` passes all of them in every variant's router, and in
+    every ``:path`` test of the list, tree and CEL shapes; the route shape tests none."""
+    host = ingress_manager(config, TEMPLATE)["route_config"]["virtual_hosts"][0]
+    limits: list[dict[str, Any]] = [{"actions": [{"remote_address": {}}]}]
+    extra = [
+        {"match": {"prefix": f"/extra/{number}/"}, "route": {"cluster": "app", "rate_limits": limits}}
+        for number in range(count)
+    ]
+    host["routes"] = [*extra, *host["routes"]]
+    return config
+
+
+def quota_variants(shapes: Sequence[str]) -> dict[str, str]:
+    """Every variant, (c) once per shape: ``quota`` for the first, ``quota:<shape>`` for the others."""
+    found = {key: label for key, label in VARIANTS.items() if key in ("envoy", "local")}
+    for number, shape in enumerate(shapes):
+        suffix = f" [{shape}]" if len(shapes) > 1 else ""
+        found["quota" if number == 0 else f"quota:{shape}"] = VARIANTS["quota"] + suffix
+    found["ratelimit"] = VARIANTS["ratelimit"]
+    return found
+
+
+def shape_of(variant: str, shapes: Sequence[str]) -> str:
+    return variant.partition(":")[2] or shapes[0]
+
+
+def quota_config(config: dict[str, Any], rules: Path, shape: str) -> dict[str, Any]:
+    """``config`` in quota mode, its filters in ``shape`` (see the module's docstring)."""
+    kind, _, scope = shape.partition("-")
+    domains = load_config(str(ALL_DESCRIPTORS if scope == "all" else rules)).domains
+    export = export_quota(domains, config, TEMPLATE, shape="route" if kind == "route" else "list")
+    full = quota_document(config, TEMPLATE, export.filters, "rlqs", enabled=export.enabled)
+    if kind in ("tree", "cel"):
+        for item in ingress_manager(full, TEMPLATE)["http_filters"]:
+            typed = item.get("typed_config") or {}
+            if "bucket_matchers" in typed:
+                matcher = typed["bucket_matchers"]
+                typed["bucket_matchers"] = prefix_tree(matcher) if kind == "tree" else cel_prefixes(matcher)
+    return full
+
+
+# ---------------------------------------------------------------------------------
+# The tree and CEL shapes: measured here, not generated by the exporter
+# ---------------------------------------------------------------------------------
+
+
+def path_prefixes(matcher: dict[str, Any]) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """``(input, prefix, on_match)`` of each entry of a list matcher whose entries are each one
+    ``:path`` prefix test (what ``list`` is for the bench's routes); anything else is refused."""
+    found = []
+    for entry in matcher["matcher_list"]["matchers"]:
+        single = entry["predicate"].get("single_predicate") or {}
+        typed = (single.get("input") or {}).get("typed_config") or {}
+        test = single.get("value_match") or {}
+        if typed.get("header_name") != ":path" or set(test) != {"prefix"}:
+            raise ValueError(f"tree/cel shapes: an entry tests more than a :path prefix: {entry['predicate']}")
+        found.append((single["input"], str(test["prefix"]), entry["on_match"]))
+    return found
+
+
+def prefix_tree(matcher: dict[str, Any]) -> dict[str, Any]:
+    """The list as a ``matcher_tree`` on ``:path``: Envoy takes the longest prefix, the list (and
+    the router) the first; the same only when no earlier prefix is a prefix of a later one."""
+    entries = path_prefixes(matcher)
+    for number, (_, early, _) in enumerate(entries):
+        for _, later, _ in entries[number + 1 :]:
+            if later.startswith(early) and later != early:
+                raise ValueError(f"tree shape: {early!r} is before {later!r}; the longest prefix would win")
+    table: dict[str, Any] = {}
+    for _, prefix, on_match in entries:
+        table.setdefault(prefix, on_match)
+    return {"matcher_tree": {"input": entries[0][0], "prefix_match_map": {"map": table}}}
+
+
+CEL_INPUT = {
+    "name": "envoy.matching.inputs.cel_data_input",
+    "typed_config": {"@type": "type.googleapis.com/xds.type.matcher.v3.HttpAttributesCelMatchInput"},
+}
+
+
+def cel_prefixes(matcher: dict[str, Any]) -> dict[str, Any]:
+    """The list with each ``:path`` prefix test a CEL ``request.path.startsWith(prefix)`` (a parsed
+    expression: Envoy 1.40 reads no CEL source text there)."""
+    entries = []
+    for _, prefix, on_match in path_prefixes(matcher):
+        call = {
+            "target": {
+                "id": 2,
+                "select_expr": {"operand": {"id": 3, "ident_expr": {"name": "request"}}, "field": "path"},
+            },
+            "function": "startsWith",
+            "args": [{"id": 4, "const_expr": {"string_value": prefix}}],
+        }
+        parsed = {"expr": {"id": 1, "call_expr": call}}
+        test = {
+            "name": "envoy.matching.matchers.cel_matcher",
+            "typed_config": {"@type": "type.googleapis.com/xds.type.matcher.v3.CelMatcher",
+                             "expr_match": {"cel_expr_parsed": parsed}},
+        }  # fmt: skip
+        entries.append(
+            {"predicate": {"single_predicate": {"input": CEL_INPUT, "custom_match": test}}, "on_match": on_match}
+        )
+    return {"matcher_list": {"matchers": entries}}
 
 
 class PinnedEnvoy(ConfiguredEnvoy):
@@ -163,9 +294,9 @@ def start_servers(directory: Path, arguments: argparse.Namespace) -> Servers:
             child.wait_ready()
         servers.quota_sidecar = quota
         sidecars = {"quota": quota.port, "ratelimit": per_request.port}
-        for variant in VARIANTS:
+        for variant in quota_variants(shapes_of(arguments)):
             ports = EnvoyPorts.free(app.port, sidecars.get(variant, quota.port))
-            config = variant_config(variant, ports, rules)
+            config = variant_config(variant, ports, rules, shapes_of(arguments), arguments.extra_routes)
             servers.envoys[variant] = group.start(PinnedEnvoy(variant, config, ports, directory, arguments.envoy_cpu))
         for envoy in servers.envoys.values():
             envoy.wait_ready()
@@ -193,6 +324,9 @@ class RunResult:
     sidecar_cpu_percent: float | None = None
     sidecar_cpu_seconds: float = 0.0
     sidecar_window_seconds: float = 0.0
+    envoy_cpu_seconds: float | None = None
+    """Envoy's user + system CPU over the whole run: its work per request, which other processes
+    on the machine slow down far less than they slow down its requests per second."""
 
 
 _UNITS_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}
@@ -264,9 +398,13 @@ def run_wrk(
 
 def measure(servers: Servers, variant: str, number: int, arguments: argparse.Namespace) -> RunResult:
     envoy = servers.envoys[variant]
-    sidecar = servers.quota_sidecar if variant == "quota" else None
+    sidecar = servers.quota_sidecar if variant.startswith("quota") else None
+    before = cpu_seconds(envoy.pid)
     output, cpu = run_wrk(envoy.ports.listen, arguments.duration, arguments, sidecar.pid if sidecar else None)
+    after = cpu_seconds(envoy.pid)
     result = RunResult(variant, number, **parse_wrk(output))
+    if before is not None and after is not None:
+        result.envoy_cpu_seconds = after - before
     if cpu is not None:
         result.sidecar_cpu_seconds, result.sidecar_window_seconds = cpu
         result.sidecar_cpu_percent = cpu[0] / cpu[1] * 100
@@ -279,12 +417,21 @@ def measure(servers: Servers, variant: str, number: int, arguments: argparse.Nam
 
 
 def stream_evidence(servers: Servers) -> tuple[bool, list[str]]:
-    """Whether the sidecar served the RLQS stream of (c), and the figures that say so: Envoy's
-    ``rlqs`` cluster (a stream closed with a gRPC error means the service was not there) and
-    the sidecar's ``ratelimit_sidecar_quota_*`` metrics (an assignment sent: ``actions_sent``)."""
-    envoy = servers.envoys["quota"].stats(r"^cluster\.rlqs\.")
-    lines = [f"envoy {name}: {value}" for name, value in sorted(envoy.items()) if value and _interesting(name)]
-    closed_with_error = sum(value for name, value in envoy.items() if re.search(r"streams_closed_(?!0$)\d+$", name))
+    """Whether the sidecar served the RLQS streams of (c), and the figures that say so: each (c)
+    Envoy's ``rlqs`` cluster (a stream closed with a gRPC error means the service was not there)
+    and the sidecar's ``ratelimit_sidecar_quota_*`` metrics (an assignment sent: ``actions_sent``)."""
+    lines, closed_with_error = [], 0
+    for variant, envoy in servers.envoys.items():
+        if variant.startswith("quota"):
+            found = envoy.stats(r"^cluster\.rlqs\.")
+            lines += [
+                f"{variant} envoy {name}: {value}"
+                for name, value in sorted(found.items())
+                if value and _interesting(name)
+            ]
+            closed_with_error += sum(
+                value for name, value in found.items() if re.search(r"streams_closed_(?!0$)\d+$", name)
+            )
     assigned = 0.0
     sidecar = servers.quota_sidecar
     if sidecar is not None:
@@ -313,17 +460,35 @@ def quota_metrics(url: str) -> list[tuple[str, float]]:
 # ---------------------------------------------------------------------------------
 
 
-def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
-    """Per variant: median req/s over rounds, its ratio to (b), totals of non-2xx and errors."""
+def summarize(results: Sequence[RunResult], variants: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per variant: median req/s over rounds and its spread, its ratio to (b) (of medians, and
+    per round: median, min, max), totals of non-2xx and errors."""
     rows: dict[str, dict[str, Any]] = {}
-    for variant, label in VARIANTS.items():
+    reference_by_round = {run.round: run.requests_per_second for run in results if run.variant == REFERENCE}
+    reference_cpu = {run.round: _cpu_per_request(run) for run in results if run.variant == REFERENCE}
+    for variant, label in variants.items():
         runs = [result for result in results if result.variant == variant]
         if not runs:
             continue
         window = sum(run.sidecar_window_seconds for run in runs)
+        per_round = [
+            run.requests_per_second / reference_by_round[run.round] for run in runs if reference_by_round.get(run.round)
+        ]
+        cpu_ratios = [
+            reference / mine
+            for run in runs
+            if (mine := _cpu_per_request(run)) and (reference := reference_cpu.get(run.round))
+        ]
+        counted = [run for run in runs if run.envoy_cpu_seconds is not None and run.requests]
+        spent = sum(run.envoy_cpu_seconds or 0.0 for run in counted)
         rows[variant] = {
             "label": label,
+            "cpu_us": spent / sum(run.requests for run in counted) * 1e6 if counted else None,
+            "cpu_ratios": cpu_ratios,
             "rps": statistics.median(run.requests_per_second for run in runs),
+            "rps_min": min(run.requests_per_second for run in runs),
+            "rps_max": max(run.requests_per_second for run in runs),
+            "round_ratios": per_round,
             "p50_ms": statistics.median(run.p50_ms for run in runs),
             "p99_ms": statistics.median(run.p99_ms for run in runs),
             "non_2xx": sum(run.non_2xx for run in runs),
@@ -332,17 +497,34 @@ def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
             "sidecar_cpu_percent": sum(run.sidecar_cpu_seconds for run in runs) / window * 100 if window else None,
         }
     reference = rows.get(REFERENCE, {}).get("rps") or 0.0
+    reference_us = rows.get(REFERENCE, {}).get("cpu_us") or 0.0
     for row in rows.values():
         row["ratio"] = row["rps"] / reference if reference else None
+        row["cpu_ratio"] = reference_us / row["cpu_us"] if reference_us and row["cpu_us"] else None
     return rows
 
 
+def _cpu_per_request(run: RunResult) -> float | None:
+    """Envoy CPU seconds per request of one run (None: not measured)."""
+    return run.envoy_cpu_seconds / run.requests if run.envoy_cpu_seconds and run.requests else None
+
+
+def _spread(values: Sequence[float]) -> str:
+    """``median [min-max]`` of per-round ratios."""
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]" if values else "-"
+
+
 def table(rows: dict[str, dict[str, Any]], arguments: argparse.Namespace) -> str:
-    header = [f"variant (median of {arguments.rounds} x {arguments.duration:g} s)", "req/s", "x (b)", "p50 ms"]
-    header += ["p99 ms", "non-2xx", "socket errors", "sidecar CPU % of a core (all rounds)"]
+    header = [f"variant (median of {arguments.rounds} x {arguments.duration:g} s)", "req/s", "x (b)"]
+    header += ["x (b) per round: median [min-max]", "req/s min-max", "Envoy CPU us/request", "x (b) by Envoy CPU"]
+    header += ["x (b) by CPU per round", "p50 ms", "p99 ms", "non-2xx", "socket errors"]
+    header += ["sidecar CPU % of a core (all rounds)"]
     cells = []
     for row in rows.values():
-        speed = [f"{row['rps']:,.0f}", dash(row["ratio"], ".2f"), f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}"]
+        speed = [f"{row['rps']:,.0f}", dash(row["ratio"], ".2f"), _spread(row["round_ratios"])]
+        speed += [f"{row['rps_min']:,.0f}-{row['rps_max']:,.0f}", dash(row["cpu_us"], ".1f")]
+        speed += [dash(row["cpu_ratio"], ".2f"), _spread(row["cpu_ratios"])]
+        speed += [f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}"]
         failed = [f"{row['non_2xx']:,}", f"{row['errors']:,}"]
         cells.append([row["label"], *speed, *failed, dash(row["sidecar_cpu_percent"], ".2f")])
     return md_table(header, cells)
@@ -355,10 +537,21 @@ def plot(rows: dict[str, dict[str, Any]], path: Path, answered: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [row["label"].replace(" + ", "\n+ ") for row in rows.values()]
+    labels = [row["label"].replace(" + ", "\n+ ").replace(" [", "\n[") for row in rows.values()]
     values = [row["rps"] for row in rows.values()]
-    figure, axes = plt.subplots(figsize=(8, 4.5))
-    bars = axes.bar(labels, values, color=["#888888", "#4c72b0", "#55a868", "#c44e52"][: len(values)])
+    figure, axes = plt.subplots(figsize=(max(8, 1.6 * len(values)), 4.5))
+    greens = ["#55a868", "#2e8b57", "#8fbc8f", "#6b8e23", "#3cb371", "#9acd32"]
+    colors = [
+        "#888888"
+        if key == "envoy"
+        else "#4c72b0"
+        if key == "local"
+        else "#c44e52"
+        if key == "ratelimit"
+        else greens.pop(0)
+        for key in rows
+    ]
+    bars = axes.bar(labels, values, color=colors)
     for bar, row in zip(bars, rows.values(), strict=True):
         text = f"{row['rps']:,.0f}" + ("" if row["ratio"] is None else f"\n{row['ratio']:.2f}x (b)")
         axes.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
@@ -381,27 +574,31 @@ def run(arguments: argparse.Namespace) -> int:
     details = f"Envoy {envoy_binary()} --concurrency 1 on cpu {arguments.envoy_cpu}, wrk on cpu {arguments.client_cpu}"
     print_header(command_line(arguments), machine_facts(), os.getloadavg()[0], details)
     results: list[RunResult] = []
+    variants = quota_variants(shapes_of(arguments))
+    print(
+        f"quota shapes: {arguments.quota_shapes} (the first is (c); export-envoy-quota --full writes {DEFAULT_SHAPE})"
+    )
     with tempfile.TemporaryDirectory(prefix="quota-paths-") as directory:
         servers = start_servers(Path(directory), arguments)
         try:
-            for variant in VARIANTS:  # warm every path (connections, first buckets) unmeasured
+            for variant in variants:  # warm every path (connections, first buckets) unmeasured
                 run_wrk(servers.envoys[variant].ports.listen, arguments.warmup, arguments)
             for number in range(1, arguments.rounds + 1):
-                for variant in VARIANTS:
+                for variant in rotated(list(variants), number - 1):
                     result = measure(servers, variant, number, arguments)
                     results.append(result)
                     cpu = (
                         "" if result.sidecar_cpu_percent is None else f", sidecar {result.sidecar_cpu_percent:.2f}% cpu"
                     )
                     print(
-                        f"round {number}/{arguments.rounds} {variant:<9} {result.requests_per_second:>10,.0f} req/s, "
+                        f"round {number}/{arguments.rounds} {variant:<15} {result.requests_per_second:>10,.0f} req/s, "
                         f"p99 {result.p99_ms:.2f} ms, non-2xx {result.non_2xx}, errors {result.socket_errors}{cpu}",
                         flush=True,
                     )
             answered, evidence = stream_evidence(servers)
         finally:
             servers.group.close()
-    rows = summarize(results)
+    rows = summarize(results, variants)
     print()
     print(table(rows, arguments))
     print()
@@ -423,15 +620,54 @@ def run(arguments: argparse.Namespace) -> int:
     return 0 if bad == 0 else 2
 
 
+def extra_count(text: str) -> int:
+    """``--extra-routes``: 0 or more."""
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
+def rotated(items: list[str], by: int) -> list[str]:
+    """``items`` starting at ``by`` (mod length): round ``n`` starts one variant later than ``n - 1``."""
+    start = by % len(items)
+    return items[start:] + items[:start]
+
+
+def shape_list(text: str) -> str:
+    """``--quota-shapes``: comma-separated, each once, of :data:`QUOTA_SHAPES` (kept as text, so
+    the reproduce line spells it as typed; :func:`shapes_of` splits it)."""
+    shapes = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [item for item in shapes if item not in QUOTA_SHAPES]
+    if not shapes or unknown or len(set(shapes)) != len(shapes):
+        raise argparse.ArgumentTypeError(f"{text!r}: distinct names of {', '.join(QUOTA_SHAPES)}, comma-separated")
+    return ",".join(shapes)
+
+
+def shapes_of(arguments: argparse.Namespace) -> list[str]:
+    return str(arguments.quota_shapes).split(",")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = tool_parser("loadtest.quota_paths", __doc__)
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of all four variants (default 3)")
     parser.add_argument("--duration", type=positive_int, default=5, help="seconds per run, whole (default 5)")
     parser.add_argument("--warmup", type=positive_int, default=1, help="unmeasured seconds per variant (default 1)")
     parser.add_argument("--connections", type=positive_int, default=32, help="wrk keep-alive connections (default 32)")
+    parser.add_argument(
+        "--extra-routes",
+        type=extra_count,
+        default=0,
+        metavar="N",
+        help="N more routes before front.yaml's, in every variant: what a matcher walk per route costs (default 0)",
+    )
     parser.add_argument("--envoy-cpu", type=int, default=0, help="cpu of the Envoys (default 0)")
     parser.add_argument("--client-cpu", type=int, default=1, help="cpu of wrk (default 1)")
-    parser.add_argument("--plot", metavar="PNG", help="write a bar chart of the four medians")
+    parser.add_argument("--plot", metavar="PNG", help="write a bar chart of the medians")
+    parser.add_argument(
+        "--quota-shapes",
+        type=shape_list,
+        default=DEFAULT_SHAPE,
+        metavar="SHAPES",
+        help=f"(c) once per shape, comma-separated: {', '.join(QUOTA_SHAPES)} (default {DEFAULT_SHAPE})",
+    )
     return parser
 
 
