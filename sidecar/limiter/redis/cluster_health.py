@@ -164,7 +164,7 @@ class ClusterNodes:
         the timeout is the request budget (for the message).
         """
         try:
-            await self.client.initialize()  # no-op once the slot map is loaded
+            await self.client.initialize()  # a no-op unless redis-py wants its slot map re-read
         except FAILURES as error:
             raise self.whole.failed(error, budget) from error  # no node gave a slot map
         replies: list[Any] = [None] * len(calls)
@@ -244,15 +244,17 @@ class ClusterNodes:
         return {str(node.name) for node in self.client.get_primaries()}
 
     async def refresh(self) -> None:
-        """Ask the Cluster for its slot map again (redis-py tries every node it knows)."""
-        await self.client.initialize()
+        """Ask the Cluster for its slot map again (redis-py tries every node it knows, the
+        ones found down last), then let redis-py finish a re-read it asked for."""
         await self.client.nodes_manager.initialize()
+        await self.client.initialize()
 
     async def probe_all(self) -> None:
-        """The whole Cluster's probe: the slot map, then each master (PING, script loads);
+        """The whole Cluster's probe: the slot map, then each master (PING, script loads),
+        then redis-py's own re-read if it wants one, through a master that answered;
         raises if no master answers. A master that fails is marked down (and probed)."""
         async with asyncio.timeout(self.background_timeout):
-            await self.refresh()
+            await self.client.nodes_manager.initialize()
         answered = 0
         for name in sorted(self._masters()):
             state = self.node(name)
@@ -267,6 +269,8 @@ class ClusterNodes:
             answered += 1
         if not answered:
             raise RedisError(f"no Cluster master answered (down: {', '.join(self.down()) or 'none known'})")
+        async with asyncio.timeout(self.background_timeout):
+            await self.client.initialize()
 
     async def _probe(self, name: str) -> None:
         """One master's probe: refresh the slot map; a master that left it (a replica took

@@ -287,13 +287,55 @@ def connect(url: str, cluster: bool, redis_timeout: float) -> Redis | RedisClust
 
 def rotating_cluster(client: RedisCluster) -> RedisCluster:
     """``client`` with :func:`rotating_tls` connections to every node: the nodes it starts
-    from, and those it discovers later (made from the client's shared ``connection_kwargs``)."""
+    from, and those it discovers later (made from the client's shared ``connection_kwargs``);
+    and a :func:`steady_commands` table."""
+    steady_commands(client)
     kwargs = client.connection_kwargs
     if "connection_class" in kwargs:
         kwargs["connection_class"] = rotating_tls(kwargs["connection_class"])
     for node in client.nodes_manager.startup_nodes.values():
         node.connection_class = rotating_tls(node.connection_class)
     return client
+
+
+def steady_commands(client: RedisCluster) -> None:
+    """Let ``client`` re-read the Cluster while one master is dead.
+
+    redis-py re-reads its slot map after a lost connection, ``CLUSTERDOWN`` or a run of
+    ``MOVED``, and then asks its default node (the first master in its list) for the
+    ``COMMAND`` table; if that master is the dead one, the re-read fails and redis-py
+    drops every connection, failing the calls in flight on the healthy masters too and
+    the next ones (issue 31). Here the table is asked of the other masters in turn, and
+    one that answers becomes the default node; the dead one goes last.
+    """
+    from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: PLC0415 - see the module docstring
+    from redis.exceptions import TimeoutError as RedisTimeoutError  # noqa: PLC0415
+
+    lost = (RedisConnectionError, RedisTimeoutError, OSError)
+    nodes = client.nodes_manager
+
+    class SteadyCommands(type(client.commands_parser)):  # type: ignore[misc]
+        async def initialize(self, node: Any = None) -> None:
+            try:
+                await super().initialize(node)
+                return
+            except lost:
+                if node is None:
+                    raise
+                failed = node
+            for other in client.get_primaries():
+                if other.name == failed.name:
+                    continue
+                try:
+                    await super().initialize(other)
+                except lost:
+                    continue
+                nodes.move_node_to_end_of_cached_nodes(failed.name)
+                nodes.default_node = other
+                return
+            await super().initialize(failed)  # none answered: fail as redis-py would
+
+    client.commands_parser = SteadyCommands()
 
 
 def rotating_tls(base: type[Any]) -> type[Any]:
