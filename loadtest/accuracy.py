@@ -32,6 +32,7 @@ Examples::
     python -m loadtest.accuracy --quick --scenario sliding_steady,sliding_boundary,token_bucket
     python -m loadtest.accuracy                                 # full run, for docs/accuracy.md
     python -m loadtest.accuracy --quick --readme docs/accuracy.md   # and rewrite its accuracy block
+    python -m loadtest.accuracy --smoke --scenario low_limit    # the tests' size: same checks, no figures to quote
 
 It prints a Markdown table (and one per algorithm), the goals of design.md section 5
 with verdicts, the command that reproduces the figures and the machine's core count,
@@ -68,6 +69,9 @@ DEFAULT_JSON = REPO / "loadtest" / "results" / "accuracy.json"
 
 
 POSITIVE_SECONDS = bounded_float(0, 60, include_low=False)
+SMOKE_WINDOWS = 2
+"""1 s windows per steady scenario in ``--smoke`` runs (quick: 3): the second window is the first with a
+full one before it, where the sliding estimate and the sync bound meet a window boundary under load."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--modes", default=",".join(runner.MODES), help="comma-separated: local, sync, strict")
     parser.add_argument("--quick", action="store_true", help="short scenarios and reduced rates (CI)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the tests' size: --quick with {SMOKE_WINDOWS} windows per steady scenario unless --windows is given",
+    )
     parser.add_argument("--replicas", type=positive_int, default=4, help="sidecar processes (default 4)")
     parser.add_argument("--limit", type=positive_int, help="per-second limit of balanced/skewed/burst")
     parser.add_argument("--windows", type=positive_int, help="1 s windows per per-second scenario")
@@ -248,11 +257,19 @@ class Campaign:
                 self.rows.append({"scenario": scenario.name, "mode": mode, "status": "unavailable", "reason": reason})
 
 
-def run(arguments: argparse.Namespace) -> int:
+def fill_defaults(arguments: argparse.Namespace) -> None:
+    """The defaults that depend on other options: ``--smoke`` is ``--quick`` with fewer windows."""
+    if arguments.smoke:
+        arguments.quick = True
+        arguments.windows = arguments.windows or SMOKE_WINDOWS
     if arguments.throughput_replicas is None:
         arguments.throughput_replicas = arguments.replicas
     if arguments.throughput_rounds is None:
         arguments.throughput_rounds = 1 if arguments.quick else 3
+
+
+def run(arguments: argparse.Namespace) -> int:
+    fill_defaults(arguments)
     scenarios = catalogue(arguments.quick, arguments.limit, arguments.windows)
     extra = overload.overload_scenarios(arguments.quick, arguments.limit, arguments.windows)
     if arguments.scenario == overload.GROUP:
