@@ -9,11 +9,28 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from sidecar.limiter.redis.availability import RedisUnavailable
 from sidecar.limiter.redis.pipeline import Command, ScriptCall
 from sidecar.limiter.redis.scripts import FLUSH_BATCH, FLUSH_ONCE
 
 Adds = Mapping[str, tuple[int, int]]
 """Hits to add: ``{window_key: (hits, expire_at)}`` (the store's ``Pending``)."""
+
+
+class PartialFlush(RedisUnavailable):
+    """Some keys of a flush failed (in Cluster, a master is down), the others landed.
+
+    The flush failed as a whole for callers that resend it whole (idempotent with
+    ``once``: the landed keys add nothing again); a caller may instead settle
+    :attr:`totals` (the keys that landed, as :meth:`RedisStore.flush` returns them) and
+    keep only :attr:`failed` for later, so counters on healthy masters do not wait for
+    the dead one.
+    """
+
+    def __init__(self, message: str, totals: dict[str, int], failed: list[str]) -> None:
+        super().__init__(message)
+        self.totals = totals
+        self.failed = failed
 
 
 def flush_calls(

@@ -23,63 +23,24 @@ from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT
-from sidecar.limiter.protocol import Check, Role, decide
+from sidecar.limiter.protocol import Check, decide
 from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnavailable, StateListener
 from sidecar.limiter.redis.cluster_health import ClusterNodes
 from sidecar.limiter.redis.connect import MIN_BACKGROUND_TIMEOUT, background_timeout, connect, secrets_of
 from sidecar.limiter.redis.corrupt import CorruptKeys, key_of_reply, problem_with
-from sidecar.limiter.redis.flush_calls import add_calls, batch_replies, flush_calls
+from sidecar.limiter.redis.counts import Counts, counts_of, verdict
+from sidecar.limiter.redis.flush_calls import PartialFlush, add_calls, batch_replies, flush_calls
 from sidecar.limiter.redis.keys import per_hit, replicas_key
 from sidecar.limiter.redis.pipeline import Command, ScriptCall, queue_calls, redis_away
 from sidecar.limiter.redis.scripts import DECIDE, SCRIPTS, decide_arguments
 from sidecar.limiter.windows import Clock
 from sidecar.metrics import LimiterSnapshot
 
+__all__ = ["CorruptKey", "Counts", "DecideRequest", "Pending", "RedisStore", "counts_of", "same_slot", "verdict"]
+"""``Counts``, ``counts_of`` and ``verdict`` live in :mod:`.counts`; their callers import them from here."""
+
 Pending = Mapping[str, tuple[int, int]]
 """Hits to add unconditionally: ``{window_key: (hits, expire_at)}``."""
-
-
-class Counts(list[int]):
-    """One request's would-be counts from ``decide.lua`` (a list, index-aligned with its
-    checks), when each check's ban ends where the request has bans (Unix seconds, 0 for
-    none; empty when no check has a ban duration), and the script's own verdict."""
-
-    ban_ends: tuple[float, ...] = ()
-    totals: dict[str, int] = {}  # noqa: RUF012 - a class default, replaced per instance, never mutated
-    """Each pending add's key with its value after the call (``decide_batch``'s ``adds``)."""
-    admitted: bool | None = None
-    """Whether the script admitted the request (and so wrote its hits); None when no one
-    script decided it (Cluster, counters in several slots)."""
-
-
-def counts_of(reply: Sequence[Any], checks: int, pending: int = 0, keys: Sequence[str] = ()) -> Counts:
-    """The :class:`Counts` in a ``decide.lua`` reply (see its header for the layout);
-    ``keys``: the pending adds' keys, whose totals go to :attr:`Counts.totals`."""
-    counts = Counts(int(value) for value in reply[1 : 1 + checks])
-    counts.admitted = int(reply[0]) == 1
-    if keys:
-        counts.totals = dict(zip(keys, (int(value) for value in reply[1 + checks : 1 + checks + pending]), strict=True))
-    ends = reply[1 + checks + pending :]
-    if ends:
-        counts.ban_ends = tuple(float(value) for value in ends)
-    return counts
-
-
-def verdict(
-    checks: Sequence[Check], counts: Sequence[int], limits: Sequence[int], admit_all: bool
-) -> tuple[bool, tuple[bool, ...], tuple[bool, ...]]:
-    """:func:`~sidecar.limiter.protocol.decide` over a script's counts, with the script's
-    own verdict on the request where it gave one (:attr:`Counts.admitted`): the script
-    wrote what it decided, so that is what happened, whatever the counts say."""
-    admitted, over, consume = decide(checks, counts, limits, admit_all)
-    script = getattr(counts, "admitted", None)
-    if script is None or script == admitted:
-        return admitted, over, consume
-    spent = tuple(
-        (script and (admit_all or not is_over or check.role is Role.SHADOW)) or check.count_past
-        for check, is_over in zip(checks, over, strict=True)
-    )
-    return script, over, spent
 
 
 class CorruptKey(RedisUnavailable):
@@ -466,6 +427,9 @@ class RedisStore:
         trip, returned under :attr:`replicas_key`: a replica learns of a new peer within
         one flush, not one heartbeat interval.
 
+        A key whose call failed (in Cluster: its master is down) makes the call raise
+        :class:`PartialFlush`, which names it and carries the others' totals.
+
         ``bans`` (``{ban key: until}``) are written first with ``SET NX EXAT until``, so
         a ban already running is neither extended nor shortened, and the ban keys among
         ``reads`` then tell when the ban in force ends.
@@ -490,9 +454,11 @@ class RedisStore:
             replies = batch_replies(replies, len(adds) + len(read_keys))
         stride = 2 if once is None else 1
         add_replies, read_replies = replies[: stride * len(adds) : stride], replies[stride * len(adds) :]
+        failed: dict[str, RedisUnavailable] = {}
         for key, reply in zip([*adds, *read_keys], [*add_replies, *read_replies], strict=True):
             if isinstance(reply, BaseException) and type(reply) is not ResponseError:
-                raise self.availability.failed(reply, request_path=False) from reply
+                failed[key] = self.availability.failed(reply, request_path=False)
+                continue
             problem = "holds no counter" if isinstance(reply, BaseException) else problem_with(reply)
             if problem is not None:
                 self.corrupt.found(key, problem, adds[key][0] if key in adds else 0)
@@ -500,6 +466,8 @@ class RedisStore:
             totals[key] = int(reply or 0)
             if self.corrupt.keys:
                 self.corrupt.repaired(key)
+        if failed:
+            raise PartialFlush(str(next(iter(failed.values()))), totals, list(failed))
         return totals
 
     def snapshot(

@@ -15,6 +15,7 @@ from sidecar.limiter.protocol import Check
 from sidecar.limiter.redis.availability import RedisUnavailable
 from sidecar.limiter.redis.batcher import DecisionBatcher
 from sidecar.limiter.redis.cluster_health import ShardUnavailable
+from sidecar.limiter.redis.flush_calls import PartialFlush
 from sidecar.limiter.redis.keys import counter_digest, counter_window, window_key
 from sidecar.limiter.redis.store import RedisStore
 from sidecar.limiter.windows import window_start
@@ -176,6 +177,7 @@ async def test_a_dead_master_fails_its_own_slots_until_its_replica_takes_over(
     killed = loop.time()
     deadline = killed + GUARD
     back_after = 0.0
+    partial: list[tuple[PartialFlush, dict[int, str]]] = []
     try:
         while loop.time() < deadline:
             calls = {port: asyncio.ensure_future(decide_one(store, check)) for port, check in checks.items()}
@@ -186,6 +188,8 @@ async def test_a_dead_master_fails_its_own_slots_until_its_replica_takes_over(
             if rounds[-1][victim_port] == "shard_down":  # the per-node gauge says which master
                 assert store.nodes is not None
                 assert store.nodes.states().get(f"127.0.0.1:{victim_port}") is not True  # down, or forgotten
+                if not partial:  # a flush over every master lands on the healthy ones, names the rest
+                    partial.append(await flush_over(store, checks))
             recovered = [row[victim_port] for row in rounds[-10:]]
             if len(rounds) > 10 and any(row[victim_port] != "redis" for row in rounds) and set(recovered) == {"redis"}:
                 break
@@ -199,11 +203,23 @@ async def test_a_dead_master_fails_its_own_slots_until_its_replica_takes_over(
         first_back = victim_rows.index("redis", victim_rows.index("shard_down"))
         assert set(victim_rows[first_back:]) == {"redis"}, victim_rows  # back for good once promoted
         assert replica.client().info("replication")["role"] == "master"
+        assert partial, "no flush was tried while the master was known down"
+        flushed, keys = partial[0]
+        assert flushed.failed == [keys[victim_port]]
+        assert sorted(flushed.totals) == sorted(keys[port] for port in checks if port != victim_port)
         assert heard == []
         assert store.nodes is not None
         assert f"127.0.0.1:{victim_port}" not in store.nodes.states()  # left the slot map: forgotten
     finally:
         await store.close()
+
+
+async def flush_over(store: RedisStore, checks: dict[int, Check]) -> tuple[PartialFlush, dict[int, str]]:
+    """An idempotent flush of one hit on every master's counter, one of them down; and its keys."""
+    keys = {port: key_of(store, check) for port, check in checks.items()}
+    with pytest.raises(PartialFlush) as raised:
+        await store.flush({key: (1, FAR_FUTURE) for key in keys.values()}, once=("flusher", 1))
+    return raised.value, keys
 
 
 # -- (c) a slow master does not hold the others' answers -------------------------------
