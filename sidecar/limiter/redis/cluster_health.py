@@ -152,8 +152,23 @@ class ClusterNodes:
     def owner(self, call: ScriptCall | Command) -> str:
         """The master that owns ``call``'s slot in redis-py's slot map (raises
         ``SlotNotCoveredError`` if none does)."""
-        slot = self.client.keyslot(first_key(call))
-        return str(self.client.nodes_manager.get_node_from_slot(slot).name)
+        return self.owner_of(first_key(call))
+
+    def owner_of(self, key: str) -> str:
+        """The master that owns ``key``'s slot in redis-py's slot map."""
+        return str(self.client.nodes_manager.get_node_from_slot(self.client.keyslot(key)).name)
+
+    def down_for(self, keys: Sequence[str]) -> str | None:
+        """Why a call on ``keys`` would fail at once (a master of theirs is known down), or None."""
+        for key in keys:
+            try:
+                name = self.owner_of(key)
+            except FAILURES:
+                continue  # no slot map yet, or the slot not covered: the call itself will tell
+            state = self.nodes.get(name)
+            if state is not None and not state.available:
+                return f"redis node {name} unavailable: {state.last_error}"
+        return None
 
     async def run(self, calls: Sequence[ScriptCall | Command], send: Send, timeout: float, budget: bool) -> list[Any]:
         """Each master's calls in its own pipeline, concurrently; replies index-aligned.

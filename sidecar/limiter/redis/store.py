@@ -138,6 +138,14 @@ class RedisStore:
         """Why Redis was last found unavailable."""
         return self.availability.last_error
 
+    def unavailable_for(self, keys: Sequence[str]) -> str | None:
+        """Why a call on ``keys`` would fail at once, or None: Redis known down, or in Cluster,
+        a master owning one of them (a caller about to wait for something to land on those
+        keys, such as hits owed to them, can give up at once instead)."""
+        if not self.available:
+            return self.last_error
+        return self.nodes.down_for(keys) if self.nodes is not None else None
+
     def add_listener(self, listener: StateListener) -> None:
         """Be told ``(available, reason)`` on every change of state."""
         self.availability.add_listener(listener)

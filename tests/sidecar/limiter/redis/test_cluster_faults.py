@@ -19,6 +19,7 @@ from sidecar.limiter.redis.flush_calls import PartialFlush
 from sidecar.limiter.redis.keys import counter_digest, counter_window, window_key
 from sidecar.limiter.redis.store import RedisStore
 from sidecar.limiter.windows import window_start
+from tests.sidecar.limiter.conftest import Factory
 from tests.support.redis_servers import RedisCluster, RedisServer, fresh_prefix, own_cluster, replicated_cluster
 
 __all__ = ["own_cluster", "replicated_cluster"]  # fixtures, used by name
@@ -188,6 +189,10 @@ async def test_a_dead_master_fails_its_own_slots_until_its_replica_takes_over(
             if rounds[-1][victim_port] == "shard_down":  # the per-node gauge says which master
                 assert store.nodes is not None
                 assert store.nodes.states().get(f"127.0.0.1:{victim_port}") is not True  # down, or forgotten
+                healthy_keys = [key_of(store, check) for port, check in checks.items() if port != victim_port]
+                assert store.unavailable_for(healthy_keys) is None
+                if f"127.0.0.1:{victim_port}" in store.nodes.states():  # not yet replaced
+                    assert "unavailable" in str(store.unavailable_for([key_of(store, checks[victim_port])]))
                 if not partial:  # a flush over every master lands on the healthy ones, names the rest
                     partial.append(await flush_over(store, checks))
             recovered = [row[victim_port] for row in rounds[-10:]]
@@ -268,3 +273,59 @@ async def test_a_strict_batch_answers_each_request_when_its_own_call_returns(
 def slow_sleep(node: RedisServer) -> threading.Thread:
     """DEBUG SLEEP 1 s on ``node`` in a thread (blocks that master), started before returning."""
     return node.debug_sleep(1.0)
+
+
+# -- (b) end to end: strict mode through a master's death -------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+async def test_strict_mode_decides_from_redis_on_healthy_masters_while_one_is_dead(
+    replicated_cluster: RedisCluster, limiters: Factory
+) -> None:
+    """A strict limiter, one master SIGKILLed: requests on the healthy masters are decided by
+    Redis every round; the dead master's get the failure mode (reason ``redis_refused``,
+    never ``redis_down``: the limiter never hears of an outage) until its replica takes
+    over; the hits admitted meanwhile are owed, and land once it has."""
+    cluster = replicated_cluster
+    limiter = limiters(cluster.url, redis_timeout=1.0)
+    await limiter.start()
+    await limiter.replicas.beat()
+    store = limiter.store
+    masters = masters_by_port(cluster)
+    checks = {port: counter_on(store, slots, f"strict-{port}") for port, slots in masters.items()}
+    victim_port = int(store.client.get_default_node().port)
+    victim = next(node for node in cluster.nodes if node.port == victim_port)
+    cluster.kill_master(victim)
+    rounds: list[dict[int, bool]] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + GUARD
+    while loop.time() < deadline:
+        row: dict[int, bool] = {}
+        for port, check in checks.items():
+            before = limiter.redis_decisions
+            assert (await limiter.check([check], time.time())).admitted
+            row[port] = limiter.redis_decisions > before  # True: Redis decided it
+        rounds.append(row)
+        assert not limiter.policy.degraded  # the limiter heard of no outage
+        back = [row[victim_port] for row in rounds[-10:]]
+        if len(rounds) > 10 and not all(row[victim_port] for row in rounds) and all(back):
+            break
+        await asyncio.sleep(0.05)
+    healthy = [row[port] for row in rounds for port in checks if port != victim_port]
+    dead = [row[victim_port] for row in rounds]
+    print(
+        f"strict: healthy masters {sum(healthy)} of {len(healthy)} by Redis;",
+        f"dead master {dead.count(False)} by the failure mode, reasons {dict(limiter.reasons.counts)}",
+    )
+    assert all(healthy), rounds
+    assert not all(dead)
+    assert all(dead[dead.index(False) + dead[dead.index(False) :].index(True) :]), dead
+    reasons = {reason: count for reason, count in limiter.reasons.counts.items() if count}
+    # Refused at once, or (a counter with hits owed, which strict asks only once they have
+    # landed) after waiting its budget for a flush that cannot land yet.
+    assert set(reasons) <= {"redis_refused", "redis_timeout"}, reasons
+    while limiter.ledger.owed_hits and loop.time() < deadline:
+        await limiter.reconcile()
+        await asyncio.sleep(0.05)
+    assert limiter.ledger.owed_hits == 0
