@@ -53,7 +53,10 @@ def queue_calls(pipe: Any, calls: Sequence[ScriptCall | Command], *, with_body: 
 def redis_away(reply: object) -> bool:
     """Whether an error reply says Redis as a whole cannot run calls now (loading, busy
     with another script, out of memory, a read-only replica, a moved slot), not that this
-    call failed. Any other error reply is about the call (its script refused it)."""
+    call failed. Any other error reply is about the call (its script refused it).
+
+    Callers that retry every call later raise on these (``away_raises``); none of them
+    marks Redis down, since the node answered (:mod:`~sidecar.limiter.redis.faults`)."""
     if not isinstance(reply, BaseException):
         return False
     if isinstance(reply, BusyLoadingError | OutOfMemoryError | ReadOnlyError | ClusterError):
