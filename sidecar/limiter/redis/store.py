@@ -6,7 +6,8 @@ Every script call (decisions, flushes, quota shares) goes through one method,
 :meth:`RedisStore.run_scripts`: one pipeline, ``NOSCRIPT`` resent once, one failure type.
 Every failure surfaces as :class:`~sidecar.limiter.redis.availability.RedisUnavailable`,
 and while Redis is known to be down calls fail at once
-(:mod:`sidecar.limiter.redis.availability`); the client comes from
+(:mod:`sidecar.limiter.redis.availability`; in Cluster, per master:
+:mod:`sidecar.limiter.redis.cluster_health`); the client comes from
 :func:`sidecar.limiter.redis.connect.connect`.
 """
 

@@ -95,11 +95,12 @@ async def outcome(call: asyncio.Future[bool] | asyncio.Task[bool]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 async def test_a_slot_in_migration_fails_its_own_calls_only(own_cluster: RedisCluster, heard: Heard) -> None:
     """Multi-key calls on a migrating slot are answered TRYAGAIN (redis-py then gives up:
     ``TTL exhausted``): those calls fail alone; every other slot keeps deciding from
     Redis, and the store is never marked down (before issue 31 it was, at the first one)."""
-    store = await open_store(own_cluster, heard, redis_timeout=0.5)
+    store = await open_store(own_cluster, heard, redis_timeout=1.0)
     now = time.time()
     digest = counter_digest(("migrating",))
     here = window_key(store.prefix, digest, window_start(now, 60))
@@ -231,6 +232,7 @@ async def flush_over(store: RedisStore, checks: dict[int, Check]) -> tuple[Parti
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 async def test_a_strict_batch_answers_each_request_when_its_own_call_returns(
     own_cluster: RedisCluster, heard: Heard
 ) -> None:
