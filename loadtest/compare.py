@@ -55,6 +55,7 @@ Examples::
 
     python -m loadtest.compare                           # ~10 s recording, 3 rounds (about 3 minutes)
     python -m loadtest.compare --quick                   # ~4 s recording, 1 round, 1 s throughput phases
+    python -m loadtest.compare --smoke                   # the tests': 3 s recording, 0.5 s throughput phases
     python -m loadtest.compare --server-cpus 0 --client-cpus 1 --docs
 """
 
@@ -107,6 +108,8 @@ LEAD = 0.5
 """The least time between deciding a replay's start second and that second."""
 WARMUP = 0.3
 QUICK = {"duration": 4.0, "rounds": 1, "throughput_duration": 1.0}
+SMOKE = {"duration": MIN_DURATION, "rounds": 1, "throughput_duration": 0.5}
+"""The tests' size: the shortest recording that still holds the burst across a boundary."""
 FULL = {"duration": 10.0, "rounds": 3, "throughput_duration": 3.0}
 
 
@@ -440,7 +443,10 @@ def select_paths(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = tool_parser("loadtest.compare", __doc__)
-    parser.add_argument("--quick", action="store_true", help="4 s recording, 1 round, 1 s throughput phases (tests)")
+    parser.add_argument("--quick", action="store_true", help="4 s recording, 1 round, 1 s throughput phases")
+    parser.add_argument(
+        "--smoke", action="store_true", help="the tests' size (implies --quick): 3 s recording, 0.5 s throughput phases"
+    )
     parser.add_argument(
         "--duration", type=bounded_float(MIN_DURATION, 120), help="seconds of recorded traffic (default 10; quick 4)"
     )
@@ -483,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
-    defaults = QUICK if arguments.quick else FULL
+    arguments.quick = arguments.quick or arguments.smoke
+    defaults = SMOKE if arguments.smoke else QUICK if arguments.quick else FULL
     for key, value in defaults.items():
         if getattr(arguments, key) is None:
             setattr(arguments, key, value)

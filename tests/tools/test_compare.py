@@ -1,8 +1,8 @@
 """``python -m loadtest.compare``: the same recording through Envoy + sidecar and through HAProxy stick tables.
 
-The slow test runs the tool in quick mode (a ~4 s recording, one round, 1 s throughput
-phases) through real Envoys, sidecars, redis-server, HAProxy and the sample app, and checks
-invariants, never speed:
+The slow test runs the tool at its smoke size (``--smoke``: quick with a 3 s recording, the
+shortest that holds the burst across a boundary, and 0.5 s throughput phases) through real
+Envoys, sidecars, redis-server, HAProxy and the sample app, and checks invariants, never speed:
 
 * all four paths ran the whole recording, every request was answered, the HAProxy rules
   read the client from ``X-Forwarded-For`` like Envoy, and the table and the PNG exist;
@@ -57,14 +57,14 @@ REDIS_TIMEOUT = 0.02
 machine then rarely pushes a decision into the failure mode, where the bound does not apply."""
 
 
-# ---------------------------------------------------------------- the whole tool, quick mode
+# ---------------------------------------------------------------- the whole tool, smoke size
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("compare")
     outputs = {"json": directory / "compare.json", "md": directory / "compare.md", "png": directory / "compare.png"}
-    argv = [sys.executable, "-m", "loadtest.compare", "--quick", "--redis-timeout", str(REDIS_TIMEOUT)]
+    argv = [sys.executable, "-m", "loadtest.compare", "--smoke", "--redis-timeout", str(REDIS_TIMEOUT)]
     for flag, path in outputs.items():
         argv += [f"--{flag}", str(path)]
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
