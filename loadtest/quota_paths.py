@@ -11,16 +11,8 @@ Variants, all with the routes of ``envoy/front.yaml`` in front of the sample app
 (a) ``envoy``   Envoy alone (the ``ratelimit`` filter removed);
 (b) ``local``   Envoy + ``local_ratelimit`` (one token bucket far above the load);
 (c) ``quota``   Envoy + the ``rate_limit_quota`` filter(s) of ``export-envoy-quota`` + a sidecar,
-    one Envoy per ``--quota-shapes`` entry (the same buckets, matched differently):
-    ``route``   what ``--full`` writes: one filter per descriptor, on only on the routes sending it,
-                ``on_no_match`` (nothing tested per request);
-    ``list``    the filters alone: a matcher list of ``:path`` prefix tests in route order;
-    ``tree``    ``list`` as a ``matcher_tree`` on ``:path`` (``prefix_match_map``; exact only when
-                no earlier route's prefix is a prefix of a later one's, checked);
-    ``cel``     ``list`` with each ``:path`` prefix test a CEL ``request.path.startsWith`` matcher;
-    ``list-all`` / ``route-all``  the same with every descriptor of ``examples/config`` (the filters
-                of ``envoy/quota.yaml``: 4 in ``list``, each walked per request; 5 in ``route``,
-                2 of them on for ``/bench``'s route);
+    one Envoy per ``--quota-shapes`` entry (``loadtest/quota_shapes.py``: the same buckets,
+    matched differently; ``--extra-routes N`` puts N routes before front.yaml's in every variant);
 (d) ``ratelimit`` Envoy + ``ratelimit`` filter + a sidecar (memory backend).
 
 The sidecars run as real processes (``python -m sidecar serve``) on a config whose only rule
@@ -75,14 +67,20 @@ from loadtest.common import (
     scrape_metrics,
     tool_parser,
 )
-from sidecar.config import load_config
-from sidecar.export.envoy_quota.export import export_quota, quota_document
-from stack.envoy import ENVOY_CONFIGS, ConfiguredEnvoy, EnvoyPorts, admin_get, envoy_binary, ingress_manager, render
+from loadtest.quota_shapes import (
+    DEFAULT_SHAPE,
+    QUOTA_SHAPES,
+    TEMPLATE,
+    add_routes,
+    extra_count,
+    quota_config,
+    shape_list,
+)
+from stack.envoy import ConfiguredEnvoy, EnvoyPorts, admin_get, envoy_binary, ingress_manager, render
 from stack.processes import ProcessGroup
 from stack.sidecar import SidecarProcess
 from stack.upstream import UpstreamProcess
 
-TEMPLATE = ENVOY_CONFIGS / "front.yaml"
 PATH = "/bench"
 LIMIT = 1_000_000_000
 VARIANTS = {
@@ -92,12 +90,6 @@ VARIANTS = {
     "ratelimit": "(d) Envoy + ratelimit filter + sidecar",
 }
 REFERENCE = "local"
-QUOTA_SHAPES = ("route", "list", "tree", "cel", "list-all", "route-all")
-"""``--quota-shapes`` choices; the first of the option is ``quota`` (c), the others ``quota:<shape>``."""
-DEFAULT_SHAPE = "route"
-"""What ``export-envoy-quota --full`` writes (and ``envoy/quota.yaml`` is)."""
-ALL_DESCRIPTORS = ENVOY_CONFIGS.parent / "examples" / "config"
-"""The ``-all`` shapes export with this descriptor config: every descriptor of front.yaml kept."""
 CPU_SKIP_START = 1.0
 CPU_SKIP_END = 0.5
 BENCH_CONFIG = f"""\
@@ -148,20 +140,6 @@ def variant_config(
     return quota_config(config, rules, shape_of(variant, shapes))
 
 
-def add_routes(config: dict[str, Any], count: int) -> dict[str, Any]:
-    """``count`` routes ``/extra/<n>/`` (each sending the client address, as front.yaml's routes
-    do) before front.yaml's: ``GET /bench`` passes all of them in every variant's router, and in
-    every ``:path`` test of the list, tree and CEL shapes; the route shape tests none."""
-    host = ingress_manager(config, TEMPLATE)["route_config"]["virtual_hosts"][0]
-    limits: list[dict[str, Any]] = [{"actions": [{"remote_address": {}}]}]
-    extra = [
-        {"match": {"prefix": f"/extra/{number}/"}, "route": {"cluster": "app", "rate_limits": limits}}
-        for number in range(count)
-    ]
-    host["routes"] = [*extra, *host["routes"]]
-    return config
-
-
 def quota_variants(shapes: Sequence[str]) -> dict[str, str]:
     """Every variant, (c) once per shape: ``quota`` for the first, ``quota:<shape>`` for the others."""
     found = {key: label for key, label in VARIANTS.items() if key in ("envoy", "local")}
@@ -174,85 +152,6 @@ def quota_variants(shapes: Sequence[str]) -> dict[str, str]:
 
 def shape_of(variant: str, shapes: Sequence[str]) -> str:
     return variant.partition(":")[2] or shapes[0]
-
-
-def quota_config(config: dict[str, Any], rules: Path, shape: str) -> dict[str, Any]:
-    """``config`` in quota mode, its filters in ``shape`` (see the module's docstring)."""
-    kind, _, scope = shape.partition("-")
-    domains = load_config(str(ALL_DESCRIPTORS if scope == "all" else rules)).domains
-    export = export_quota(domains, config, TEMPLATE, shape="route" if kind == "route" else "list")
-    full = quota_document(config, TEMPLATE, export.filters, "rlqs", enabled=export.enabled)
-    if kind in ("tree", "cel"):
-        for item in ingress_manager(full, TEMPLATE)["http_filters"]:
-            typed = item.get("typed_config") or {}
-            if "bucket_matchers" in typed:
-                matcher = typed["bucket_matchers"]
-                typed["bucket_matchers"] = prefix_tree(matcher) if kind == "tree" else cel_prefixes(matcher)
-    return full
-
-
-# ---------------------------------------------------------------------------------
-# The tree and CEL shapes: measured here, not generated by the exporter
-# ---------------------------------------------------------------------------------
-
-
-def path_prefixes(matcher: dict[str, Any]) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
-    """``(input, prefix, on_match)`` of each entry of a list matcher whose entries are each one
-    ``:path`` prefix test (what ``list`` is for the bench's routes); anything else is refused."""
-    found = []
-    for entry in matcher["matcher_list"]["matchers"]:
-        single = entry["predicate"].get("single_predicate") or {}
-        typed = (single.get("input") or {}).get("typed_config") or {}
-        test = single.get("value_match") or {}
-        if typed.get("header_name") != ":path" or set(test) != {"prefix"}:
-            raise ValueError(f"tree/cel shapes: an entry tests more than a :path prefix: {entry['predicate']}")
-        found.append((single["input"], str(test["prefix"]), entry["on_match"]))
-    return found
-
-
-def prefix_tree(matcher: dict[str, Any]) -> dict[str, Any]:
-    """The list as a ``matcher_tree`` on ``:path``: Envoy takes the longest prefix, the list (and
-    the router) the first; the same only when no earlier prefix is a prefix of a later one."""
-    entries = path_prefixes(matcher)
-    for number, (_, early, _) in enumerate(entries):
-        for _, later, _ in entries[number + 1 :]:
-            if later.startswith(early) and later != early:
-                raise ValueError(f"tree shape: {early!r} is before {later!r}; the longest prefix would win")
-    table: dict[str, Any] = {}
-    for _, prefix, on_match in entries:
-        table.setdefault(prefix, on_match)
-    return {"matcher_tree": {"input": entries[0][0], "prefix_match_map": {"map": table}}}
-
-
-CEL_INPUT = {
-    "name": "envoy.matching.inputs.cel_data_input",
-    "typed_config": {"@type": "type.googleapis.com/xds.type.matcher.v3.HttpAttributesCelMatchInput"},
-}
-
-
-def cel_prefixes(matcher: dict[str, Any]) -> dict[str, Any]:
-    """The list with each ``:path`` prefix test a CEL ``request.path.startsWith(prefix)`` (a parsed
-    expression: Envoy 1.40 reads no CEL source text there)."""
-    entries = []
-    for _, prefix, on_match in path_prefixes(matcher):
-        call = {
-            "target": {
-                "id": 2,
-                "select_expr": {"operand": {"id": 3, "ident_expr": {"name": "request"}}, "field": "path"},
-            },
-            "function": "startsWith",
-            "args": [{"id": 4, "const_expr": {"string_value": prefix}}],
-        }
-        parsed = {"expr": {"id": 1, "call_expr": call}}
-        test = {
-            "name": "envoy.matching.matchers.cel_matcher",
-            "typed_config": {"@type": "type.googleapis.com/xds.type.matcher.v3.CelMatcher",
-                             "expr_match": {"cel_expr_parsed": parsed}},
-        }  # fmt: skip
-        entries.append(
-            {"predicate": {"single_predicate": {"input": CEL_INPUT, "custom_match": test}}, "on_match": on_match}
-        )
-    return {"matcher_list": {"matchers": entries}}
 
 
 class PinnedEnvoy(ConfiguredEnvoy):
@@ -620,25 +519,10 @@ def run(arguments: argparse.Namespace) -> int:
     return 0 if bad == 0 else 2
 
 
-def extra_count(text: str) -> int:
-    """``--extra-routes``: 0 or more."""
-    return 0 if text.strip() == "0" else positive_int(text)
-
-
 def rotated(items: list[str], by: int) -> list[str]:
     """``items`` starting at ``by`` (mod length): round ``n`` starts one variant later than ``n - 1``."""
     start = by % len(items)
     return items[start:] + items[:start]
-
-
-def shape_list(text: str) -> str:
-    """``--quota-shapes``: comma-separated, each once, of :data:`QUOTA_SHAPES` (kept as text, so
-    the reproduce line spells it as typed; :func:`shapes_of` splits it)."""
-    shapes = [item.strip() for item in text.split(",") if item.strip()]
-    unknown = [item for item in shapes if item not in QUOTA_SHAPES]
-    if not shapes or unknown or len(set(shapes)) != len(shapes):
-        raise argparse.ArgumentTypeError(f"{text!r}: distinct names of {', '.join(QUOTA_SHAPES)}, comma-separated")
-    return ",".join(shapes)
 
 
 def shapes_of(arguments: argparse.Namespace) -> list[str]:

@@ -1,6 +1,6 @@
-"""``python -m loadtest.quota_paths --quota-shapes``: each shape is a config Envoy accepts, the
-measurement-only shapes (tree, CEL) refuse what they could not express exactly, and the
-report's per-round ratios pair each run with the same round's (b)."""
+"""``python -m loadtest.quota_paths --quota-shapes`` (``loadtest/quota_shapes.py``): each shape
+is a config Envoy accepts, the measurement-only shapes (tree, CEL) refuse what they could not
+express exactly, and the report's per-round ratios pair each run with the same round's (b)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from loadtest.quota_paths import (
-    BENCH_CONFIG,
-    QUOTA_SHAPES,
-    TEMPLATE,
-    RunResult,
-    add_routes,
-    prefix_tree,
-    quota_config,
-    shape_list,
-    summarize,
-)
+from loadtest.quota_paths import BENCH_CONFIG, RunResult, summarize
+from loadtest.quota_shapes import QUOTA_SHAPES, TEMPLATE, add_routes, prefix_tree, quota_config, shape_list
 from stack.envoy import EnvoyPorts, ingress_manager, render, validate_config
 
 
