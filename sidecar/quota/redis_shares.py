@@ -101,6 +101,13 @@ class RedisShares:
         """Heartbeats of the quota replicas: the live count for the safe capacity."""
 
     async def start(self) -> None:
+        """Connect, then beat. The heartbeats follow Redis outages as the limiters' do
+        (:meth:`Replicas.follow_outages`): a replica back first keeps the count from before
+        the outage until its peers have beaten again, instead of counting itself alone (a
+        whole limit's capacity) for up to an interval. Quota owes Redis nothing from an
+        outage (its grants are leases), so it is settled at once."""
+        if self.replicas is not None:
+            self.replicas.follow_outages(lambda: True)
         await self.store.start()
         if self.replicas is not None:
             await self.replicas.start()
