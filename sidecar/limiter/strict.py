@@ -53,7 +53,7 @@ import structlog
 
 from sidecar.limiter.algorithms import Algorithm, now_us
 from sidecar.limiter.budget import FailureReasons, Reason, redis_wait
-from sidecar.limiter.failure import FailurePolicy, Settlement
+from sidecar.limiter.failure import FailurePolicy, Settlement, unavailable_reason
 from sidecar.limiter.full_windows import FullWindows
 from sidecar.limiter.hooks import RedisWaits
 from sidecar.limiter.known_counts import redis_holds
@@ -61,6 +61,8 @@ from sidecar.limiter.ledger import Admitted
 from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
 from sidecar.limiter.redis.batcher import DeadlineReached, DecisionBatcher
+from sidecar.limiter.redis.cluster_health import ShardUnavailable
+from sidecar.limiter.redis.flush_calls import PartialFlush
 from sidecar.limiter.redis.keys import check_window, per_hit, previous_window
 from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import CorruptKey, Counts, RedisStore
@@ -145,8 +147,9 @@ class StrictLimiter:
         self._reconciler: asyncio.Task[None] | None = None
         self._reconcile_lock = asyncio.Lock()
         self._sequence = 0
-        self._unacknowledged: OwedFlush | None = None
-        """A flush whose reply was lost: sent again, as is, before anything newer."""
+        self._unacknowledged: dict[int, OwedFlush] = {}
+        """Flushes whose reply was lost, by sequence number: each sent again, as is, before
+        anything newer (in Cluster, only the keys a partial flush failed are kept)."""
         self._held: set[RedisCall] = set()
         """Abandoned calls whose answer (or failure) has not come yet."""
         self.redis_waits: RedisWaits | None = None
@@ -228,7 +231,8 @@ class StrictLimiter:
                 asked = self._ask(call, wait, limit)
                 counts = await (asked if self.redis_waits is None else self.redis_waits.on_path(asked))
             except (TimeoutError, RedisUnavailable) as error:
-                reason = self._reason(error, deadline or (budget is not None and isinstance(error, DeadlineReached)))
+                caller = deadline or (budget is not None and isinstance(error, DeadlineReached))
+                reason = self._reason(error, caller, keys)
                 if call.abandoned:
                     self.reasons.note(reason)
                     # Same step as the timeout, so before any late answer can be applied.
@@ -246,13 +250,13 @@ class StrictLimiter:
         """Redis is up, only this request's time ran out: no share near a limit (issue 17)."""
         return reason in LATE and self.store.available
 
-    def _reason(self, error: Exception, deadline: bool) -> Reason:
+    def _reason(self, error: Exception, deadline: bool, keys: Sequence[str]) -> Reason:
         """Why Redis did not decide a request that asked it."""
         if isinstance(error, TimeoutError):
             return "deadline" if deadline else "redis_timeout"
         if isinstance(error, CorruptKey):
             return "corrupt_key"
-        return "redis_refused" if self.store.available else "redis_down"
+        return unavailable_reason(error, self.store, keys)
 
     async def _ask(self, call: RedisCall, budget: float, limit: float) -> list[int]:
         """The script's would-be counts, within the request budget.
@@ -268,6 +272,7 @@ class StrictLimiter:
         try:
             watched = [*call.keys, *read_keys(call)]
             if not self.ledger.settled(watched):
+                self._fail_if_down(watched)  # else it would wait its budget for a flush that cannot land
                 loop = asyncio.get_running_loop()
                 started = loop.time()
                 async with asyncio.timeout(budget):
@@ -276,8 +281,7 @@ class StrictLimiter:
                 limit -= loop.time() - started
                 if budget <= 0:
                     raise TimeoutError
-                if not self.store.available:
-                    raise RedisUnavailable("redis became unavailable while owed hits were being sent")
+                self._fail_if_down(watched)
             call.abandoned = True  # until the batcher answers: its timeout leaves the call on the wire
             known = self.policy.known
             known.in_doubt(call.checks, call.keys, 1)  # Redis may admit its hits any moment
@@ -309,6 +313,14 @@ class StrictLimiter:
         if call.attempts is not None:
             call.attempts.learn(getattr(counts, "totals", {}))
         return counts
+
+    def _fail_if_down(self, keys: Sequence[str]) -> None:
+        """Raise :class:`ShardUnavailable` when Redis, or in Cluster the master of one of
+        ``keys``, is known down: hits owed to them cannot land until it is back, so a request
+        waiting for them would only spend its budget (the failure mode decides it now)."""
+        why = self.store.unavailable_for(keys)
+        if why is not None:
+            raise ShardUnavailable(f"owed hits cannot land: {why}")
 
     def _redis_decision(self, call: RedisCall, counts: list[int], now: float) -> Decision:
         checks = call.checks
@@ -377,45 +389,76 @@ class StrictLimiter:
     # -- reconciling -------------------------------------------------------------------
 
     async def reconcile(self) -> bool:
-        """Send owed hits and give-backs to Redis; False if Redis failed (they are kept).
+        """Send owed hits and give-backs to Redis; False if some could not land (they are kept).
 
         A flush whose reply is lost may or may not have landed: it is sent again with
         the same sequence number (and nothing newer goes first), and ``flush_once.lua``
-        adds it only if the first attempt did not.
+        adds it only if the first attempt did not. In Cluster, a flush that landed on
+        some masters only (:class:`PartialFlush`) keeps just its failed keys to send again,
+        and newer flushes of the other keys go on meanwhile (the marker is per key, so only
+        one key's flushes must land in order): hits owed on healthy masters do not wait
+        for a dead one's failover, nor do requests on them (:meth:`_ask`).
         """
         async with self._reconcile_lock:
-            while True:
-                retry = self._unacknowledged is not None
-                flush = self._unacknowledged or self._next_flush()
-                if flush is None:
-                    return True
-                if not await self._send(flush):
+            for unacknowledged in list(self._unacknowledged.values()):
+                if not await self._send(unacknowledged):
                     return False
-                if not retry:
-                    return True
+            flush, held_back = self._next_flush()
+            if flush is not None and not await self._send(flush):
+                return False
+            return not self._unacknowledged and not held_back
 
-    def _next_flush(self) -> OwedFlush | None:
+    def _next_flush(self) -> tuple[OwedFlush | None, bool]:
+        """What is owed, numbered; and whether some was held back: keys of a flush still to be
+        resent (their next add must not land before it), and keys of a master known down
+        (their flush would fail at once; sent once it is back, under a newer number)."""
         owed = self.ledger.drain_admitted()
+        blocked = {key for flush in self._unacknowledged.values() for key in flush.adds}
+        nodes = getattr(self.store, "nodes", None)  # a simulated store has none
+        down = nodes is not None and bool(nodes.down())
+        held = {
+            key: add for key, add in owed.items() if key in blocked or (down and self.store.unavailable_for((key,)))
+        }
+        if held:
+            self.ledger.restore(held)
+            owed = {key: add for key, add in owed.items() if key not in held}
         if not owed:
-            return None
+            return None, bool(held)
         self._sequence += 1
-        return OwedFlush(owed, self._sequence)
+        return OwedFlush(owed, self._sequence), bool(held)
 
     async def _send(self, flush: OwedFlush) -> bool:
-        """One idempotent flush; until Redis acknowledges it (even if cancelled), it stays to be resent."""
-        self._unacknowledged = flush
+        """One idempotent flush; until Redis acknowledges it (even if cancelled), it stays to be
+        resent. False if Redis failed it whole; True if it landed, or landed on some masters."""
+        self._unacknowledged[flush.sequence] = flush
         try:
             sent = self.store.flush(flush.adds, once=(self.replicas.replica_id, flush.sequence))
             totals = await (sent if self.redis_waits is None else self.redis_waits.flush(len(flush.adds), sent))
+        except PartialFlush as error:
+            return self._partly_landed(flush, error)
         except RedisUnavailable:
             return False
-        self._unacknowledged = None
-        self.settlement.landed(flush.sequence)
+        del self._unacknowledged[flush.sequence]
+        self.settlement.landed(min(self._unacknowledged, default=self._sequence + 1) - 1)
         self.ledger.settle(flush.adds)
         refused = [key for key in flush.adds if key not in totals]
         if refused:  # keys holding no counter: the store logs each (rate-limited) and counts the hits
             log.debug("owed_hits_refused", keys=len(refused), hits=sum(flush.adds[key][0] for key in refused))
         return True
+
+    def _partly_landed(self, flush: OwedFlush, error: PartialFlush) -> bool:
+        """Some keys failed: in Cluster their master is down (True: the others' flushes may go
+        on), on plain Redis the one call failed (False, as a whole failure). The keys that
+        landed are settled now (requests on them ask Redis again at once); the failed ones
+        stay to be sent again under the same number, so one whose add did land after all
+        adds nothing the second time (in Cluster, ``flush_once.lua``'s marker is per key)."""
+        failed = set(error.failed)
+        landed = {key: add for key, add in flush.adds.items() if key not in failed}
+        if landed:
+            self.ledger.settle(landed)
+            rest = {key: add for key, add in flush.adds.items() if key in failed}
+            self._unacknowledged[flush.sequence] = OwedFlush(rest, flush.sequence)
+        return getattr(self.store, "nodes", None) is not None
 
     def snapshot(self) -> LimiterSnapshot:
         local = self.policy.local_snapshot()
@@ -430,8 +473,7 @@ class StrictLimiter:
 
     def unreconciled_hits(self) -> int:
         """Admitted hits Redis may not hold yet: owed, held, or in a flush not acknowledged."""
-        pending = self._unacknowledged
-        unsent = self.ledger.hits_in(pending.adds) if pending else 0
+        unsent = sum(self.ledger.hits_in(flush.adds) for flush in self._unacknowledged.values())
         held = sum(sum(call.spent) for call in self._held)
         return self.ledger.owed_hits + unsent + held
 
@@ -475,7 +517,7 @@ class StrictLimiter:
         await self.store.close()
 
     def _flushed(self) -> bool:
-        return not self.ledger.owes() and self._unacknowledged is None
+        return not self.ledger.owes() and not self._unacknowledged
 
     async def _last_flush(self) -> None:
         """One attempt of the last flush: probe Redis if it is down, then send what is owed."""
@@ -486,7 +528,7 @@ class StrictLimiter:
     async def _reconcile_forever(self) -> None:
         """Whenever hits are owed and Redis is available, flush them."""
         while True:
-            if self._unacknowledged is None:
+            if not self._unacknowledged:
                 await self.ledger.wait_owed()
             await self.store.wait_available()
             if not await self.reconcile():

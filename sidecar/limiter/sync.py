@@ -52,25 +52,33 @@ import structlog
 from sidecar.limiter.algorithms import Algorithm, previous_weight, sliding_part
 from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS, Bans
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT, FailureReasons, Reason, redis_wait
-from sidecar.limiter.failure import FailureMode, Settlement, held_to_shares, sync_failure_limits
+from sidecar.limiter.failure import FailureMode, Settlement, held_to_shares, sync_failure_limits, unavailable_reason
 from sidecar.limiter.hooks import RedisWaits
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
 from sidecar.limiter.redis.batcher import DeadlineReached, DecisionBatcher
+from sidecar.limiter.redis.flush_calls import PartialFlush
 from sidecar.limiter.redis.keys import ban_key, counter_digest
 from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import CorruptKey, Counts, RedisStore
 from sidecar.limiter.redis.store import verdict as script_verdict
 from sidecar.limiter.suppression import Suppression, lowered_where
-from sidecar.limiter.sync_counters import FlushBatch, ReturnWatch, WindowCounter, attempt_flush, lowered_check
+from sidecar.limiter.sync_counters import (
+    FlushBatch,
+    ReturnWatch,
+    WindowCounter,
+    attempt_flush,
+    held_back,
+    learn_totals,
+    lowered_check,
+    prepare_flush,
+)
 from sidecar.limiter.sync_table import CounterTable
 from sidecar.limiter.windows import Clock, system_clock
 from sidecar.metrics import FLUSH_KEYS_BUCKETS, FLUSH_SECONDS_BUCKETS, Buckets, LimiterSnapshot
 
 log = structlog.get_logger(__name__)
 
-GROWTH_SMOOTHING = 0.5
-"""EWMA weight of the newest growth sample: reacts within two syncs to a change."""
 DEFAULT_MAX_OVERSHOOT = 0.05
 
 
@@ -126,7 +134,7 @@ class SyncLimiter:
         self._task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
         self._sequence = 0
-        self._unacknowledged: FlushBatch | None = None
+        self._unacknowledged: dict[int, FlushBatch] = {}
         self.escalations = 0
         self.flush_seconds = Buckets(FLUSH_SECONDS_BUCKETS)
         self.flush_keys = Buckets(FLUSH_KEYS_BUCKETS)
@@ -278,8 +286,8 @@ class SyncLimiter:
             )
         except CorruptKey:
             reason = "corrupt_key"
-        except RedisUnavailable:
-            reason = "redis_refused" if self.store.available else "redis_down"
+        except RedisUnavailable as error:
+            reason = unavailable_reason(error, self.store, [counter.key for counter in counters])
         return self._decide_without_redis(checks, counters, now, reason)
 
     def _ban(self, check: Check, now: float) -> None:
@@ -614,62 +622,56 @@ class SyncLimiter:
                 await asyncio.sleep(self.sync_interval)
 
     async def sync_once(self) -> None:
-        """One flush round trip: send pending hits, read back totals of active counters."""
+        """Send pending hits, read back totals of active counters. Flushes not acknowledged go
+        first, as they were (same sequence: ``flush_once.lua`` adds nothing twice); in Cluster
+        one that landed on some masters keeps only its failed keys (:class:`PartialFlush`) and
+        newer flushes go on for the other counters (:func:`held_back`)."""
         async with self._flush_lock:
             self.table.expire(self.clock())
-            batch = self._unacknowledged or self._prepare_flush()
+            for batch in list(self._unacknowledged.values()):
+                if not await self._send(batch):
+                    return
+            self._sequence += 1
+            bans, self._ban_outbox = self._ban_outbox, {}
+            attempts = attempt_flush(self.suppression, self.prefix, self.clock())
+            batch = FlushBatch({}, [], self._sequence, bans, attempts)
+            prepare_flush(self.table.all_counters(), held_back(self._unacknowledged.values(), self.store), batch)
             if not batch.sent and not batch.reads and not batch.bans and batch.attempts is None:
-                self.settlement.landed(batch.sequence)  # nothing unflushed: all landed
+                self.settlement.landed(min(self._unacknowledged, default=batch.sequence + 1) - 1)  # all landed
                 return
-            adds = {key: (hits, counter.expire_at) for key, (counter, hits) in batch.sent.items()}
-            once = (self.replicas.replica_id, batch.sequence)
-            reads = [counter.key for counter in batch.reads]
-            reads += [key for counter in batch.counters() for key in counter.extra_reads()]
-            if batch.attempts is not None:
-                adds.update(batch.attempts.adds())
-                reads += batch.attempts.reads
-            self.flush_keys.observe(len(adds) + len(reads))
-            started = time.perf_counter()
-            try:
-                flush = self.store.flush(adds, reads, once=once, live_since=self.replicas.alive_since, bans=batch.bans)
-                totals = await (flush if self.redis_waits is None else self.redis_waits.flush(len(adds), flush))
-            except RedisUnavailable:
-                # The adds may or may not have landed: send exactly this batch again (same
-                # sequence number) until Redis acknowledges it; flush_once.lua makes the
-                # retry a no-op if the first attempt landed, so nothing is counted twice.
-                self._unacknowledged = batch
-                return
-            except asyncio.CancelledError:
-                # Stopped on the wire (close() cancels the flusher): it may or may not have
-                # landed, like a lost reply, so the same batch is sent again.
-                self._unacknowledged = batch
-                raise
-            self._unacknowledged = None
-            self.settlement.landed(batch.sequence)
-            self.flush_seconds.observe(time.perf_counter() - started)
-            live = totals.pop(self.store.replicas_key, None)
-            if live is not None:
-                self.replicas.observe(live)
-            self._apply_flush(batch, totals)
-            self._learn_bans(batch, totals)
-            if batch.attempts is not None:
-                batch.attempts.learn(totals)
+            await self._send(batch)
 
-    def _prepare_flush(self) -> FlushBatch:
-        sent: dict[str, tuple[WindowCounter, int]] = {}
-        reads: list[WindowCounter] = []
-        for counter in self.table.all_counters():
-            if counter.pending:
-                hits = counter.pending
-                counter.inflight += hits
-                counter.pending = 0
-                sent[counter.key] = (counter, hits)
-            elif counter.touched:
-                reads.append(counter)
-            counter.touched = False
-        self._sequence += 1
-        bans, self._ban_outbox = self._ban_outbox, {}
-        return FlushBatch(sent, reads, self._sequence, bans, attempt_flush(self.suppression, self.prefix, self.clock()))
+    async def _send(self, batch: FlushBatch) -> bool:
+        """One flush; False if Redis failed it whole (it stays to be sent again as it is)."""
+        adds, reads = batch.adds_and_reads()
+        once = (self.replicas.replica_id, batch.sequence)
+        self.flush_keys.observe(len(adds) + len(reads))
+        started = time.perf_counter()
+        self._unacknowledged[batch.sequence] = batch  # until acknowledged, even if cancelled on the wire
+        try:
+            flush = self.store.flush(adds, reads, once=once, live_since=self.replicas.alive_since, bans=batch.bans)
+            totals = await (flush if self.redis_waits is None else self.redis_waits.flush(len(adds), flush))
+        except PartialFlush as error:  # some keys failed: in Cluster, a master is down
+            landed, self._unacknowledged[batch.sequence] = batch.split(error.failed)
+            self._landed(landed, error.totals)
+            return getattr(self.store, "nodes", None) is not None  # plain Redis: its one call failed whole
+        except RedisUnavailable:
+            return False  # the adds may or may not have landed: sent again, as they are
+        del self._unacknowledged[batch.sequence]
+        self.settlement.landed(min(self._unacknowledged, default=batch.sequence + 1) - 1)
+        self.flush_seconds.observe(time.perf_counter() - started)
+        self._landed(batch, totals)
+        return True
+
+    def _landed(self, batch: FlushBatch, totals: dict[str, int]) -> None:
+        """What a flush read back: the live count, the totals, the bans, the attempts."""
+        live = totals.pop(self.store.replicas_key, None)
+        if live is not None:
+            self.replicas.observe(live)
+        self._apply_flush(batch, totals)
+        self._learn_bans(batch, totals)
+        if batch.attempts is not None:
+            batch.attempts.learn(totals)
 
     def _learn_bans(self, batch: FlushBatch, totals: dict[str, int]) -> None:
         """Take on the bans other replicas (or escalations) wrote: a ban key holds its end time."""
@@ -688,13 +690,4 @@ class SyncLimiter:
         if batch.sent:
             self.table.flush_landed()  # counters whose hits landed can be forgotten again
             self._flushes_delivered += 1
-        own = {key: hits for key, (_, hits) in batch.sent.items()}
-        for counter in batch.counters():
-            if counter.previous_key is not None:
-                counter.previous = totals.get(counter.previous_key, counter.previous)
-            total = totals.get(counter.key, counter.known)
-            sent = own.get(counter.key, 0)
-            others = max(0, total - counter.known - sent)
-            counter.growth = GROWTH_SMOOTHING * others + (1 - GROWTH_SMOOTHING) * counter.growth
-            counter.inflight -= sent
-            counter.known, counter.read = max(counter.known, total), batch.sequence
+        learn_totals(batch, totals)

@@ -8,13 +8,20 @@ check an escalation sends (:func:`lowered_check`), and a :class:`FlushBatch`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sidecar.limiter.algorithms import Algorithm
 from sidecar.limiter.protocol import Check, CounterKey
 from sidecar.limiter.redis.keys import EXPIRY_GRACE_SECONDS, counter_digest
 from sidecar.limiter.suppression import AVERAGE_OVER, RING, Demand, Suppression, slot_of
+
+if TYPE_CHECKING:
+    from sidecar.limiter.redis.store import RedisStore
+
+GROWTH_SMOOTHING = 0.5
+"""EWMA weight of the newest growth sample: reacts within two syncs to a change."""
 
 
 @dataclass(slots=True)
@@ -141,6 +148,79 @@ class FlushBatch:
     def counters(self) -> list[WindowCounter]:
         """Every counter the flush sends hits for or reads back."""
         return [counter for counter, _ in self.sent.values()] + self.reads
+
+    def adds_and_reads(self) -> tuple[dict[str, tuple[int, int]], list[str]]:
+        """What :meth:`~sidecar.limiter.redis.store.RedisStore.flush` sends and reads for it."""
+        adds = {key: (hits, counter.expire_at) for key, (counter, hits) in self.sent.items()}
+        reads = [counter.key for counter in self.reads]
+        reads += [key for counter in self.counters() for key in counter.extra_reads()]
+        if self.attempts is not None:
+            adds.update(self.attempts.adds())
+            reads += self.attempts.reads
+        return adds, reads
+
+    def split(self, failed: Sequence[str]) -> tuple[FlushBatch, FlushBatch]:
+        """``(what landed, what to send again)`` of a flush whose ``failed`` keys did not
+        (:class:`~sidecar.limiter.redis.flush_calls.PartialFlush`: in Cluster, their master
+        is down). The rest keeps this batch's sequence number, its bans (``SET NX``: a
+        landed one is not moved) and its attempted hits if one of theirs failed (added once per key and
+        sequence)."""
+        gone = set(failed)
+        landed = FlushBatch(
+            {key: sent for key, sent in self.sent.items() if key not in gone},
+            [counter for counter in self.reads if counter.key not in gone],
+            self.sequence,
+        )
+        attempts = self.attempts
+        rest = FlushBatch(
+            {key: sent for key, sent in self.sent.items() if key in gone},
+            [counter for counter in self.reads if counter.key in gone],
+            self.sequence,
+            self.bans,
+            attempts if attempts is not None and gone & attempts.sent.keys() else None,
+        )
+        return landed, rest
+
+
+def held_back(unacknowledged: Iterable[FlushBatch], store: RedisStore) -> Callable[[str], bool]:
+    """Whether a counter's pending hits stay out of the next flush: a flush still to be
+    resent carries earlier hits of its key (they must land first: ``flush_once.lua``'s
+    marker is per key), or in Cluster its master is known down (the flush would fail)."""
+    blocked = {key for batch in unacknowledged for key in batch.sent}
+    nodes = getattr(store, "nodes", None)  # a simulated store has none
+    down = nodes is not None and bool(nodes.down())
+    return lambda key: key in blocked or (down and store.unavailable_for((key,)) is not None)
+
+
+def prepare_flush(counters: Iterable[WindowCounter], held: Callable[[str], bool], batch: FlushBatch) -> FlushBatch:
+    """Fill ``batch``: every counter's pending hits move in flight and are sent, except a
+    ``held`` key's (a flush still to be resent carries its earlier hits, which must land
+    first; or its master is known down): those stay pending, read back like any counter
+    used since the last flush."""
+    for counter in counters:
+        if counter.pending and not held(counter.key):
+            hits = counter.pending
+            counter.inflight += hits
+            counter.pending = 0
+            batch.sent[counter.key] = (counter, hits)
+        elif counter.touched:
+            batch.reads.append(counter)
+        counter.touched = False
+    return batch
+
+
+def learn_totals(batch: FlushBatch, totals: dict[str, int]) -> None:
+    """Learn the global totals a flush read back; the growth we did not cause feeds the reserve."""
+    own = {key: hits for key, (_, hits) in batch.sent.items()}
+    for counter in batch.counters():
+        if counter.previous_key is not None:
+            counter.previous = totals.get(counter.previous_key, counter.previous)
+        total = totals.get(counter.key, counter.known)
+        sent = own.get(counter.key, 0)
+        others = max(0, total - counter.known - sent)
+        counter.growth = GROWTH_SMOOTHING * others + (1 - GROWTH_SMOOTHING) * counter.growth
+        counter.inflight -= sent
+        counter.known, counter.read = max(counter.known, total), batch.sequence
 
 
 def attempt_key(prefix: str, key: CounterKey, slot: int) -> str:
