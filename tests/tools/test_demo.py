@@ -111,9 +111,15 @@ def test_demo_once_runs_the_tour_through_both_envoys_and_stops() -> None:
 def test_the_in_memory_demo_runs_the_tour_and_ctrl_c_stops_every_process_it_started() -> None:
     """Without ``--once`` the demo runs the same tour, then keeps everything running: one start of the
     stack checks both the in-memory tour and the clean stop on Ctrl-C."""
-    demo = subprocess.Popen(
-        [*DEMO, "--no-redis"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    # Ctrl-C as at a terminal: a test run started in the background (``cmd &``) holds SIGINT ignored,
+    # which the demo would inherit (Python then leaves it ignored: once seen as a 30 s hang here).
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        demo = subprocess.Popen(
+            [*DEMO, "--no-redis"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     try:
         assert demo.stdout is not None
         deadline = time.monotonic() + 120
