@@ -159,16 +159,19 @@ class StrictLimiter:
         replica does not rejoin the heartbeats (:meth:`Replicas.follow_outages`)."""
         store.add_listener(policy.on_redis_state)
         store.add_listener(self._on_redis_state)
+        if (nodes := getattr(store, "nodes", None)) is not None:  # a master's return is settled alike
+            nodes.add_shard_listener(lambda up, _: self._on_redis_state(up, "a master returned"))
 
     async def start(self) -> None:
         """Connect (or start probing), join the replica set, start reconciling."""
-        self.replicas.follow_outages(self.settlement.settled)
+        self.replicas.follow_outages(self.settlement.settled, shards=True)
         await self.store.start()
         await self.replicas.start()
         self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever(), name="strict-reconcile")
 
     def _on_redis_state(self, available: bool, reason: str) -> None:
-        """Redis is back: what is owed now (or on a flush not acknowledged) is to settle."""
+        """Redis (or in Cluster, one master's slots) is back: what is owed now (or on a flush
+        not acknowledged) is to settle."""
         if available:
             self.settlement.returned(self._sequence, self.ledger.owes())
 
@@ -208,7 +211,7 @@ class StrictLimiter:
         available = self.store.available
         if available and attempts is None and (refused := self.full.refusal(checks, keys, self.admit_all)) is not None:
             return refused  # Redis would refuse it too, recording nothing
-        returning = available and self.replicas.returning
+        returning = available and (self.replicas.returning or self.replicas.holds(keys))
         if returning and (refused := self.policy.beyond_share(checks, keys, expire_ats, now)) is not None:
             return refused  # a peer may still hold outage hits Redis lacks: this replica keeps its share
         if returning:

@@ -153,7 +153,9 @@ class SyncLimiter:
     async def start(self) -> None:
         """Connect (or start probing), start heartbeats and the background flusher."""
         self.store.add_listener(self._on_redis_state)
-        self.replicas.follow_outages(self.settlement.settled)
+        if (nodes := getattr(self.store, "nodes", None)) is not None:
+            nodes.add_shard_listener(self._on_shard)
+        self.replicas.follow_outages(self.settlement.settled, shards=True)
         await self.store.start()
         await self.replicas.start()
         self._task = asyncio.create_task(self._sync_loop(), name="sync-flusher")
@@ -214,6 +216,12 @@ class SyncLimiter:
             self.returns.outage()
             log.warning("redis_unavailable", mode="sync", reason=reason, failure_mode=self.failure_mode)
 
+    def _on_shard(self, up: bool, slots: frozenset[int]) -> None:
+        """In Cluster, a master's slots are back: what is unflushed now is to settle (docs/redis.md)."""
+        if up:
+            self.settlement.returned(self._sequence, self.table.unflushed_hits() > 0)
+            self._wake.set()
+
     # -------------------------------------------------------------- the decision
 
     async def check(self, checks: Sequence[Check], now: float, budget: float | None = None) -> Decision:
@@ -258,7 +266,8 @@ class SyncLimiter:
             return self._decide_without_redis(checks, counters, now, "redis_down")
         if self.store.corrupt.any_of(counter.key for counter in counters):
             return self._decide_without_redis(checks, counters, now, "corrupt_key")
-        if self.returns.held(self.replicas.returning, self._sequence, counters) and self.failure_mode == "local":
+        held = self.replicas.returning or self.replicas.holds(counter.key for counter in counters)
+        if self.returns.held(held, self._sequence, counters) and self.failure_mode == "local":
             own = self.returns.with_doubt(self._would_be(checks, counters, own=True, now=now), counters)
             if (limits := held_to_shares(checks, own, self.replicas.live, self.admit_all)) is not None:
                 return self._apply(checks, counters, own, limits)

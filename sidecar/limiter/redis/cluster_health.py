@@ -17,9 +17,10 @@ forgotten, and its slots decide from Redis again.
 
 What listeners hear (limiters reconcile, the failure policy logs): the Cluster as a
 whole, which goes down only when every master is, as a single Redis does. One master
-down is told per request (its requests' failure mode, ``redis_refused``), in a log
-line naming the node, and in the per-node gauge; limiters do not hear of it, since
-their state (sync's pending hits, strict's owed hits) is retried per key anyway.
+down is told per request (its requests' failure mode, ``redis_down``), in a log line
+naming the node, in the per-node gauge, and to shard listeners
+(:meth:`ClusterNodes.add_shard_listener`) with its slots, as is their return: a limiter
+holds those slots' keys to its share until the outage is settled, as after a whole outage.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ REDIRECTS = (TryAgainError, AskError)
 """Replies saying the call did not run here (``MOVED`` is an ``AskError``): resent once, alone."""
 
 Send = Callable[[Sequence[ScriptCall | Command]], Awaitable[list[Any]]]
+ShardListener = Callable[[bool, frozenset[int]], None]
+"""Told ``(up, slots)`` when a master goes down (its slots then) and when those slots are
+served again (it came back, or it left the slot map for a promoted replica)."""
 """Sends calls as one pipeline (and ``NOSCRIPT`` resends) to whichever node redis-py routes them."""
 
 
@@ -83,6 +87,9 @@ class ClusterNodes:
         self.background_timeout = background_timeout
         self._secrets = secrets
         self.nodes: dict[str, Availability] = {}
+        self._shard_listeners: list[ShardListener] = []
+        self._down_slots: dict[str, frozenset[int]] = {}
+        """The slots each master known down owned when it went down."""
 
     # -- state -------------------------------------------------------------------------
 
@@ -131,14 +138,33 @@ class ClusterNodes:
         for state in list(self.nodes.values()):
             await state.close()
 
+    def add_shard_listener(self, listener: ShardListener) -> None:
+        """Be told of each master's outage and its slots' return (the limiters hold those
+        slots' keys to their share until the outage is settled: docs/redis.md)."""
+        self._shard_listeners.append(listener)
+
+    def _tell(self, up: bool, slots: frozenset[int]) -> None:
+        if slots:
+            for listener in self._shard_listeners:
+                listener(up, slots)
+
+    def _slots_of(self, name: str) -> frozenset[int]:
+        """The slots ``name`` serves in redis-py's slot map (one pass over the map's 16384
+        slots, once per master's outage)."""
+        cache = self.client.nodes_manager.slots_cache
+        return frozenset(slot for slot, nodes in cache.items() if nodes and nodes[0].name == name)
+
     def _changed(self, name: str, up: bool, reason: str) -> None:
         """A master went down or came back: a log line naming it; the whole follows."""
         if up:
             log.info("redis_node_recovered", node=name, down_nodes=self.down())
+            self._tell(True, self._down_slots.pop(name, frozenset()))
             if not self.whole.available:
                 self.whole.mark_up()
             return
         log.warning("redis_node_unavailable", node=name, reason=reason, down_nodes=self.down())
+        self._down_slots[name] = self._slots_of(name)
+        self._tell(False, self._down_slots[name])
         # Tried last when redis-py re-reads the slot map, and never its default node: a
         # re-read after any lost connection asks the default node for its COMMAND table,
         # and failing there would fail every call of every master.
@@ -297,6 +323,7 @@ class ClusterNodes:
                 if state is not None:
                     state.retire()
                 log.info("redis_node_left", node=name, reason="no longer a master in the slot map")
+                self._tell(True, self._down_slots.pop(name, frozenset()))  # served by another master now
                 raise RedisError(f"{name} left the slot map")
             await self._ping_and_load(name)
 

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
+from redis.crc import key_slot
 
 from sidecar.limiter.redis.availability import RedisUnavailable, stop_task
 from sidecar.limiter.redis.clock import SharedClock
@@ -81,21 +83,34 @@ class Replicas:
         before the limiter's outage hits are in Redis, since a beat tells peers they are."""
         self._return_task: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self.shard_slots: frozenset[int] = frozenset()
+        """Cluster: slots of masters back from an outage, held like a whole return (:meth:`holds`)."""
+        self._shard_since = 0.0
+        self._shard_floor = 0
+        """The count when a master went down (the heartbeats may live on it)."""
+        self._shard_held = 1
+        """While :attr:`shard_slots`: the count before the outage, which :attr:`live` does not go below."""
+        self._shard_task: asyncio.Task[None] | None = None
 
     @property
     def live(self) -> int:
-        """Live replicas, this one included; while :attr:`returning`, never fewer than before the outage."""
-        return max(self._observed, self._held)
+        """Live replicas, this one included; while :attr:`returning` (or a master's slots are,
+        :meth:`holds`), never fewer than before the outage."""
+        return max(self._observed, self._held, self._shard_held if self.shard_slots else 0)
 
     @live.setter
     def live(self, value: int) -> None:
         self._observed = max(1, value)
 
-    def follow_outages(self, settled: Callable[[], bool]) -> None:
+    def follow_outages(self, settled: Callable[[], bool], *, shards: bool = False) -> None:
         """Hold the count through Redis outages and rejoin only once ``settled()`` says the
-        limiter's outage hits are in Redis (call before the store starts)."""
+        limiter's outage hits are in Redis (call before the store starts). ``shards``: in
+        Cluster, follow each master's outage too (:meth:`holds`)."""
         self._settled = settled
         self.store.add_listener(self._on_redis_state)
+        nodes = getattr(self.store, "nodes", None)
+        if shards and nodes is not None:
+            nodes.add_shard_listener(self._on_shard)
 
     async def start(self) -> None:
         """Beat once now (so :attr:`live` is right from the first request), then every interval."""
@@ -170,6 +185,79 @@ class Replicas:
         self.returning = False
         self._held = 0
 
+    # -- one Cluster master returning -------------------------------------------------
+
+    def holds(self, keys: Iterable[str]) -> bool:
+        """Whether a decision on ``keys`` is held to this replica's share: one of them lives on
+        a master back from an outage whose hits may not all be in Redis yet (docs/redis.md,
+        "Returning from an outage"). One CRC16 per key, only while some master is returning."""
+        slots = self.shard_slots
+        return bool(slots) and any(key_slot(key.encode()) in slots for key in keys)
+
+    def _on_shard(self, up: bool, slots: frozenset[int]) -> None:
+        """A master's slots are served again: hold them until every replica has settled."""
+        if not up:
+            self._shard_floor = max(self._shard_floor, self.live)
+            return
+        self._shard_held = max(self._shard_held, self._shard_floor, self.live)
+        self.shard_slots |= slots
+        self._shard_since = self.clock()
+        if self._shard_task is None or self._shard_task.done():
+            self._shard_task = asyncio.get_running_loop().create_task(self._shard_return(), name="replica-shard-return")
+
+    @property
+    def settled_key(self) -> str:
+        """Sorted set of the replicas' settled marks: written with a beat while the replica's
+        limiter owes nothing from an outage and knows no master down."""
+        return f"{self.store.replicas_key}:settled"
+
+    def _clean(self) -> bool:
+        nodes = getattr(self.store, "nodes", None)
+        return (self._settled is None or self._settled()) and not (nodes is not None and nodes.down())
+
+    async def _mark(self) -> float:
+        """This replica's settled mark (raises :class:`RedisUnavailable`); returns its time."""
+        now = self.clock()
+        key = self.settled_key
+        keep = 10 * self.ttl
+        replies = await self.store.run_scripts(
+            [("ZADD", key, now, self.replica_id), ("ZREMRANGEBYSCORE", key, "-inf", now - keep),
+             ("EXPIRE", key, math.ceil(keep))],
+            self.store.background_timeout,
+        )  # fmt: skip
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise RedisUnavailable(str(reply))
+        return now
+
+    async def _shard_return(self) -> None:
+        """Until every replica counted has marked itself settled since the latest return (or
+        three intervals have passed: a replica that has not is dead, or as if): this one marks
+        itself once settled, and looks every :attr:`poll`; then the slots are free."""
+        while True:
+            since = self._shard_since
+            with contextlib.suppress(RedisUnavailable):
+                if self._clean():
+                    await self._mark()
+                    others = await self._marked_since(since)
+                    done = others + 1 >= self._shard_held or self.clock() - since >= self.ttl
+                    if done and since == self._shard_since:  # and no other master returned meanwhile
+                        log.info("shard_return_settled", slots=len(self.shard_slots), replica_id=self.replica_id)
+                        self.shard_slots = frozenset()
+                        self._shard_held, self._shard_floor = 1, 0
+                        return
+            await asyncio.sleep(self.poll)
+
+    async def _marked_since(self, since: float) -> int:
+        """Other replicas whose settled mark is at or after ``since``."""
+        (members,) = await self.store.run_scripts(
+            [("ZRANGEBYSCORE", self.settled_key, since, "+inf")], self.store.background_timeout
+        )
+        if isinstance(members, BaseException):
+            raise RedisUnavailable(str(members))
+        mine = self.replica_id.encode()
+        return sum(1 for member in members if (member if isinstance(member, bytes) else str(member).encode()) != mine)
+
     async def _beaten_since(self, since: float) -> int:
         """Replicas whose last beat is at or after ``since`` (this one included)."""
         (count,) = await self.store.run_scripts(
@@ -181,10 +269,10 @@ class Replicas:
 
     async def close(self) -> None:
         """Stop beating and leave the set, so the others stop counting us at once."""
-        for task in (self._task, self._return_task):
+        for task in (self._task, self._return_task, self._shard_task):
             if task is not None:
                 await stop_task(task)
-        self._task = self._return_task = None
+        self._task = self._return_task = self._shard_task = None
         with contextlib.suppress(RedisUnavailable):
             await self.store.leave(self.replica_id)
 

@@ -28,6 +28,7 @@ class FakeNodes:
     def __init__(self, masters: dict[str, FakeNode]) -> None:
         self.masters = masters
         self.moved_last: list[str] = []
+        self.slots_cache = {ord("a"): [masters["a"]], ord("b"): [masters["b"]], ord("c"): [masters["b"]]}
 
     def get_node_from_slot(self, slot: int) -> FakeNode:
         return self.masters["a" if slot == ord("a") else "b"]
@@ -133,6 +134,22 @@ async def test_a_lost_master_fails_its_own_calls_then_is_not_sent_to(
     replies = await nodes.run(CALLS, send, 1.0, budget=False)
     assert isinstance(replies[0], ShardUnavailable)
     assert send.sent == [["b1", "b2"]]  # nothing went to the master known down
+
+
+async def test_shard_listeners_hear_a_masters_outage_and_return_with_its_slots(
+    cluster: tuple[ClusterNodes, FakeCluster, Heard],
+) -> None:
+    """What a limiter needs to hold a returning master's keys (docs/redis.md, "Returning
+    from an outage"): its slots when it goes down, the same slots when they are back; the
+    whole Cluster's listeners hear nothing."""
+    nodes, _, heard = cluster
+    shards: list[tuple[bool, frozenset[int]]] = []
+    nodes.add_shard_listener(lambda up, slots: shards.append((up, slots)))
+    await nodes.run(CALLS, answering({"b": RedisConnectionError("Connection refused")}), 1.0, budget=False)
+    assert shards == [(False, frozenset({ord("b"), ord("c")}))]
+    nodes.node("B:2").mark_up()  # its probe answered
+    assert shards[1:] == [(True, frozenset({ord("b"), ord("c")}))]
+    assert heard == []
 
 
 async def test_a_connection_lost_while_replies_are_read_marks_that_master_down(
