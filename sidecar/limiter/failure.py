@@ -29,24 +29,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm
 from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS
-from sidecar.limiter.budget import Reason
 from sidecar.limiter.known_counts import KnownCounts, leaves_others_their_shares, local_counts, redis_holds
 from sidecar.limiter.ledger import OwedHits
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Check, Decision, Role, decide
-from sidecar.limiter.redis.cluster_health import ShardUnavailable
 from sidecar.limiter.redis.keys import per_hit
 from sidecar.limiter.shares import share_of_limit
 from sidecar.metrics import LimiterSnapshot
-
-if TYPE_CHECKING:
-    from sidecar.limiter.redis.store import RedisStore
 
 log = structlog.get_logger(__name__)
 
@@ -128,19 +123,6 @@ def sync_failure_limits(
             limit if held else refused for limit, refused, held in zip(limits, closed, remembered, strict=True)
         )
     return counts, limits
-
-
-def unavailable_reason(error: BaseException, store: RedisStore, keys: Sequence[str]) -> Reason:
-    """Why a request whose Redis call failed with ``error`` (a ``RedisUnavailable``) is
-    the failure mode's: ``redis_down`` when Redis, or in Cluster the master owning one of
-    its ``keys``, is known down (:class:`ShardUnavailable`: the call was not even sent; or
-    the call's failure just marked that master down), as for a whole outage, since the
-    request could not be decided by Redis whatever it asked; else ``redis_refused``, a
-    call Redis answered with an error."""
-    if isinstance(error, ShardUnavailable) or not store.available:
-        return "redis_down"
-    nodes = getattr(store, "nodes", None)  # a simulated store has none
-    return "redis_down" if nodes is not None and nodes.down_for(keys) is not None else "redis_refused"
 
 
 def held_to_shares(checks: Sequence[Check], own: Sequence[int], live: int, admit_all: bool) -> tuple[int, ...] | None:

@@ -53,7 +53,7 @@ import structlog
 
 from sidecar.limiter.algorithms import Algorithm, now_us
 from sidecar.limiter.budget import FailureReasons, Reason, redis_wait
-from sidecar.limiter.failure import FailurePolicy, Settlement, unavailable_reason
+from sidecar.limiter.failure import FailurePolicy, Settlement
 from sidecar.limiter.full_windows import FullWindows
 from sidecar.limiter.hooks import RedisWaits
 from sidecar.limiter.known_counts import redis_holds
@@ -61,7 +61,7 @@ from sidecar.limiter.ledger import Admitted
 from sidecar.limiter.protocol import Check, Decision
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
 from sidecar.limiter.redis.batcher import DeadlineReached, DecisionBatcher
-from sidecar.limiter.redis.cluster_health import ShardUnavailable
+from sidecar.limiter.redis.cluster_health import ShardUnavailable, unavailable_reason
 from sidecar.limiter.redis.flush_calls import PartialFlush
 from sidecar.limiter.redis.keys import check_window, per_hit, previous_window
 from sidecar.limiter.redis.replicas import Replicas

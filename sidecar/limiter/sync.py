@@ -52,11 +52,12 @@ import structlog
 from sidecar.limiter.algorithms import Algorithm, previous_weight, sliding_part
 from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS, Bans
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT, FailureReasons, Reason, redis_wait
-from sidecar.limiter.failure import FailureMode, Settlement, held_to_shares, sync_failure_limits, unavailable_reason
+from sidecar.limiter.failure import FailureMode, Settlement, held_to_shares, sync_failure_limits
 from sidecar.limiter.hooks import RedisWaits
 from sidecar.limiter.protocol import Check, Decision, decide
 from sidecar.limiter.redis.availability import RedisUnavailable, flush_until, stop_task
 from sidecar.limiter.redis.batcher import DeadlineReached, DecisionBatcher
+from sidecar.limiter.redis.cluster_health import unavailable_reason
 from sidecar.limiter.redis.flush_calls import PartialFlush
 from sidecar.limiter.redis.keys import ban_key, counter_digest
 from sidecar.limiter.redis.replicas import Replicas

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from redis.exceptions import AskError, RedisError, ResponseError, TryAgainError
 
+from sidecar.limiter.budget import Reason
 from sidecar.limiter.redis.availability import FAILURES, Availability, RedisUnavailable, describe
 from sidecar.limiter.redis.faults import Fault, classify
 from sidecar.limiter.redis.pipeline import Command, ScriptCall
@@ -39,6 +40,8 @@ from sidecar.limiter.redis.scripts import SCRIPTS
 
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster
+
+    from sidecar.limiter.redis.store import RedisStore
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +63,19 @@ served again (it came back, or it left the slot map for a promoted replica)."""
 class ShardUnavailable(RedisUnavailable):
     """The master owning this call's slot is down: the failure mode decides the request
     (the other masters' requests go on)."""
+
+
+def unavailable_reason(error: BaseException, store: RedisStore, keys: Sequence[str]) -> Reason:
+    """Why a request whose Redis call failed with ``error`` (a ``RedisUnavailable``) is
+    the failure mode's: ``redis_down`` when Redis, or in Cluster the master owning one of
+    its ``keys``, is known down (:class:`ShardUnavailable`: the call was not even sent; or
+    the call's failure just marked that master down), as for a whole outage, since the
+    request could not be decided by Redis whatever it asked; else ``redis_refused``, a
+    call Redis answered with an error."""
+    if isinstance(error, ShardUnavailable) or not store.available:
+        return "redis_down"
+    nodes = getattr(store, "nodes", None)  # a simulated store has none
+    return "redis_down" if nodes is not None and nodes.down_for(keys) is not None else "redis_refused"
 
 
 def first_key(call: ScriptCall | Command) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -134,8 +134,12 @@ class FixedReplicas:
     def observe(self, live: int) -> None:
         """The count is fixed; a simulated store never reports another."""
 
-    def follow_outages(self, settled: Callable[[], bool]) -> None:
+    def follow_outages(self, settled: Callable[[], bool], *, shards: bool = False) -> None:
         """A simulated Redis never goes away."""
+
+    def holds(self, keys: Iterable[str]) -> bool:
+        """No Cluster master returns in a simulation."""
+        return False
 
     async def start(self) -> None:
         """No heartbeats in a simulation."""
