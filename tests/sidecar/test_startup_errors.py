@@ -4,7 +4,9 @@ Issue 21, defect 9: a mistyped scheme repeated the whole URL in the error, and a
 password with an unencoded ``#``, ``/`` or ``?`` ended in a redis-py traceback whose
 last line showed the start of the password (or, with ``/`` and no user name, in
 connection attempts to a "host" made of the password's first part, logged as the
-``redis_unavailable`` reason). Real ``serve`` processes: exit status, stderr lines.
+``redis_unavailable`` reason). Every URL goes through ``serve``'s own command-line path
+in this process (:mod:`tests.support.serve_refusal`); one real ``serve`` process per
+path, flag and environment, proves the exit status and that stderr is that same line.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.serve_refusal import Refusal, serve_in_process
 from tests.support.sidecars import clean_env, log_events, run_cli
 
 SECRET = "Sup3rS3cret"
@@ -55,31 +58,63 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+PREFIX = "ratelimit-sidecar: error: --redis-url / RLS_REDIS_URL"
+SERVE_FLAGS = ("--grpc-address", "127.0.0.1:0", "--backend", "redis")
+
+
+def by_flag(config: Path, url: str) -> Refusal:
+    return serve_in_process("--config", str(config), *SERVE_FLAGS, "--redis-url", url, "--log-format", "json")
+
+
+def by_environment(config: Path, url: str) -> Refusal:
+    env = {"RLS_BACKEND": "redis", "RLS_REDIS_URL": url, "RLS_GRPC_ADDRESS": "127.0.0.1:0"}
+    return serve_in_process("--config", str(config), env=env)
+
+
 @pytest.mark.parametrize("url", BAD_URLS)
 def test_a_bad_redis_url_is_one_line_without_the_password(config: Path, url: str) -> None:
-    flags = ("serve", "--config", str(config), "--grpc-address", "127.0.0.1:0", "--backend", "redis")
-    done = run_cli(*flags, "--redis-url", url, "--log-format", "json", timeout=SERVE_TIMEOUT)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 1, done.stderr
-    assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("ratelimit-sidecar: error: --redis-url / RLS_REDIS_URL"), lines[0]
+    done = by_flag(config, url)
+    assert done.code == 1, done.stderr
+    assert len(done.lines) == 1, done.stderr
+    assert done.lines[0].startswith(PREFIX), done.lines[0]
     assert leaked(done.stderr + done.stdout) == []
 
 
 @pytest.mark.parametrize("url", BAD_URLS)
 def test_the_same_urls_through_the_environment(config: Path, url: str) -> None:
-    env = clean_env(RLS_BACKEND="redis", RLS_REDIS_URL=url, RLS_GRPC_ADDRESS="127.0.0.1:0")
-    done = run_cli("serve", "--config", str(config), env=env, timeout=SERVE_TIMEOUT)
-    assert done.returncode == 1, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert leaked(done.stderr) == []
+    done = by_environment(config, url)
+    assert done.code == 1, done.stderr
+    assert len(done.lines) == 1, done.stderr
+    assert done.lines[0].startswith(PREFIX), done.lines[0]
+    assert leaked(done.stderr + done.stdout) == []
 
 
 def test_a_scheme_typo_gets_a_suggestion(config: Path) -> None:
-    url = f"redis+sentinal://user:{SECRET}@127.0.0.1:26379/mymaster"
-    done = run_cli("serve", "--config", str(config), "--backend", "redis", "--redis-url", url, timeout=SERVE_TIMEOUT)
+    done = by_flag(config, f"redis+sentinal://user:{SECRET}@127.0.0.1:26379/mymaster")
     assert "'redis+sentinal'" in done.stderr
     assert "redis+sentinel://" in done.stderr
+
+
+def test_a_real_serve_refuses_a_bad_url_flag_with_that_one_line(config: Path) -> None:
+    """The process behind the in-process checks: exit 1, nothing but the line they saw
+    (an unencoded '#': once a redis-py traceback quoting the password)."""
+    url = "redis://user:Sup3r#S3cret@127.0.0.1:6379"
+    flags = ("serve", "--config", str(config), *SERVE_FLAGS, "--redis-url", url, "--log-format", "json")
+    done = run_cli(*flags, timeout=SERVE_TIMEOUT)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == by_flag(config, url).lines
+    assert done.stdout == ""
+    assert leaked(done.stderr) == []
+
+
+def test_a_real_serve_refuses_a_bad_url_variable_with_that_one_line(config: Path) -> None:
+    url = f"redis+sentinal://user:{SECRET}@127.0.0.1:26379/mymaster"
+    env = clean_env(RLS_BACKEND="redis", RLS_REDIS_URL=url, RLS_GRPC_ADDRESS="127.0.0.1:0")
+    done = run_cli("serve", "--config", str(config), env=env, timeout=SERVE_TIMEOUT)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == by_environment(config, url).lines
+    assert "redis+sentinel://" in done.stderr
+    assert leaked(done.stderr + done.stdout) == []
 
 
 def test_an_encoded_password_with_special_characters_still_works_in_settings() -> None:
