@@ -13,8 +13,11 @@ follows outages (:meth:`Replicas.follow_outages`) keeps the count it had before 
 outage until its peers have beaten since its return, or have had three intervals of
 Redis to do so and are dead. That span is :attr:`Replicas.returning`, and a peer's beat
 in it also says the peer's own outage hits are in Redis: a returning replica beats
-only once its limiter has settled them (``settled``). See docs/redis.md, "Returning
-from an outage".
+only once its limiter has settled them (``settled``). In Cluster, one master's outage is
+followed the same way for its slots (:meth:`Replicas.holds`): there the heartbeats may go
+on throughout, so a replica says it has settled with a separate mark, written with its
+beats while it owes nothing from an outage and knows no master down. See docs/redis.md,
+"Returning from an outage".
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class Replicas:
         self._task: asyncio.Task[None] | None = None
         self.shard_slots: frozenset[int] = frozenset()
         """Cluster: slots of masters back from an outage, held like a whole return (:meth:`holds`)."""
+        self._shards = False
+        """Following each Cluster master's outage (:meth:`follow_outages`): beats carry settled marks."""
         self._shard_since = 0.0
         self._shard_floor = 0
         """The count when a master went down (the heartbeats may live on it)."""
@@ -110,6 +115,7 @@ class Replicas:
         self.store.add_listener(self._on_redis_state)
         nodes = getattr(self.store, "nodes", None)
         if shards and nodes is not None:
+            self._shards = True
             nodes.add_shard_listener(self._on_shard)
 
     async def start(self) -> None:
@@ -125,6 +131,9 @@ class Replicas:
             return self.live
         with contextlib.suppress(RedisUnavailable):
             await self._beat_now()
+        if self._shards and self._clean():  # a peer back from a master's outage waits for it
+            with contextlib.suppress(RedisUnavailable):
+                await self._mark()  # after the beat: a peer that sees it counts us
         return self.live
 
     async def _beat_now(self) -> float:
@@ -238,10 +247,12 @@ class Replicas:
             since = self._shard_since
             with contextlib.suppress(RedisUnavailable):
                 if self._clean():
+                    await self._beat_now()  # a mark comes with a beat: a peer that sees it counts us
                     await self._mark()
                     others = await self._marked_since(since)
                     done = others + 1 >= self._shard_held or self.clock() - since >= self.ttl
                     if done and since == self._shard_since:  # and no other master returned meanwhile
+                        await self._beat_now()  # the count, from beats since the peers' marks
                         log.info("shard_return_settled", slots=len(self.shard_slots), replica_id=self.replica_id)
                         self.shard_slots = frozenset()
                         self._shard_held, self._shard_floor = 1, 0

@@ -165,6 +165,8 @@ async def test_a_replica_back_first_from_a_masters_outage_keeps_its_share_until_
         assert second_nodes is not None
         await until(lambda: name not in second_nodes.down(), "the second replica back")
         await until_settled(second, "the second replica's outage hits")
+        await until(lambda: not first.replicas.holds([key]) and not second.replicas.holds([key]), "holds released")
+        assert first.replicas.live == second.replicas.live == 2
         for limiter in (first, second):
             admitted["after"] += await admit(limiter, check, 10)
         await until_settled(first, "the last hits")
