@@ -12,16 +12,10 @@ from sidecar.settings import (
     SERVE_OPTIONS,
     Settings,
     SettingsError,
-    add_serve_arguments,
     reference_table,
     resolve,
 )
-
-
-def settings_from(flags: list[str], environ: dict[str, str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_serve_arguments(parser)
-    return resolve(parser.parse_args(flags), environ or {})
+from tests.support.settings import settings_from
 
 
 def test_defaults():

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from sidecar.config.xds_source import header_pairs
-from sidecar.settings import Settings, SettingsError, add_serve_arguments, resolve
+from sidecar.settings import Settings, SettingsError
+from tests.support.settings import settings_from as resolved
 
 
 def settings_from(*flags: str, environ: dict[str, str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_serve_arguments(parser)
-    return resolve(parser.parse_args(list(flags)), environ or {})
+    return resolved(flags, environ)
 
 
 def test_xds_needs_a_server_but_no_config_file() -> None:

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from sidecar.limiter.redis.clock import SharedClock
 from sidecar.quota.partition import hold_seconds
 from sidecar.server import build_quota_leases, quota_settings
-from sidecar.settings import Settings, SettingsError, add_serve_arguments, resolve
+from sidecar.settings import Settings, SettingsError
+from tests.support.settings import settings_from as resolved
 
 
 def settings_from(flags: list[str], environ: dict[str, str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    return resolve(parser.parse_args(["--config", "c.yaml", *flags]), environ or {})
+    return resolved(flags, environ, config="c.yaml")
 
 
 def test_defaults_and_what_the_quota_service_gets() -> None:

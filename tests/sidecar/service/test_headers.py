@@ -8,7 +8,6 @@ checked in tests/e2e/test_headers_through_envoy.py.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +23,8 @@ from sidecar.metrics import RULE_STATS, WARNED
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.headers import HeaderNames, header_text
 from sidecar.service.servicer import RateLimitService
-from sidecar.settings import SettingsError, add_serve_arguments, resolve
+from sidecar.settings import SettingsError
+from tests.support.settings import settings_from as resolved
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -454,9 +454,7 @@ def test_the_warned_metric_is_a_rule_stat():
 
 
 def settings_from(flags: list[str], environ: dict[str, str] | None = None):
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_serve_arguments(parser)
-    return resolve(parser.parse_args(["--config", "c", *flags]), environ or {})
+    return resolved(flags, environ, config="c")
 
 
 def test_settings_defaults_and_environment():

@@ -9,7 +9,6 @@ settings. Through a real Envoy: tests/e2e/test_headers_through_envoy.py.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,8 @@ from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
 from sidecar.service.headers import HeaderNames, HeaderStyle
 from sidecar.service.ratelimit_fields import MAX_NAME_CHARS, MAX_SF_INTEGER, escaped_name, sf_integer
 from sidecar.service.servicer import RateLimitService
-from sidecar.settings import SettingsError, add_serve_arguments, resolve
+from sidecar.settings import SettingsError
+from tests.support.settings import settings_from as resolved
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -276,9 +276,7 @@ async def test_draft_03_is_the_default(h, clock):
 
 
 def settings_from(flags: list[str], environ: dict[str, str] | None = None) -> Any:
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_serve_arguments(parser)
-    return resolve(parser.parse_args(["--config", "c", *flags]), environ or {})
+    return resolved(flags, environ, config="c")
 
 
 def test_style_from_flag_environment_and_with_the_reference_variable():
