@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 
-from sidecar import turns
+from sidecar import server, turns
 from sidecar.turns import MAX_REST, MIN_REST, GiveWay
+from tests.support.settings import settings_from
 
 
 class Clock:
@@ -50,3 +56,24 @@ async def test_the_next_chunk_is_timed_from_the_end_of_the_rest(slept: list[floa
     clock.now += 0.002  # the next chunk alone, not the rest before it
     await give_way()
     assert slept == [pytest.approx(0.004), pytest.approx(0.002)]
+
+
+def test_serve_hands_the_gil_over_at_the_short_switch_interval(tmp_path: Path) -> None:
+    """The whole serve process runs at :data:`~sidecar.turns.SWITCH_INTERVAL`, not CPython's 5 ms."""
+    (tmp_path / "api.yaml").write_text(
+        "domain: api\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n"
+    )
+    seen: list[float] = []
+
+    def run(main: Coroutine[Any, Any, None]) -> None:
+        main.close()
+        seen.append(sys.getswitchinterval())
+
+    before = sys.getswitchinterval()
+    try:
+        with mock.patch.object(server.uvloop, "run", run):
+            server.serve(settings_from(["--config", str(tmp_path), "--grpc-address", "127.0.0.1:0"]))
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [turns.SWITCH_INTERVAL]
+    assert turns.SWITCH_INTERVAL < 0.005  # shorter than CPython's default, or it changes nothing
