@@ -163,8 +163,9 @@ def corrupt_key_row(context: Context) -> Row:
 
 
 SMOKE_URLS = (BAD_URLS[0], BAD_URLS[3])
-"""The smoke size's URLs (a mistyped scheme, an unencoded ``#``): every one of ``BAD_URLS`` is started
-as a real ``serve`` process by tests/sidecar/test_startup_errors.py, by flag and by environment."""
+"""The smoke size's URLs (a mistyped scheme, an unencoded ``#``): tests/sidecar/test_startup_errors.py
+checks every one of ``BAD_URLS`` through ``serve``'s own path in-process, by flag and by environment,
+with one real ``serve`` process per path."""
 
 
 def redis_url_row(context: Context) -> Row:
@@ -262,8 +263,9 @@ def float_options() -> list[Any]:
 
 
 def non_finite_row(context: Context) -> Row:
-    """Smoke size: one setting (tests/sidecar/test_settings_finite.py starts a real ``serve`` with
-    ``nan`` in every float setting, and checks every spelling of non-finite through the parser)."""
+    """Smoke size: one setting (tests/sidecar/test_settings_finite.py checks ``nan``, ``inf`` and
+    ``-inf`` in every float setting through ``serve``'s own path in-process, with one real process
+    per path, and every spelling of non-finite through the parser)."""
     scenario = "nan, inf, -inf for every float setting"
     values = ("nan",) if context.quick else ("nan", "inf", "-inf")
     options = float_options()[:1] if context.smoke else float_options()
