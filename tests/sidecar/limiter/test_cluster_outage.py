@@ -26,6 +26,7 @@ from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.sync import SyncLimiter
 from sidecar.server import build_redis_limiter, build_strict_limiter
 from tests.sidecar.limiter.conftest import strict_settings, sync_settings
+from tests.support import outages
 from tests.support.redis_servers import RedisCluster, fresh_prefix, replicated_cluster
 
 __all__ = ["replicated_cluster"]  # a fixture, used by name
@@ -60,10 +61,7 @@ def check_on(prefix: str, slots: set[int], name: str, algorithm: Algorithm = Alg
 
 
 async def until(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        await asyncio.sleep(0.01)
+    await outages.until(condition, what, WAIT)
 
 
 def redis_total(cluster: RedisCluster, key: str) -> int:

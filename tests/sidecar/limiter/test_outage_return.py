@@ -22,11 +22,11 @@ import pytest
 
 from sidecar.limiter.protocol import Check, Role
 from sidecar.limiter.redis.replicas import Replicas
-from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.sync import SyncLimiter
-from sidecar.server import build_redis_limiter, build_redis_store, build_strict_limiter
-from tests.sidecar.limiter.conftest import HOUR, steady_now, strict_settings, sync_settings
+from sidecar.server import build_redis_store
+from tests.sidecar.limiter.conftest import HOUR, steady_now, strict_settings
 from tests.sidecar.limiter.test_sync_hardening import sum_counters
+from tests.support import outages
 from tests.support.redis_servers import RedisServer, fresh_prefix, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -42,23 +42,16 @@ before it are stale when Redis returns; B is held down for less."""
 WAIT = 15.0
 """Generous bound on each wait for a state change (a loaded machine): never a measured time."""
 
-Limiter = StrictLimiter | SyncLimiter
+Limiter = outages.Limiter
 
 
 def build(mode: str, url: str, prefix: str) -> Limiter:
     options: dict[str, object] = {"redis_prefix": prefix, "heartbeat_interval": HEARTBEAT}
-    if mode == "strict":
-        return build_strict_limiter(strict_settings(url, **options))
-    limiter = build_redis_limiter(sync_settings(url, **options))
-    assert isinstance(limiter, SyncLimiter)
-    return limiter
+    return outages.build_limiter(mode, url, **options)
 
 
 async def until(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        await asyncio.sleep(0.01)
+    await outages.until(condition, what, WAIT)
 
 
 async def noticed_down(limiter: Limiter) -> None:
@@ -68,21 +61,6 @@ async def noticed_down(limiter: Limiter) -> None:
         assert time.monotonic() < deadline, "the limiter never noticed the outage"
         await limiter.replicas.beat()
         await asyncio.sleep(0.01)
-
-
-def hold_probe(limiter: Limiter) -> list[bool]:
-    """Keep ``limiter``'s probe failing while the returned flag holds True (its backoff, stretched)."""
-    held = [True]
-    availability = limiter.store.availability
-    probe = availability._probe_once
-
-    async def held_probe() -> None:
-        if held[0]:
-            raise ConnectionRefusedError("held down by the test")
-        await probe()
-
-    availability._probe_once = held_probe  # type: ignore[method-assign]
-    return held
 
 
 async def settle(limiter: Limiter) -> None:
@@ -131,7 +109,7 @@ async def test_a_replica_back_before_its_peer_keeps_its_share_until_the_outage_i
             assert admitted["outage"] == LIMIT - 2 * BEFORE, "each replica's share of 20, less its 10 before"
             await asyncio.sleep(3 * HEARTBEAT + 0.2)  # every beat in Redis is now older than three intervals
 
-            held = hold_probe(second)
+            held = outages.hold_probe(second.store)
             await asyncio.to_thread(server.start)
             await until(lambda: first.store.available, "the first replica back")
             lives = []

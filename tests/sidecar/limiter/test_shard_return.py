@@ -24,10 +24,9 @@ from redis.crc import key_slot
 
 from sidecar.limiter.protocol import Check
 from sidecar.limiter.redis.keys import counter_window, replicas_key
-from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.sync import SyncLimiter
-from sidecar.server import build_redis_limiter, build_strict_limiter
-from tests.sidecar.limiter.conftest import HOUR, strict_settings, sync_settings
+from tests.sidecar.limiter.conftest import HOUR
+from tests.support import outages
 from tests.support.redis_servers import RedisCluster, fresh_prefix, replicated_cluster
 
 __all__ = ["replicated_cluster"]  # a fixture, used by name
@@ -46,23 +45,16 @@ HELD = 1.2
 WAIT = 40.0
 """Bounds each wait (a failover on a loaded machine); never a measured time."""
 
-Limiter = StrictLimiter | SyncLimiter
+Limiter = outages.Limiter
 
 
 def build(mode: str, url: str, prefix: str) -> Limiter:
     options: dict[str, object] = {"redis_prefix": prefix, "heartbeat_interval": HEARTBEAT, "redis_timeout": 0.5}
-    if mode == "strict":
-        return build_strict_limiter(strict_settings(url, **options))
-    limiter = build_redis_limiter(sync_settings(url, **options))
-    assert isinstance(limiter, SyncLimiter)
-    return limiter
+    return outages.build_limiter(mode, url, **options)
 
 
 async def until(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        await asyncio.sleep(0.01)
+    await outages.until(condition, what, WAIT)
 
 
 def hot_check() -> Check:

@@ -18,6 +18,7 @@ from sidecar.limiter.redis.keys import replicas_key
 from sidecar.limiter.redis.replicas import Replicas
 from sidecar.limiter.redis.store import RedisStore
 from sidecar.quota.redis_shares import RedisShares
+from tests.support import outages
 from tests.support.redis_servers import RedisServer, fresh_prefix
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -31,25 +32,7 @@ WAIT = 15.0
 
 
 async def until(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        await asyncio.sleep(0.01)
-
-
-def hold_probe(store: RedisStore) -> list[bool]:
-    """Keep ``store``'s probe failing while the returned flag holds True."""
-    held = [True]
-    availability = store.availability
-    probe = availability._probe_once
-
-    async def held_probe() -> None:
-        if held[0]:
-            raise ConnectionRefusedError("held down by the test")
-        await probe()
-
-    availability._probe_once = held_probe  # type: ignore[method-assign]
-    return held
+    await outages.until(condition, what, WAIT)
 
 
 async def test_a_quota_replica_back_first_keeps_the_count_from_before_the_outage(own_redis: RedisServer) -> None:
@@ -73,7 +56,7 @@ async def test_a_quota_replica_back_first_keeps_the_count_from_before_the_outage
                 assert each.replicas is not None
                 await each.replicas.beat()
                 await asyncio.sleep(0.01)
-        held = hold_probe(second.store)
+        held = outages.hold_probe(second.store)
         await asyncio.to_thread(own_redis.start)  # its data lost: no beat at all in Redis
         await until(lambda: first.store.available, "the first replica back")
         seen = []
