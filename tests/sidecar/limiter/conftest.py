@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
+from sidecar.limiter.redis.store import RedisStore
 from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.sync import SyncLimiter
 from sidecar.limiter.windows import window_start
@@ -94,3 +95,16 @@ async def steady_now(unit: int = HOUR, margin: float = 60.0) -> float:
         await asyncio.sleep(left + 0.05)
         now = time.time()
     return now
+
+
+def none_waited_for_a_timeout(durations: Sequence[float], store: RedisStore) -> None:
+    """No call waited for Redis's socket or background timeout (``store.background_timeout``,
+    at least 1 s) while Redis was away or paused.
+
+    A call decided by the failure mode returns at once, or after its own budget (5 ms);
+    one that waited for a timeout took the whole timeout. Half of it tells the two apart
+    with a hundredfold headroom for a loaded machine: this is not a latency figure (those
+    are the reliability report's), only which of the two happened.
+    """
+    bound = store.background_timeout / 2
+    assert max(durations) < bound, [round(took, 4) for took in durations]
