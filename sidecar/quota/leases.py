@@ -93,8 +93,12 @@ bucket's master holds its role this long after its last call)."""
 POLL_SECONDS = 1.0
 """Between reports, buckets whose shares are still moving are asked again this often."""
 TICK = 0.25
-CHUNK = 250
-"""Buckets per pipeline and per loop turn (calls built, replies read, pushes): ~1-3 ms."""
+CHUNK = 128
+"""Buckets per pipeline and per loop turn (calls built, replies read, pushes). redis-py reads
+a pipeline's buffered replies in one loop turn: with 20,000 shared buckets, pipelines of 250
+held the loop 17-23 ms (probe p99 24-33 ms with Redis up), of 128 10-14 ms (17-19 ms); of 64,
+6 ms, but Redis then falls behind the 5 s reports (``python -m loadtest.reliability --areas
+loop-stalls``, outage row, runs in alternation)."""
 MAX_PER_TICK = 5000
 """Buckets called per tick (the rest wait for the next): 20,000 a second, the 100,000
 buckets of a full process every 5 s report."""
