@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.reliability import AREAS, table
-from loadtest.reliability_harness import Context, store_faults
-from loadtest.reliability_harness.store_faults import Run, Traffic, recovery, split_decisions
+from loadtest.reliability_harness import Context, store_faults, store_rows
+from loadtest.reliability_harness.store_rows import Run, Traffic, recovery, split_decisions
 from loadtest.reliability_harness.store_topology import Fault, Keys, store_events
 from loadtest.reliability_harness.support import OK, CounterNames, Row
 
@@ -64,9 +64,9 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Row]]:
 @pytest.mark.redis
 @pytest.mark.timeout(300)
 def test_every_quick_row_answers_every_call_and_serves_after_the_fault(rows: list[Row]) -> None:
-    quick = store_faults.QUICK
+    quick = store_rows.QUICK
     assert [row.scenario for row in rows] == [
-        store_faults.row_name(mode, fault) for mode in quick.modes for fault in quick.faults
+        store_rows.row_name(mode, fault) for mode in quick.modes for fault in quick.faults
     ]
     for row in rows:
         figures = row.figures
@@ -80,7 +80,7 @@ def test_every_quick_row_answers_every_call_and_serves_after_the_fault(rows: lis
         assert figures["answered"] + figures["late_calls"] == figures["calls"], explain(row)
         assert figures["replication_acknowledged"] > 0, explain(row)
         assert figures["promotion_s"] >= 0, f"the heir never served the slot: {explain(row)}"
-        assert figures["hot_bound"] == store_faults.BOUNDS["strict"]
+        assert figures["hot_bound"] == store_rows.BOUNDS["strict"]
     migration = next(row for row in rows if "migration" in row.scenario)
     assert "keys MIGRATEd" in migration.notes, explain(migration)
     assert "| store faults | strict mode: Cluster" in table(rows)
@@ -91,20 +91,20 @@ def test_the_area_is_in_the_report() -> None:
 
 
 def test_the_slot_keys_share_the_hot_keys_slot(tmp_path: Path) -> None:
-    (tmp_path / "store.yaml").write_text(store_faults.CONFIG)
-    keys = Keys.choose(CounterNames(tmp_path, store_faults.DOMAIN), 3, seed=7)
+    (tmp_path / "store.yaml").write_text(store_rows.CONFIG)
+    keys = Keys.choose(CounterNames(tmp_path, store_rows.DOMAIN), 3, seed=7)
     traffic = Traffic(keys, "t", 1, with_slot_keys=True)
     in_slot = [payload for payload, slot in enumerate(traffic.slots) if slot == keys.slot]
     assert len(keys.slot_values) == 3 and 0 in in_slot and len(in_slot) >= 4
     without = Traffic(keys, "t", 1, with_slot_keys=False)
-    assert len(without.spread) == store_faults.SPREAD_KEYS
+    assert len(without.spread) == store_rows.SPREAD_KEYS
 
 
 def synthetic_run(tmp_path: Path) -> Run:
     """Calls at 0.1 s steps for 2 s; the fault at 1.0 s; sidecar 1 reports Redis down from
     1.1 to 1.4 s, and 40 failure-mode decisions are added meanwhile."""
-    (tmp_path / "store.yaml").write_text(store_faults.CONFIG)
-    keys = Keys.choose(CounterNames(tmp_path, store_faults.DOMAIN), 1, seed=3)
+    (tmp_path / "store.yaml").write_text(store_rows.CONFIG)
+    keys = Keys.choose(CounterNames(tmp_path, store_rows.DOMAIN), 1, seed=3)
     run = Run(Traffic(keys, "t", 1, with_slot_keys=False), Fault.__new__(Fault))
     for step in range(20):
         run.calls.add(step % 2, 1 + step % 5, step / 10, 0.001, OK)
