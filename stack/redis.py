@@ -101,12 +101,17 @@ class RedisProcess(Child):
 # ---------------------------------------------------------------------------------
 
 
-def cluster_port() -> int:
-    """A free port whose Cluster bus port (+10000) is free too: below Linux's ephemeral range
-    (a node's port must be at most 55535), in a range the test suite's nodes do not use."""
+HARNESS_CLUSTER_PORTS = (23_000, 25_000)
+"""Where the reliability harness's Cluster nodes listen (the test suite's own nodes use
+20,000-22,000, so a harness run beside the tests never takes their ports)."""
+
+
+def cluster_port(ports: tuple[int, int] = HARNESS_CLUSTER_PORTS) -> int:
+    """A free port in ``ports`` whose Cluster bus port (+10000) is free too: below Linux's
+    ephemeral range (a node's port must be at most 55535)."""
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(23_000, 25_000)
+        port = rng.randrange(*ports)
         if port_free(port) and port_free(port + 10_000):
             return port
     raise RuntimeError("no free pair of ports for a Cluster node")

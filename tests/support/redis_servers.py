@@ -11,9 +11,7 @@ outside this file needs to know about Redis.
 from __future__ import annotations
 
 import contextlib
-import random
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -41,23 +39,8 @@ ACL_PASSWORD = "s3cr:et@/pw"
 """A password with URL-special characters, so the URL encoding is exercised too."""
 
 
-def bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def cluster_port() -> int:
-    """A free port whose Cluster bus port (+10000) is free too, below Linux's ephemeral range."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20_000, 22_000)
-        if bindable(port) and bindable(port + 10_000):
-            return port
-    raise RuntimeError("no free pair of ports for a Cluster node")
+SUITE_CLUSTER_PORTS = (20_000, 22_000)
+"""The test suite's Cluster nodes (the reliability harness uses its own range)."""
 
 
 class RedisServer:
@@ -160,7 +143,7 @@ class RedisCluster:
             RedisServer(
                 directory / f"node-{index}",
                 [*launcher.CLUSTER_FLAGS, *extra],
-                port=cluster_port(),
+                port=launcher.cluster_port(SUITE_CLUSTER_PORTS),
             )
             for index in range(masters * (1 + replicas))
         ]
