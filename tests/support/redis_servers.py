@@ -214,11 +214,25 @@ class RedisCluster:
         return served
 
     def replica_of(self, master: RedisServer) -> RedisServer:
-        me = self.node_id(master)
-        for node in self.alive():
-            if node is not master and node.client().info("replication").get("master_port") == master.port:
-                return node
-        raise AssertionError(f"master {me} has no live replica")
+        """``master``'s live replica, waited for (a replica's link to its master may be
+        re-established at that moment); the failure shows the Cluster's own view."""
+        found: list[RedisServer] = []
+
+        def linked() -> bool:
+            found[:] = [
+                node
+                for node in self.alive()
+                if node is not master and node.client().info("replication").get("master_port") == master.port
+            ]
+            return bool(found)
+
+        deadline = time.monotonic() + CLUSTER_DEADLINE
+        while not linked() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not found:
+            nodes = master.client().execute_command("CLUSTER", "NODES")
+            raise AssertionError(f"master on port {master.port} has no live replica; CLUSTER NODES:\n{nodes}")
+        return found[0]
 
     def start_migration(self, slot: int, moved_keys: Sequence[str]) -> tuple[RedisServer, RedisServer]:
         """Put ``slot`` in migration from its master to another one (``CLUSTER SETSLOT
