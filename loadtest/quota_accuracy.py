@@ -12,16 +12,22 @@ Scenarios (each on a fresh bucket; limit ``--limit`` per second, demand 1.5x the
 ``balanced`` (1/3 each), ``skewed`` (80/10/10), ``shift`` (80/10/10, then 10/10/80),
 ``paused`` (skewed; Redis under ``CLIENT PAUSE`` for 12 s mid-run), ``killed`` (balanced;
 replica 3's sidecar and Envoy are killed mid-run, the other two then ask for everything).
+``cluster_failover`` (balanced, on a stack of its own: the sidecars on a 6-node Redis Cluster,
+3 masters with a replica each, node timeout 2 s, full coverage off; the master holding the
+bucket's share keys is SIGKILLed mid-run and its replica promoted; ``loadtest/quota_failover.py``)
+is run only when named.
 
 Reported per scenario: total admitted / limit after the first 12 s (two reports), the worst
 second against the limit and against limit + the replicas' bucket sizes (the bound, 2x the
 limit for a per-second rule), false rejections (429s in seconds whose global total was
 below 95% of the limit), convergence (shift: seconds until the total is within 5% of the
 limit and replica 3 has at least 90% of its fair share; killed: seconds until the two
-survivors admit 95% of the limit, which must not come before the dead lease ends).
+survivors admit 95% of the limit, which must not come before the dead lease ends;
+cluster_failover: seconds from the kill until every later second is within 5% of the limit).
 
     python -m loadtest.quota_accuracy                      # all scenarios, ~4 minutes; per second on stderr
     python -m loadtest.quota_accuracy --scenarios shift killed --limit 300
+    python -m loadtest.quota_accuracy --scenarios cluster_failover   # ~1 minute
 
 Only 127.0.0.1; every child is stopped at the end, also on Ctrl-C, SIGTERM or error.
 """
@@ -41,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.common import run_cli
+from loadtest.quota_failover import CLUSTER_SCENARIOS, kill_share_master, outage_seen, recovery, start_cluster
+from loadtest.reliability_harness.store_topology import ClusterStore
 from stack.processes import ProcessGroup
 from stack.quota_envoy import QuotaEnvoy, quota_sidecar
 from stack.redis import RedisProcess
@@ -52,6 +60,7 @@ TTL = 6
 LEASE = TTL + 10
 WARMUP = 12
 SCENARIOS = ("balanced", "skewed", "shift", "paused", "killed")
+ALL_SCENARIOS = SCENARIOS + CLUSTER_SCENARIOS
 
 
 def config_text(limit: int) -> str:
@@ -119,19 +128,31 @@ def pause_redis(redis: RedisProcess, milliseconds: int) -> None:
 @dataclass
 class Stack:
     group: ProcessGroup
-    redis: RedisProcess
+    redis: RedisProcess | None
     envoys: list[QuotaEnvoy]
     sidecars: list[SidecarProcess]
+    cluster: ClusterStore | None = None
 
 
-def start_stack(directory: Path, limit: int) -> Stack:
+def start_stack(directory: Path, limit: int, *, cluster: bool = False) -> Stack:
+    """Three Envoys, each with its sidecar, on one redis-server or (``cluster``) a Redis Cluster."""
     group = ProcessGroup()
-    redis = group.start_ready(lambda: RedisProcess(directory / "redis"))
+    try:
+        return _start_stack(group, directory, limit, cluster)
+    except BaseException:
+        group.close()
+        raise
+
+
+def _start_stack(group: ProcessGroup, directory: Path, limit: int, cluster: bool) -> Stack:
+    store = start_cluster(group, directory) if cluster else None
+    redis = None if store else group.start_ready(lambda: RedisProcess(directory / "redis"))
+    url = store.url if store else redis.url if redis else ""
     config = directory / "config"
     config.mkdir(parents=True, exist_ok=True)
     (config / "quota.yaml").write_text(config_text(limit))
     app = group.start_ready(lambda: UpstreamProcess("app", directory))
-    flags = ("--backend", "redis", "--redis-url", redis.url, "--quota-ttl", str(TTL), "--quota-idle-abandon", "60")
+    flags = ("--backend", "redis", "--redis-url", url, "--quota-ttl", str(TTL), "--quota-idle-abandon", "60")
     sidecars = [
         group.start_ready(functools.partial(quota_sidecar, directory / f"s{index}", config, *flags))
         for index in range(3)
@@ -140,7 +161,7 @@ def start_stack(directory: Path, limit: int) -> Stack:
         group.start_ready(functools.partial(QuotaEnvoy, directory / f"e{index}", app.port, sidecars[index].port))
         for index in range(3)
     ]
-    return Stack(group, redis, envoys, sidecars)
+    return Stack(group, redis, envoys, sidecars, store)
 
 
 @dataclass
@@ -162,7 +183,8 @@ def shares(total: float, split: Sequence[float]) -> list[float]:
 async def scenario(name: str, stack: Stack, limit: int, seconds: int) -> Outcome:
     bucket = f"{name}-{time.time_ns()}"
     demand = 1.5 * limit
-    split = {"balanced": (1 / 3, 1 / 3, 1 / 3), "killed": (1 / 3, 1 / 3, 1 / 3)}.get(name, (0.8, 0.1, 0.1))
+    even = (1 / 3, 1 / 3, 1 / 3)
+    split = {"balanced": even, "killed": even, "cluster_failover": even}.get(name, (0.8, 0.1, 0.1))
     rate = shares(demand, split)
     tally = Tally()
     t0 = time.monotonic()
@@ -177,17 +199,22 @@ async def scenario(name: str, stack: Stack, limit: int, seconds: int) -> Outcome
     ]
     event_at = seconds // 2
     note = ""
+    failover = None
     await asyncio.sleep(event_at)
     if name == "shift":
         per[:] = [value / connections for value in shares(demand, (0.1, 0.1, 0.8))]
-    elif name == "paused":
+    elif name == "paused" and stack.redis is not None:
         pause_redis(stack.redis, 12_000)
         note = "Redis paused 12 s"
     elif name == "killed":
         stack.envoys[2].kill()
         stack.sidecars[2].kill()
         per[:] = [demand / 2 / connections, demand / 2 / connections, 0.0]
+    elif name == "cluster_failover" and stack.cluster is not None:
+        failover = await kill_share_master(stack.cluster, bucket)
     await asyncio.gather(*tasks, return_exceptions=True)
+    if failover is not None:
+        note = f"{failover.note()}; {outage_seen(stack.sidecars, failover.victim)}"
     print(per_second(name, tally, limit), file=sys.stderr)
     return summarize(name, tally, limit, event_at, note)
 
@@ -225,6 +252,11 @@ def summarize(name: str, tally: Tally, limit: int, event_at: int, note: str) -> 
         else:
             converge = "no"
         note = f"survivors before the lease ended: max {max(early, default=0)}/s"
+    if name == "cluster_failover":
+        after_kill = recovery(totals, limit, event_at)
+        over = sum(total > 2 * limit for total in totals.values())
+        converge = after_kill.back
+        note = f"{note}; from the kill {after_kill.lowest}-{after_kill.highest}/s; seconds over the bound: {over}"
     if name in {"shift", "killed"}:
         after = [total for second, total in totals.items() if second >= event_at + 12]
     ratio = sum(after) / (len(after) * limit) if after else 0.0
@@ -250,7 +282,7 @@ def table(outcomes: Sequence[Outcome], limit: int) -> str:
 async def run_all(stack: Stack, names: Sequence[str], limit: int, seconds: int) -> list[Outcome]:
     outcomes = []
     for name in names:
-        length = seconds + (15 if name in ("shift", "killed") else 0)
+        length = seconds + {"shift": 15, "killed": 15, "cluster_failover": 10}.get(name, 0)
         outcome = await scenario(name, stack, limit, length)
         print(table([outcome], limit).splitlines()[-1], file=sys.stderr)
         outcomes.append(outcome)
@@ -258,21 +290,35 @@ async def run_all(stack: Stack, names: Sequence[str], limit: int, seconds: int) 
     return outcomes
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_stack(names: Sequence[str], limit: int, seconds: int, *, cluster: bool) -> list[Outcome]:
+    with tempfile.TemporaryDirectory(prefix="quota-accuracy-") as directory:
+        stack = start_stack(Path(directory), limit, cluster=cluster)
+        try:
+            return asyncio.run(run_all(stack, names, limit, seconds))
+        finally:
+            stack.group.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest.quota_accuracy", description=__doc__.splitlines()[0])
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument(
+        "--scenarios", nargs="+", choices=ALL_SCENARIOS, default=list(SCENARIOS), help="cluster_failover: only if named"
+    )
     parser.add_argument("--limit", type=int, default=200)
     parser.add_argument("--seconds", type=int, default=30)
-    arguments = parser.parse_args(argv)
-    names = [name for name in SCENARIOS if name in arguments.scenarios]  # killed last
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = build_parser().parse_args(argv)
+    names = [name for name in ALL_SCENARIOS if name in arguments.scenarios]  # killed last, then the Cluster's
 
     def run() -> int:
-        with tempfile.TemporaryDirectory(prefix="quota-accuracy-") as directory:
-            stack = start_stack(Path(directory), arguments.limit)
-            try:
-                outcomes = asyncio.run(run_all(stack, names, arguments.limit, arguments.seconds))
-            finally:
-                stack.group.close()
+        outcomes: list[Outcome] = []
+        for cluster in (False, True):  # the Cluster's scenarios on a stack of their own
+            chosen = [name for name in names if (name in CLUSTER_SCENARIOS) == cluster]
+            if chosen:
+                outcomes += run_stack(chosen, arguments.limit, arguments.seconds, cluster=cluster)
         print(table(outcomes, arguments.limit))
         return 0
 
