@@ -23,6 +23,8 @@ from types import SimpleNamespace
 from typing import Any, NoReturn
 from unittest import mock
 
+import structlog
+
 import sidecar.__main__ as cli
 from sidecar import server
 from tests.support.sidecars import clean_env
@@ -85,6 +87,18 @@ def _stderr_of_a_process(stream: io.StringIO) -> Iterator[None]:
         stream.write(warnings.formatwarning(warning.message, warning.category, warning.filename, warning.lineno))
 
 
+@contextlib.contextmanager
+def _logging_restored() -> Iterator[None]:
+    """structlog's configuration as it was: serve configures logging to the stderr of the
+    moment (here a StringIO), and every later test in this worker would log into it (a
+    test reading its own log lines with capsys then read nothing)."""
+    saved = structlog.get_config()
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+
+
 def serve_in_process(*args: str, env: Mapping[str, str] | None = None) -> Refusal:
     """``python -m sidecar serve ARGS`` with ``clean_env(**env)`` as the environment, in this
     process. An exception ``serve`` lets escape (a real process's traceback) propagates; a
@@ -92,6 +106,7 @@ def serve_in_process(*args: str, env: Mapping[str, str] | None = None) -> Refusa
     gRPC address should bind (``127.0.0.1:0``): serve() checks it first."""
     out, err = io.StringIO(), io.StringIO()
     with (
+        _logging_restored(),
         mock.patch.dict(os.environ, clean_env(**(env or {})), clear=True),
         mock.patch.object(server, "has_startup_config", _accepted),
         mock.patch.object(server, "uvloop", SimpleNamespace(run=_serving)),
