@@ -54,10 +54,10 @@ REDIRECTS = (TryAgainError, AskError)
 """Replies saying the call did not run here (``MOVED`` is an ``AskError``): resent once, alone."""
 
 Send = Callable[[Sequence[ScriptCall | Command]], Awaitable[list[Any]]]
+"""Sends calls as one pipeline (and ``NOSCRIPT`` resends) to whichever node redis-py routes them."""
 ShardListener = Callable[[bool, frozenset[int]], None]
 """Told ``(up, slots)`` when a master goes down (its slots then) and when those slots are
 served again (it came back, or it left the slot map for a promoted replica)."""
-"""Sends calls as one pipeline (and ``NOSCRIPT`` resends) to whichever node redis-py routes them."""
 
 
 class ShardUnavailable(RedisUnavailable):
