@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sidecar.limiter.redis.availability import Availability
 from sidecar.limiter.redis.store import RedisStore
 from sidecar.limiter.strict import StrictLimiter
 from sidecar.limiter.sync import SyncLimiter
@@ -37,8 +38,13 @@ async def until(condition: Callable[[], object], what: str, wait: float) -> None
 
 def hold_probe(store: RedisStore) -> list[bool]:
     """Keep ``store``'s probe failing while the returned flag holds True (its backoff, stretched)."""
+    return hold_availability(store.availability)
+
+
+def hold_availability(availability: Availability) -> list[bool]:
+    """Keep ``availability``'s probe (a store's, or in Cluster one master's) failing while
+    the returned flag holds True."""
     held = [True]
-    availability = store.availability
     probe = availability._probe_once
 
     async def held_probe() -> None:

@@ -98,19 +98,9 @@ async def until_settled(limiter: Limiter, what: str) -> None:
 
 def hold_node_probe(limiter: Limiter, name: str) -> list[bool]:
     """Keep ``limiter``'s probe of master ``name`` failing while the returned flag holds True."""
-    held = [True]
     nodes = limiter.store.nodes
     assert nodes is not None
-    availability = nodes.node(name)
-    probe = availability._probe_once
-
-    async def held_probe() -> None:
-        if held[0]:
-            raise ConnectionRefusedError("held down by the test")
-        await probe()
-
-    availability._probe_once = held_probe  # type: ignore[method-assign]
-    return held
+    return outages.hold_availability(nodes.node(name))
 
 
 @pytest.mark.parametrize("mode", ["strict", "sync"])
