@@ -102,3 +102,14 @@ class Bans:
             del bans[key]
         self._new = 0
         self._sweep = max(min(BUCKET_SWEEP_MIN, self.max_bans), len(bans))
+
+
+def blind_cap(max_overshoot: float, limit: int, replicas: int) -> int:
+    """``Q``: hits a sync replica may hold that Redis has not seen.
+
+    ``(R - 1) * Q <= max_overshoot * limit`` by construction, so the proven bound never
+    exceeds the configured fraction; 0 means every admission is exact.
+    """
+    if replicas <= 1:
+        return limit
+    return math.floor(max_overshoot * limit / (replicas - 1))

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from sidecar.limiter.algorithms import Algorithm, previous_weight, sliding_part
-from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS, Bans
+from sidecar.limiter.bounds import DEFAULT_MAX_COUNTERS, Bans, blind_cap
 from sidecar.limiter.budget import DEFAULT_REDIS_TIMEOUT, FailureReasons, Reason, redis_wait
 from sidecar.limiter.failure import FailureMode, Settlement, held_to_shares, sync_failure_limits
 from sidecar.limiter.hooks import RedisWaits
@@ -551,14 +551,8 @@ class SyncLimiter:
         return tuple(values)
 
     def blind_cap(self, limit: int, replicas: int) -> int:
-        """``Q``: hits a replica may hold that Redis has not seen.
-
-        ``(R - 1) * Q <= max_overshoot * limit`` by construction, so the proven bound
-        never exceeds the configured fraction; 0 means every admission is exact.
-        """
-        if replicas <= 1:
-            return limit
-        return math.floor(self.max_overshoot * limit / (replicas - 1))
+        """``Q`` at this limiter's ``--sync-max-overshoot`` (:func:`~sidecar.limiter.bounds.blind_cap`)."""
+        return blind_cap(self.max_overshoot, limit, replicas)
 
     # ------------------------------------------------------------ local counters
 
