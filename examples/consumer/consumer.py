@@ -30,12 +30,14 @@ STARTUP = 3.0
 """Seconds the replicas get to start and warm up before they all begin calling."""
 
 
-async def call_provider(streams: dict[str, Any], provider: str) -> None:
-    """One ``POST /charge`` on a kept-alive connection."""
+async def call_provider(streams: dict[str, Any], provider: str, granted_at: float) -> None:
+    """One ``POST /charge`` on a kept-alive connection, stamped with the Unix time its slot was granted."""
     if "writer" not in streams:
         host, port = provider.rsplit(":", 1)
         streams["reader"], streams["writer"] = await asyncio.open_connection(host, int(port))
-    streams["writer"].write(b"POST /charge HTTP/1.1\r\nhost: provider\r\ncontent-length: 0\r\n\r\n")
+    streams["writer"].write(
+        b"POST /charge HTTP/1.1\r\nhost: provider\r\nx-granted-at: %.6f\r\ncontent-length: 0\r\n\r\n" % granted_at
+    )
     head = await streams["reader"].readuntil(b"\r\n\r\n")
     length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
     await streams["reader"].readexactly(length)
@@ -54,7 +56,7 @@ async def replica(
             try:
                 async with consumer.slot(DOMAIN, DESCRIPTOR, max_wait=max_wait):
                     waits.append(time.monotonic() - started)
-                    await call_provider(streams, provider)
+                    await call_provider(streams, provider, time.time())
             except RateLimitExceeded:
                 failures.append(time.monotonic() - started)
         if "writer" in streams:

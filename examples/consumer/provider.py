@@ -2,8 +2,13 @@
 
     python examples/consumer/provider.py --port 9000
 
-``GET /stats`` answers ``{"per_second": {"<unix second>": calls, ...}}``: what the provider saw
-in each wall-clock second (the windows the sidecar cuts). Plain asyncio, no dependency.
+``GET /stats`` answers ``{"per_second": {"<unix second>": calls, ...}, "per_grant_second": {...}}``:
+``per_second`` counts each call in the wall-clock second it arrived; ``per_grant_second`` in
+the second its slot was granted, from the ``x-granted-at`` header (Unix time) the consumer
+sends. The sidecar's windows are its wall-clock seconds at the grant: a call admitted late
+in one window can arrive in the next second (the caller's own delay between the grant and
+the call), so the grant second is what a window's budget is checked against. Plain
+asyncio, no dependency.
 """
 
 from __future__ import annotations
@@ -16,6 +21,17 @@ import time
 from collections import Counter
 
 counts: Counter[int] = Counter()
+granted: Counter[int] = Counter()
+GRANTED_AT = b"\r\nx-granted-at:"
+
+
+def grant_second(head: bytes) -> int | None:
+    """The wall-clock second of the ``x-granted-at`` header, None without one."""
+    start = head.lower().find(GRANTED_AT)
+    if start < 0:
+        return None
+    value = head[start + len(GRANTED_AT) :].split(b"\r\n", 1)[0]
+    return math.floor(float(value))
 
 
 async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -24,9 +40,12 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             head = await reader.readuntil(b"\r\n\r\n")
             line = head.split(b"\r\n", 1)[0].decode("latin-1")
             if line.startswith("GET /stats"):
-                body = json.dumps({"per_second": {str(second): n for second, n in sorted(counts.items())}}).encode()
+                body = json.dumps({"per_second": by_second(counts), "per_grant_second": by_second(granted)}).encode()
             else:
                 counts[math.floor(time.time())] += 1
+                second = grant_second(head)
+                if second is not None:
+                    granted[second] += 1
                 body = b'{"charged": true}'
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
             writer.write(body)
@@ -35,6 +54,10 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         pass
     finally:
         writer.close()
+
+
+def by_second(counter: Counter[int]) -> dict[str, int]:
+    return {str(second): n for second, n in sorted(counter.items())}
 
 
 async def main(port: int) -> None:

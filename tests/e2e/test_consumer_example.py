@@ -38,7 +38,8 @@ def test_the_provider_never_sees_more_than_the_shared_budget() -> None:
     assert result["problems"] == [], result
     assert done.returncode == 0
     limit, bound = result["limit"], result["bound"]
-    assert max(result["provider_per_second"]) <= limit + bound
+    assert max(result["provider_per_grant_second"]) <= limit + bound
+    assert sum(result["provider_per_grant_second"]) == sum(result["provider_per_second"])  # every call stamped
     # The whole budget is used: Redis's full windows hold the limit (the provider sees less in
     # a second when a slot was admitted after its caller had left: `orphaned`).
     windows = result["redis_per_window"][1:-1]
