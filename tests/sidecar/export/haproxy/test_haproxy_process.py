@@ -624,8 +624,12 @@ def test_sliding_counts_a_rate_not_clock_windows(start_haproxy: Callable[[], HAP
         raise AssertionError("the machine was too slow to keep the timeline in 3 tries")
     assert timeline.spent == ([200] * 20 + [429], [200] * 20 + [429])
     assert timeline.next_clock_second == ([200] * 20 + [429], [429] * 20)
+    # The rotated period has room for at least one (it rotated 50 ms or more before), and the
+    # previous period still weighs 20 * (1 - elapsed share), elapsed < 0.45. The estimate
+    # decays while the 20 are sent, so on a slow machine a late one may find room a refused
+    # one did not: the order of 200s and 429s is not checked, only the room.
     admitted = timeline.after_rotation.count(200)
-    assert timeline.after_rotation == [200] * admitted + [429] * (20 - admitted)
+    assert timeline.after_rotation[0] == 200, timeline.after_rotation
     assert 1 <= admitted <= 10, f"the previous period weighs 20 * (1 - elapsed share) still: got {admitted}"
 
 
