@@ -3,7 +3,8 @@
 The unit tests ask which bucket each filter gives a request (first matching entry wins; no
 entry, no bucket), so that a test says what happens to a request rather than how a predicate
 is spelt. Only what the exporter writes is understood: header, query parameter and source
-address inputs, the string matchers, and ``and``/``or``/``not``.
+address inputs, the string matchers, dynamic metadata read by the metadata matcher (a string
+matcher on a string value), and ``and``/``or``/``not``.
 """
 
 from __future__ import annotations
@@ -16,16 +17,28 @@ from urllib.parse import parse_qsl, urlsplit
 HEADER_INPUT = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput"
 QUERY_INPUT = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestQueryParamMatchInput"
 SOURCE_IP = "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput"
+METADATA_INPUT = "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.DynamicMetadataInput"
+METADATA_MATCHER = "type.googleapis.com/envoy.extensions.matching.input_matchers.metadata.v3.Metadata"
 
 
 @dataclass
 class Request:
-    """One request: ``:path`` (with its query), ``:authority``, other headers, the client address."""
+    """One request: ``:path`` (with its query), ``:authority``, other headers, the client address,
+    the dynamic metadata earlier filters set (namespace to struct)."""
 
     path: str = "/"
     host: str = "example.org"
     headers: dict[str, str] = field(default_factory=dict)
     address: str = "127.0.0.1"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def metadata_value(self, typed: dict[str, Any]) -> Any:
+        """What the dynamic metadata input gives its matcher: the value at the path, or None."""
+        assert typed["@type"] == METADATA_INPUT, typed
+        value: Any = self.metadata.get(typed["filter"])
+        for segment in typed["path"]:
+            value = value.get(segment["key"]) if isinstance(value, dict) else None
+        return value
 
     def read(self, typed: dict[str, Any]) -> str | None:
         kind = typed["@type"]
@@ -63,6 +76,11 @@ def string_matches(matcher: dict[str, Any], value: str) -> bool:
 def holds(predicate: dict[str, Any], request: Request) -> bool:
     if "single_predicate" in predicate:
         single = predicate["single_predicate"]
+        if "custom_match" in single:
+            matcher = single["custom_match"]["typed_config"]
+            assert matcher["@type"] == METADATA_MATCHER and not matcher.get("invert"), matcher
+            found = request.metadata_value(single["input"]["typed_config"])
+            return isinstance(found, str) and string_matches(matcher["value"]["string_match"], found)
         value = request.read(single["input"]["typed_config"])
         return value is not None and string_matches(single["value_match"], value)
     if "and_matcher" in predicate:

@@ -5,6 +5,9 @@ envoy-data-plane and pydantic, which no other command pays for.
 
 ``routes``
     The Envoy routes as quota predicates and bucket values (:class:`RouteReader`).
+``metadata``
+    The ``metadata`` / ``dynamic_metadata`` actions: the route's metadata as a constant, dynamic
+    metadata as one tested alternative per value the rules name (no input gives a bucket id its string).
 ``filters``
     Descriptors onto filters: one bucket per request and filter, so descriptors a route sends
     together go to different filters; matchers in route order.

@@ -100,9 +100,9 @@ def export_quota(
     manager, limiter = envoy_parts(document, origin)
     domain_name = filter_domain(limiter, origin)
     domain = pick_domain(domains, domain_name)
-    reader = read_routes(document, manager, limiter, origin, per_request)
+    reader = read_routes(document, manager, limiter, origin, per_request, domain=domain)
     if untranslated_per_request and reader.lossy:  # read again, those routes kept per request
-        reader = read_routes(document, manager, limiter, origin, [*per_request, *reader.lossy])
+        reader = read_routes(document, manager, limiter, origin, [*per_request, *reader.lossy], domain=domain)
     routes = reader.routes
     unknown = sorted(set(per_request) - reader.chosen)
     if unknown:
@@ -161,9 +161,13 @@ def read_routes(
     limiter: Mapping[str, Any],
     origin: Path,
     per_request: Collection[str],
+    *,
+    domain: DomainConfig,
 ) -> RouteReader:
-    """The routes of the manager's inline route config, read (``reader.routes``), and what was found."""
+    """The routes of the manager's inline route config, read (``reader.routes``), and what was
+    found; ``domain``'s rules name the values tested for an entry from dynamic metadata."""
     reader = RouteReader(str(origin), filter_stage(limiter), local_cluster(document), frozenset(per_request))
+    reader.rules = domain.root
     try:
         reader.routes = reader.virtual_hosts(inline_routes(manager, origin))
     except (AttributeError, TypeError, ValueError) as error:

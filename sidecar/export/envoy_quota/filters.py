@@ -49,7 +49,9 @@ Shape = tuple[tuple[str, BucketValue], ...]
 
 def assign_filters(routes: Sequence[QuotaRoute]) -> dict[Shape, int]:
     """The filter of every descriptor: one per descriptor shape, shared by every route sending
-    it; two descriptors sent by one route never share a filter (greedy colouring, in order)."""
+    it; two descriptors one request of a route may send never share a filter (greedy colouring,
+    in order). The descriptors of one ``rate_limits`` entry (the alternatives of a metadata
+    entry) are never sent together: they may share one."""
     chosen: dict[Shape, int] = {}
     for route in routes:
         for descriptor in route.descriptors:
@@ -58,9 +60,10 @@ def assign_filters(routes: Sequence[QuotaRoute]) -> dict[Shape, int]:
             taken = {
                 chosen[other.entries]
                 for sender in routes
-                if any(item.entries == descriptor.entries for item in sender.descriptors)
+                for item in sender.descriptors
+                if item.entries == descriptor.entries
                 for other in sender.descriptors
-                if other.entries in chosen
+                if other.entries in chosen and other.where != item.where
             }
             chosen[descriptor.entries] = next(index for index in range(len(chosen) + 1) if index not in taken)
     return chosen
@@ -68,7 +71,8 @@ def assign_filters(routes: Sequence[QuotaRoute]) -> dict[Shape, int]:
 
 def filter_matchers(routes: Sequence[QuotaRoute], belongs: Callable[[Shape], bool]) -> Iterator[Any]:
     """``(route, descriptor, predicate)`` of the entries of the filter holding the descriptors
-    ``belongs`` says, in route order."""
+    ``belongs`` says, in route order (a route's alternatives of one entry in turn: they exclude
+    one another)."""
     earlier: list[Predicate] = []
     """Paths of earlier routes of the same host that leave some of their requests without a bucket here."""
     host = None
@@ -78,15 +82,14 @@ def filter_matchers(routes: Sequence[QuotaRoute], belongs: Callable[[Shape], boo
         if route.path is None:
             continue
         mine = [item for item in route.descriptors if belongs(item.entries)]
-        descriptor = mine[0] if mine else None
-        if descriptor is not None:
-            tests = [
-                *([route.host_test] if route.host_test is not None else []),
-                route.path,
-                *([objects.negate(objects.any_of(earlier))] if earlier else []),
-            ]
+        tests = [
+            *([route.host_test] if route.host_test is not None else []),
+            route.path,
+            *([objects.negate(objects.any_of(earlier))] if earlier else []),
+        ]
+        for descriptor in mine:
             yield route, descriptor, objects.all_of([*tests, *descriptor.conditions])
-        if descriptor is None or descriptor.conditions:
+        if not mine or any(descriptor.conditions for descriptor in mine):
             earlier.append(route.path)
 
 

@@ -36,8 +36,19 @@ with warnings.catch_warnings():
         RateLimitQuotaFilterConfig,
     )
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import HttpFilter
-    from envoy_data_plane.envoy.extensions.matching.common_inputs.network.v3 import SourceIpInput
-    from envoy_data_plane.envoy.type.matcher.v3 import HttpRequestHeaderMatchInput, HttpRequestQueryParamMatchInput
+    from envoy_data_plane.envoy.extensions.matching.common_inputs.network.v3 import (
+        DynamicMetadataInput,
+        DynamicMetadataInputPathSegment,
+        SourceIpInput,
+    )
+    from envoy_data_plane.envoy.extensions.matching.input_matchers.metadata.v3 import Metadata as MetadataMatcher
+    from envoy_data_plane.envoy.type.matcher.v3 import (
+        HttpRequestHeaderMatchInput,
+        HttpRequestQueryParamMatchInput,
+        ValueMatcher,
+    )
+    from envoy_data_plane.envoy.type.matcher.v3 import RegexMatcher as EnvoyRegexMatcher
+    from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher as EnvoyStringMatcher
     from envoy_data_plane.envoy.type.v3 import HttpStatus, RateLimitStrategy, RateLimitStrategyBlanketRule, StatusCode
     from envoy_data_plane.google.protobuf import Any as AnyMessage
     from envoy_data_plane.xds.core.v3 import TypedExtensionConfig
@@ -132,6 +143,33 @@ def query_present(name: str) -> Predicate:
 
 def query_value_input(name: str) -> HttpRequestQueryParamMatchInput:
     return HttpRequestQueryParamMatchInput(query_param=name)
+
+
+def metadata_is(namespace: str, path: Sequence[str], value: str) -> Predicate:
+    """True when the request's dynamic metadata holds the string ``value`` at ``namespace`` /
+    ``path``: Envoy's dynamic metadata input read by its metadata input matcher (the input gives
+    that matcher a structured value, never a string, so a string matcher cannot test it)."""
+    return _metadata_test(namespace, path, EnvoyStringMatcher(exact=value))
+
+
+def metadata_has_string(namespace: str, path: Sequence[str]) -> Predicate:
+    """True when the dynamic metadata at ``namespace`` / ``path`` is a non-empty string: what
+    Envoy's ``metadata`` rate-limit action sends (a number, a struct, ``""`` or nothing count as
+    absent there)."""
+    # Envoy's RegexMatcher is RE2 whatever it says (its google_re2 field is deprecated).
+    return _metadata_test(namespace, path, EnvoyStringMatcher(safe_regex=EnvoyRegexMatcher(regex="(?s).+")))
+
+
+def _metadata_test(namespace: str, path: Sequence[str], matcher: EnvoyStringMatcher) -> Predicate:
+    segments = [DynamicMetadataInputPathSegment(key=key) for key in path]
+    read = DynamicMetadataInput(filter=namespace, path=segments)
+    test = MetadataMatcher(value=ValueMatcher(string_match=matcher))
+    return Predicate(
+        single_predicate=MatcherMatcherListPredicateSinglePredicate(
+            input=TypedExtensionConfig(name="dynamic-metadata", typed_config=AnyMessage.pack(read)),
+            custom_match=TypedExtensionConfig(name="metadata", typed_config=AnyMessage.pack(test)),
+        )
+    )
 
 
 AUTHORITY = ":authority"

@@ -6,7 +6,9 @@ Finding the routes and the rules both exporters share are :mod:`sidecar.export.e
 this module writes route matches and actions in the quota filter's terms: a predicate on
 request headers (``:authority`` and ``:path`` included) and query parameters and, for each
 entry of a descriptor, where the bucket id builder takes its value (a constant, a header, a
-query parameter, the client address). What has no such terms is named, route and action.
+query parameter, the client address). An entry from dynamic metadata has alternatives, one per
+value the rules name (:mod:`.metadata`), so one ``rate_limits`` entry may give several
+descriptors, never sent together. What has no such terms is named, route and action.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.config.model import Level
 from sidecar.export.envoy_quota import objects
+from sidecar.export.envoy_quota.metadata import Choices, DynamicRead, expand, fixed, metadata_action
 from sidecar.export.envoy_quota.objects import BucketValue, Predicate
 from sidecar.export.envoy_routes import (
     PATH_MATCHES,
@@ -33,7 +37,8 @@ _STRING_KINDS = ("exact", "prefix", "suffix", "contains", "safe_regex")
 
 @dataclass(frozen=True, slots=True)
 class Descriptor:
-    """One ``rate_limits`` entry of a route: its entries and the tests under which it is sent."""
+    """A descriptor one ``rate_limits`` entry of a route sends: its entries and the tests under
+    which it is sent. The descriptors of one entry (``where``) are never sent together."""
 
     where: str
     entries: tuple[tuple[str, BucketValue], ...]
@@ -65,7 +70,8 @@ class RouteReader:
     """Reads virtual hosts, routes and rate-limit actions as predicates and bucket values.
 
     ``local_cluster`` is the bootstrap's ``node.cluster`` (what ``source_cluster`` sends), None
-    when the config does not say (``--service-cluster`` at run time).
+    when the config does not say (``--service-cluster`` at run time). ``rules`` is the domain's
+    top level: the values an entry from dynamic metadata is tested for are the ones it names.
     """
 
     origin: str
@@ -81,6 +87,7 @@ class RouteReader:
     lossy: list[str] = field(default_factory=list)
     """``HOST:INDEX`` of the routes some of whose limits were left out."""
     dropped: int = 0
+    rules: Level = field(default_factory=Level)
 
     def virtual_hosts(self, route_config: Mapping[str, Any]) -> list[QuotaRoute]:
         """Every route of every virtual host, in match order, with the host's test."""
@@ -115,11 +122,9 @@ class RouteReader:
 
     def descriptors(self, found: RoutedLimits) -> tuple[Descriptor, ...]:
         action = found.route.get("route") or {}
-        descriptors = []
+        descriptors: list[Descriptor] = []
         for where, entry in found.entries:
-            descriptor = self.descriptor(where, entry, action)
-            if descriptor is not None:
-                descriptors.append(descriptor)
+            descriptors.extend(self.descriptor(where, entry, found.route, action))
         return tuple(descriptors)
 
     def quietly(self, found: RoutedLimits) -> tuple[Descriptor, ...]:
@@ -166,45 +171,54 @@ class RouteReader:
             tests.append(test)
         return objects.all_of(tests), f"{kind} {text}"
 
-    def descriptor(self, where: str, entry: Mapping[str, Any], action: Mapping[str, Any]) -> Descriptor | None:
-        """The descriptor one ``rate_limits`` entry sends, or None (reported)."""
+    def descriptor(
+        self, where: str, entry: Mapping[str, Any], route: Mapping[str, Any], action: Mapping[str, Any]
+    ) -> tuple[Descriptor, ...]:
+        """The descriptors one ``rate_limits`` entry sends (several when an action has
+        alternatives, one of them per request), or none (reported)."""
         skipped = skipped_entry(entry, self.stage)
         if skipped is not None:
             self.problem(where, *skipped)
-            return None
-        entries: list[tuple[str, BucketValue]] = []
-        conditions: list[Predicate] = []
+            return ()
+        items: list[Choices | DynamicRead] = []
         for item in entry.get("actions") or []:
-            result = self.action(item, action)
+            result = self.action(item, route, action)
             if isinstance(result, str):
                 self.problem(where, f"{result}; descriptor not exported")
-                return None
-            key, value, tests = result
-            entries.append((key, value))
-            conditions.extend(tests)
+                return ()
+            items.append(result)
+        variants = expand(items, self.rules)
+        if isinstance(variants, str):
+            self.problem(where, f"{variants}; descriptor not exported")
+            return ()
         note = disable_note(entry)
-        if note is not None and entries:
+        if note is not None and variants:
             self.problem(where, note, True)
-        return Descriptor(where, tuple(entries), tuple(conditions)) if entries else None
+        if not variants and any(isinstance(item, DynamicRead) or len(item) != 1 for item in items):
+            self.problem(where, "no value its metadata can take reaches a rule: no bucket (nothing to limit)", True)
+        return tuple(Descriptor(where, entries, tests) for entries, tests in variants)
 
     def action(
-        self, item: Mapping[str, Any], route_action: Mapping[str, Any]
-    ) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
-        """One action as ``(descriptor key, bucket value, tests)``, or why not."""
+        self, item: Mapping[str, Any], route: Mapping[str, Any], route_action: Mapping[str, Any]
+    ) -> Choices | DynamicRead | str:
+        """One action's alternatives (``(descriptor key, bucket value)`` under tests), or why not."""
         found = one_action(item)
         if isinstance(found, str):
             return found
         kind, body = found
+        if kind in ("metadata", "dynamic_metadata"):
+            return metadata_action(kind, body, route)
         if kind == "destination_cluster":
-            return destination_cluster(route_action)
-        if kind == "source_cluster":
+            result = destination_cluster(route_action)
+        elif kind == "source_cluster":
             if self.local_cluster is None:
                 return "action 'source_cluster': the config sets no node.cluster (given at run time)"
-            return "source_cluster", BucketValue(constant=self.local_cluster), ()
-        translate = _ACTIONS.get(kind)
-        if translate is not None:
-            return translate(body)
-        return f"action {kind!r}: {_UNTRANSLATABLE.get(kind, 'has no rate_limit_quota translation here')}"
+            result = "source_cluster", BucketValue(constant=self.local_cluster), ()
+        elif kind in _ACTIONS:
+            result = _ACTIONS[kind](body)
+        else:
+            return f"action {kind!r}: {_UNTRANSLATABLE.get(kind, 'has no rate_limit_quota translation here')}"
+        return result if isinstance(result, str) else fixed(*result)
 
     def problem(self, where: str, reason: str, exported: bool = False) -> None:
         self.problems.append(Problem(where, reason, exported))
@@ -213,8 +227,6 @@ class RouteReader:
 
 _UNTRANSLATABLE = {
     "masked_remote_address": "a bucket id cannot hold a masked address (no matcher input masks one)",
-    "metadata": "a bucket id cannot read metadata (no bucket value input for it)",
-    "dynamic_metadata": "a bucket id cannot read metadata (no bucket value input for it)",
     "extension": "an extension's descriptor is not known here",
 }
 

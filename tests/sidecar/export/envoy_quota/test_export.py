@@ -428,7 +428,9 @@ def test_a_failed_export_prints_its_reasons(tmp_path: Path) -> None:
     code, out, err = run_cli("export-envoy-quota", str(rules), "--envoy", str(envoy), "--allow-dropped")
     assert (code, out) == (1, "")
     assert "no route sends a descriptor that could be exported" in err
-    assert "route 0 (prefix /) rate_limits[0]: action 'metadata': a bucket id cannot read metadata" in err
+    assert (
+        "route 0 (prefix /) rate_limits[0]: action 'metadata': descriptor_key and metadata_key.key are required" in err
+    )
 
 
 def test_front_yaml_buckets_follow_the_convention() -> None:

@@ -1,0 +1,40 @@
+"""Descriptors from metadata through a real Envoy in the ``list`` shape (the filters alone, as
+printed without ``--full``), where the alternatives of one metadata entry share a filter: the
+same requests must be admitted as through the per-request path.
+
+The ``route`` shape (``--full``, one filter per alternative) runs the same case in
+``tests/e2e/test_quota_envoy_corpus.py`` (case ``metadata``), whose fixtures this reuses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from sidecar.config import load_config
+from sidecar.export.envoy_quota.export import DEFAULT_CLUSTER, export_quota, quota_document
+from tests.e2e.test_quota_envoy_corpus import CORPUS, run_config, services
+
+__all__ = ["services"]  # the corpus's fixture (one sidecar, one upstream), used here by name
+
+pytestmark = [pytest.mark.slow, pytest.mark.envoy]
+CASE = CORPUS / "metadata"
+
+
+def test_the_list_shape_admits_what_the_per_request_path_admits(services: SimpleNamespace) -> None:
+    spec = yaml.safe_load((CASE / "requests.yaml").read_text())
+    groups, expected = spec["groups"], [int(group["admitted"]) for group in spec["groups"]]
+    document = yaml.safe_load((CASE / "envoy.yaml").read_text())
+    origin = Path(CASE / "envoy.yaml")
+    result = export_quota(load_config(str(CASE / "rules.yaml")).domains, document, origin)
+    assert result.dropped == ()
+    # /tier's gold and free alternatives share a filter; the route shape needs one each.
+    routed = export_quota(load_config(str(CASE / "rules.yaml")).domains, document, origin, shape="route")
+    assert len(result.filters) < len(routed.filters)
+    config = quota_document(document, origin, result.filters, DEFAULT_CLUSTER)
+    admitted, calls = run_config(services, "metadata-list", config, groups)
+    assert admitted == expected
+    assert calls == 0  # no request asked the sidecar per request
