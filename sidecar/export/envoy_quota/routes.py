@@ -194,8 +194,8 @@ class RouteReader:
         note = disable_note(entry)
         if note is not None and variants:
             self.problem(where, note, True)
-        if not variants and any(isinstance(item, DynamicRead) or len(item) != 1 for item in items):
-            self.problem(where, "no value its metadata can take reaches a rule: no bucket (nothing to limit)", True)
+        if not variants:
+            self.problem(where, nothing_sent(items), True)
         return tuple(Descriptor(where, entries, tests) for entries, tests in variants)
 
     def action(
@@ -229,6 +229,16 @@ _UNTRANSLATABLE = {
     "masked_remote_address": "a bucket id cannot hold a masked address (no matcher input masks one)",
     "extension": "an extension's descriptor is not known here",
 }
+
+
+def nothing_sent(items: Sequence[Choices | DynamicRead]) -> str:
+    """Why a ``rate_limits`` entry whose actions all translate gives no bucket (a note: nothing
+    reaching a limit is sent)."""
+    if any(not isinstance(item, DynamicRead) and not item for item in items):
+        return "the route's metadata holds no string there and the action has no default: Envoy sends no descriptor"
+    if any(isinstance(item, DynamicRead) for item in items):
+        return "no value its dynamic metadata can take reaches a rule: no bucket (nothing to limit)"
+    return "every entry is left out (skip_if_absent): the empty descriptor reaches no rule"
 
 
 def destination_cluster(route_action: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:

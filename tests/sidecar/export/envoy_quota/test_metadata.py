@@ -159,10 +159,19 @@ def test_route_metadata_absent_skips_the_entry_or_sends_nothing(tmp_path: Path) 
     )
     assert buckets(result.filters, Request("/a")) == [bucket(generic_key="api")]
     assert buckets(result.filters, Request("/")) == []
-    notes = [str(item) for item in result.problems if item.exported]
-    assert any(
-        "route 1 (prefix /) rate_limits[0]: no value its metadata can take reaches a rule" in note for note in notes
-    )
+    assert "note: envoy.yaml: route 1 (prefix /) rate_limits[0]: the route's metadata holds no string there" in [
+        str(item).partition(" and")[0] for item in result.problems
+    ]
+
+
+def test_dynamic_metadata_no_rule_names_gives_no_bucket_and_a_note(tmp_path: Path) -> None:
+    result = export(tmp_path, routes(route("/", [dynamic("colour", "colour")]), route("/x", [dynamic("tier", "tier")])))
+    assert result.dropped == ()
+    assert buckets(result.filters, at(colour="red")) == []
+    reason = "no value its dynamic metadata can take reaches a rule: no bucket (nothing to limit)"
+    assert [item.reason for item in result.problems if item.where.endswith("route 0 (prefix /) rate_limits[0]")] == [
+        reason
+    ]
 
 
 def test_a_request_of_an_earlier_metadata_route_never_takes_a_later_routes_bucket(tmp_path: Path) -> None:
