@@ -137,30 +137,88 @@ def route_filters(domain: str, routes: Sequence[QuotaRoute], cluster: str, fallb
     descriptor's conditions (a header present, a header matching) or nothing. One filter per
     descriptor keeps a bucket in one filter, counted once, as the sidecar counts it. Only a
     descriptor sent under different conditions by different routes needs to tell the routes
-    apart: its filter keeps the route tests of the ``list`` shape (exact there too).
+    apart: its filter keeps the route tests of the ``list`` shape (exact there too). The
+    alternatives of one ``rate_limits`` entry (:func:`alternatives`) share one filter, an
+    entry each, when every route sending them sends them all alike.
     """
     senders: dict[Shape, list[tuple[QuotaRoute, Descriptor]]] = {}
     for route in routes:
         if route.path is not None:
             for descriptor in route.descriptors:
                 senders.setdefault(descriptor.entries, []).append((route, descriptor))
-    filters, enabled = [], {}
-    for number, (entries, sent) in enumerate(senders.items()):
-        settings = objects.bucket_settings(domain, entries, fallback)
-        conditions = [list(descriptor.conditions) for _, descriptor in sent]
-        if all(item == conditions[0] for item in conditions):
-            matcher = objects.conditional_matcher(conditions[0], settings)
-        else:
+    together = alternatives(routes)
+    filters: list[dict[str, Any]] = []
+    enabled: dict[str, tuple[RouteKey, ...]] = {}
+    done: set[Shape] = set()
+    for entries, own in senders.items():
+        if entries in done:
+            continue
+        bundle = together.get(entries)
+        if bundle is not None:
             matcher = objects.matcher_list(
                 [
-                    objects.field_matcher(predicate, settings)
-                    for _, _, predicate in filter_matchers(routes, entries.__eq__)
+                    objects.field_matcher(objects.all_of(tests), objects.bucket_settings(domain, shape, fallback))
+                    for shape, tests in bundle
                 ]
             )
-        name = filter_name(number)
+            sent: Sequence[tuple[QuotaRoute, Descriptor]] = [item for shape, _ in bundle for item in senders[shape]]
+            done.update(shape for shape, _ in bundle)
+        else:
+            matcher, sent = single_matcher(domain, routes, entries, own, fallback), own
+        name = filter_name(len(filters))
         filters.append(objects.as_yaml_dict(objects.quota_filter(name, domain, cluster, matcher)))
         enabled[name] = tuple(dict.fromkeys((route.host, route.index) for route, _ in sent))
     return RouteFilters(filters, enabled)
+
+
+def single_matcher(
+    domain: str,
+    routes: Sequence[QuotaRoute],
+    entries: Shape,
+    sent: Sequence[tuple[QuotaRoute, Descriptor]],
+    fallback: Fallback,
+) -> objects.BucketMatcher:
+    """The matcher of a filter holding one descriptor: its conditions, or the route tests too
+    when its routes send it under different conditions."""
+    settings = objects.bucket_settings(domain, entries, fallback)
+    conditions = [list(descriptor.conditions) for _, descriptor in sent]
+    if all(item == conditions[0] for item in conditions):
+        return objects.conditional_matcher(conditions[0], settings)
+    return objects.matcher_list(
+        [objects.field_matcher(predicate, settings) for _, _, predicate in filter_matchers(routes, entries.__eq__)]
+    )
+
+
+Bundle = tuple[tuple[Shape, tuple[Predicate, ...]], ...]
+
+
+def alternatives(routes: Sequence[QuotaRoute]) -> dict[Shape, Bundle]:
+    """The descriptors that can share a filter in the ``route`` shape: the alternatives of one
+    ``rate_limits`` entry (never sent together, each under its own conditions), when every route
+    sending any of them sends the same alternatives under the same conditions (so no route test
+    is needed). Each such descriptor maps to its bundle; the others are not in the answer."""
+    seen: dict[Shape, list[Bundle]] = {}
+    for route in routes:
+        if route.path is None:
+            continue
+        grouped: dict[str, list[Descriptor]] = {}
+        for descriptor in route.descriptors:
+            grouped.setdefault(descriptor.where, []).append(descriptor)
+        for group in grouped.values():
+            bundle = tuple((item.entries, item.conditions) for item in group)
+            for item in group:
+                seen.setdefault(item.entries, []).append(bundle)
+    found: dict[Shape, Bundle] = {}
+    for entries, bundles in seen.items():
+        first = bundles[0]
+        alike = all(bundle == first for bundle in bundles)
+        if len(first) > 1 and alike and all(tests for _, tests in first):
+            found[entries] = first
+    return {
+        entries: bundle
+        for entries, bundle in found.items()
+        if all(found.get(shape) == bundle for shape, _ in bundle)  # every member agrees
+    }
 
 
 def keep_reachable(domain: DomainConfig, routes: Sequence[QuotaRoute], problems: list[Problem]) -> list[QuotaRoute]:

@@ -66,6 +66,7 @@ with warnings.catch_warnings():
     )
 
 Predicate = MatcherMatcherListPredicate
+BucketMatcher = Matcher
 Fallback = Literal["allow", "deny"]
 
 FILTER_NAME = "envoy.filters.http.rate_limit_quota"

@@ -185,6 +185,41 @@ def test_a_request_of_an_earlier_metadata_route_never_takes_a_later_routes_bucke
     assert buckets(result.filters, at("/home", tier="gold")) == [bucket(generic_key="all")]
 
 
+def routed(result: QuotaExport, index: int, request: Request) -> list[dict[str, str | None]]:
+    """The buckets of a request of route ``index`` in the ``route`` shape: only the filters on there."""
+    on = [item for item in result.filters if ("backend", index) in (result.enabled or {})[item["name"]]]
+    return buckets(on, request)
+
+
+def test_the_route_shape_puts_one_entrys_alternatives_in_one_filter(tmp_path: Path) -> None:
+    path = tmp_path / "rules.yaml"
+    path.write_text(RULES)
+    hosts = routes(route("/", [dynamic("tier", "tier", default_value="free")]))
+    document = envoy_config(yaml.safe_dump([{"name": "backend", "domains": ["*"], "routes": yaml.safe_load(hosts)}]))
+    result = export_quota(load_config(str(path)).domains, document, ORIGIN, shape="route")
+    assert len(result.filters) == 1
+    assert routed(result, 0, at(tier="gold")) == [bucket(tier="gold")]
+    assert routed(result, 0, at()) == [bucket(tier="free")]
+    assert routed(result, 0, at(tier="bronze")) == []
+
+
+def test_the_route_shape_keeps_alternatives_apart_when_another_route_sends_one_alone(tmp_path: Path) -> None:
+    """/fixed sends ``tier free`` always (route metadata): the alternatives of / cannot share its
+    filter, and / must not take /fixed's bucket without its condition."""
+    path = tmp_path / "rules.yaml"
+    path.write_text(RULES)
+    tier = {"descriptor_key": "tier", "metadata_key": {"key": "acme", "path": [{"key": "tier"}]}}
+    fixed = {"metadata": {**tier, "source": "ROUTE_ENTRY", "default_value": "free"}}
+    hosts = routes(route("/fixed", [fixed]), route("/", [dynamic("tier", "tier", default_value="free")]))
+    document = envoy_config(yaml.safe_dump([{"name": "backend", "domains": ["*"], "routes": yaml.safe_load(hosts)}]))
+    result = export_quota(load_config(str(path)).domains, document, ORIGIN, shape="route")
+    assert len(result.filters) == 2
+    assert routed(result, 0, at("/fixed", tier="gold")) == [bucket(tier="free")]
+    assert routed(result, 1, at("/x", tier="gold")) == [bucket(tier="gold")]
+    assert routed(result, 1, at("/x")) == [bucket(tier="free")]
+    assert routed(result, 1, at("/x", tier="bronze")) == []
+
+
 @pytest.mark.parametrize(
     ("action", "reason"),
     [
