@@ -90,9 +90,10 @@ class DynamicRead:
                 counted = next(subtree_rules(node), None)
                 if counted is not None:
                     which = "key-only" if node.value is None else f"wildcard {node.value!r}"
+                    apart = "counts each value apart" if node.counts_each_value else "shares a limit among values"
                     return (
-                        f"action {self.kind!r} ({self.source_text()}): the {which} rule {where_of(counted)} counts "
-                        "each value apart, and a bucket id cannot take a value from dynamic metadata (Envoy's "
+                        f"action {self.kind!r} ({self.source_text()}): the {which} rule {where_of(counted)} {apart}, "
+                        "and a bucket id cannot take a value from dynamic metadata (Envoy's "
                         "dynamic metadata input gives its metadata matcher a value, no string); only values "
                         "the rules name can be tested"
                     )

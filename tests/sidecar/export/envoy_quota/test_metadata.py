@@ -42,6 +42,7 @@ descriptors:
   - {key: generic_key, value: all, rate_limit: {unit: second, requests_per_unit: 10}}
   - {key: user, rate_limit: {unit: second, requests_per_unit: 1}}
   - {key: region, value: "eu*", rate_limit: {unit: second, requests_per_unit: 1}}
+  - {key: zone, value: "us*", share_threshold: true, rate_limit: {unit: second, requests_per_unit: 1}}
 """
 
 
@@ -231,6 +232,7 @@ def test_the_route_shape_keeps_alternatives_apart_when_another_route_sends_one_a
             dynamic("region", "region", default_value="eu-west"),
             "(dynamic metadata acme.region): the wildcard 'eu*' rule ",
         ),
+        (dynamic("zone", "zone"), "rules.yaml:16: t.zone_us* shares a limit among values, and"),
         (
             {"metadata": {"descriptor_key": "tier"}},
             "action 'metadata': descriptor_key and metadata_key.key are required",
