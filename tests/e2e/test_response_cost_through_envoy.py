@@ -165,8 +165,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnvoyPro
     threading.Thread(target=app.serve_forever, daemon=True).start()
     try:
         with process_group() as group:
-            sidecar = group.start(SidecarProcess("sidecar", ["--config", str(rules)], directory))
-            sidecar.wait_ready()
+            sidecar = group.start_ready(lambda: SidecarProcess("sidecar", ["--config", str(rules)], directory))
             ports = EnvoyPorts.free(app=app.server_address[1], ratelimit=sidecar.port)
             envoy = group.start(
                 EnvoyProcess("envoy", Path(template), ports, directory, timeout_seconds=COUNTING_TIMEOUT)

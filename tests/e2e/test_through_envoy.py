@@ -227,10 +227,8 @@ def start_envoy(
 
 def test_sidecar_down_fails_open_or_closed_and_recovers(tmp_path: Path) -> None:
     with process_group() as group:
-        app = group.start(UpstreamProcess("app", tmp_path))
-        sidecar = group.start(SidecarProcess("sidecar", ["--config", str(EXAMPLE_CONFIG)], tmp_path))
-        app.wait_ready()
-        sidecar.wait_ready()
+        app = group.start_ready(lambda: UpstreamProcess("app", tmp_path))
+        sidecar = group.start_ready(lambda: SidecarProcess("sidecar", ["--config", str(EXAMPLE_CONFIG)], tmp_path))
         fail_open = start_envoy(group, tmp_path, False, sidecar, app.port)
         fail_closed = start_envoy(group, tmp_path, True, sidecar, app.port)
         open_url, deny_url = fail_open.url, fail_closed.url
