@@ -9,6 +9,7 @@ no state, which also keeps Hypothesis' function-scoped-fixture health check quie
 
 from __future__ import annotations
 
+import os
 import textwrap
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -243,9 +244,29 @@ REDIS_FIXTURES = frozenset(__all__)
 """A test using one of these starts (or shares) a real redis-server: it gets the ``redis`` marker."""
 
 
+PIN_WORKERS = "TEST_PIN_WORKERS"
+"""Set by ``scripts/test`` for the serial phase: each pytest-xdist worker gets a core of its own."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Pin this xdist worker (and every process its tests start, which inherit it) to one core.
+
+    The serial tests are serial because a test must not lose its CPU to another (timelines
+    within a clock second, accuracy under load), not because it needs the whole machine:
+    two of them, each alone on its core, do not starve each other.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not os.environ.get(PIN_WORKERS) or worker is None:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw")) % len(cores)]})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark tests by what they start: ``redis`` from the fixtures they use (modules that
     start Redis, Envoy or HAProxy themselves say so in their ``pytestmark``)."""
     for item in items:
         if REDIS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.redis)
+        if item.get_closest_marker("alone") is not None:
+            item.add_marker(pytest.mark.serial)  # kept out of the parallel phase as well

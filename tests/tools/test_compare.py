@@ -48,7 +48,7 @@ from sidecar.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.haproxy, pytest.mark.redis, pytest.mark.serial]
+pytestmark = [pytest.mark.haproxy, pytest.mark.redis, pytest.mark.alone]  # drives HAProxy and Envoy at full rate
 
 PATHS = ("envoy_memory", "envoy_sync", "haproxy_fixed", "haproxy_sliding", "envoy_sliding")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

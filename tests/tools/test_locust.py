@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 K6_SCRIPT = ROOT / "loadtest" / "k6" / "envoy_ratelimit.js"
 
-pytestmark = [pytest.mark.envoy, pytest.mark.redis, pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.envoy, pytest.mark.redis, pytest.mark.slow, pytest.mark.alone]  # locust and k6 at full rate
 
 
 @pytest.fixture(scope="module")

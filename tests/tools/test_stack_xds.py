@@ -30,7 +30,7 @@ def test_the_demo_option_turns_the_control_plane_on() -> None:
     assert parse_arguments([]).xds is False
 
 
-@pytest.mark.serial  # exact 200 counts through Envoy's shipped 25 ms filter timeout: a loaded machine fails open
+@pytest.mark.alone  # exact 200 counts through Envoy's shipped 25 ms filter timeout: a loaded machine fails open
 def test_an_edit_on_the_control_plane_reaches_every_sidecar(tmp_path: Path) -> None:
     options = StackOptions(replicas=2, use_redis=False, xds=True)
     with running_stack(tmp_path, options) as stack:
