@@ -50,7 +50,12 @@ class Request:
             return found.get(name)
         if kind == QUERY_INPUT:
             return next(
-                (value for key, value in parse_qsl(urlsplit(self.path).query) if key == typed["query_param"]), None
+                (
+                    value
+                    for key, value in parse_qsl(urlsplit(self.path).query, keep_blank_values=True)
+                    if key == typed["query_param"]
+                ),
+                None,
             )
         assert kind == SOURCE_IP, kind
         return self.address
@@ -96,6 +101,13 @@ def bucket_value(builder: dict[str, Any], request: Request) -> str | None:
     return request.read(builder["custom_value"]["typed_config"])
 
 
+def bucket_id(builder: dict[str, Any], request: Request) -> dict[str, str | None]:
+    """The bucket id as Envoy builds it: a field read from the request (``custom_value``) that
+    is empty is left out of the id (Envoy 1.36.4 and 1.40.0); a ``string_value`` of ``""`` stays."""
+    built = {key: bucket_value(value, request) for key, value in builder.items()}
+    return {key: value for key, value in built.items() if value != "" or "string_value" in builder[key]}
+
+
 def buckets(filters: list[dict[str, Any]], request: Request) -> list[dict[str, str | None]]:
     """The bucket id each filter gives ``request`` (filters giving none are left out)."""
     found = []
@@ -103,6 +115,6 @@ def buckets(filters: list[dict[str, Any]], request: Request) -> list[dict[str, s
         for entry in item["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]:
             if holds(entry["predicate"], request):
                 builder = entry["on_match"]["action"]["typed_config"]["bucket_id_builder"]["bucket_id_builder"]
-                found.append({key: bucket_value(value, request) for key, value in builder.items()})
+                found.append(bucket_id(builder, request))
                 break
     return found

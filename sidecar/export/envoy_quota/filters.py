@@ -231,6 +231,8 @@ def keep_reachable(domain: DomainConfig, routes: Sequence[QuotaRoute], problems:
             if reaches_a_rule(domain.root, descriptor.entries):
                 descriptors.append(descriptor)
             else:
-                problems.append(Problem(descriptor.where, f"matches no rule of domain {domain.name!r}", True))
+                empty = [key for key, value in descriptor.entries if value.constant == ""]
+                when = f" when {', '.join(empty)} is empty" if empty else ""
+                problems.append(Problem(descriptor.where, f"matches no rule of domain {domain.name!r}{when}", True))
         kept.append(replace(route, descriptors=tuple(descriptors)))
     return kept

@@ -208,7 +208,10 @@ def expand(items: Sequence[Choices | DynamicRead], root: Level) -> list[Variant]
                     following = _next_levels(levels, key, value.constant)
                     grown.append(((*entries, choice.entry), tests + choice.tests, following))
         if len(grown) > MAX_VARIANTS:
-            return f"more than {MAX_VARIANTS} combinations of the metadata values the rules name"
+            return (
+                f"more than {MAX_VARIANTS} combinations of its entries' alternatives (metadata values the "
+                "rules name; a header or query parameter empty or not, or absent)"
+            )
         partial = grown
     return merge([(entries, tests) for entries, tests, _ in partial if entries])
 

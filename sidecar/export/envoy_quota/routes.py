@@ -7,7 +7,9 @@ this module writes route matches and actions in the quota filter's terms: a pred
 request headers (``:authority`` and ``:path`` included) and query parameters and, for each
 entry of a descriptor, where the bucket id builder takes its value (a constant, a header, a
 query parameter, the client address). An entry from dynamic metadata has alternatives, one per
-value the rules name (:mod:`.metadata`), so one ``rate_limits`` entry may give several
+value the rules name (:mod:`.metadata`), and so has an entry read from a header or query
+parameter (its value, the empty value as a constant, left out when absent with
+``skip_if_absent``: :func:`read_value`), so one ``rate_limits`` entry may give several
 descriptors, never sent together. What has no such terms is named, route and action.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 
 from sidecar.config.model import Level
 from sidecar.export.envoy_quota import objects
-from sidecar.export.envoy_quota.metadata import Choices, DynamicRead, expand, fixed, metadata_action
+from sidecar.export.envoy_quota.metadata import Alternative, Choices, DynamicRead, expand, fixed, metadata_action
 from sidecar.export.envoy_quota.objects import BucketValue, Predicate
 from sidecar.export.envoy_routes import (
     PATH_MATCHES,
@@ -214,6 +216,8 @@ class RouteReader:
             if self.local_cluster is None:
                 return "action 'source_cluster': the config sets no node.cluster (given at run time)"
             result = "source_cluster", BucketValue(constant=self.local_cluster), ()
+        elif kind in _READS:
+            return _READS[kind](body)
         elif kind in _ACTIONS:
             result = _ACTIONS[kind](body)
         else:
@@ -299,14 +303,18 @@ def header_matcher(matcher: Mapping[str, Any]) -> Predicate | str:
     return objects.all_of([objects.header_present(name), objects.negate(test)]) if invert else test
 
 
-def request_headers(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
-    """Envoy's ``request_headers``: the header's value; no descriptor when the header is absent."""
+def request_headers(body: Mapping[str, Any]) -> Choices | str:
+    """Envoy's ``request_headers``: the header's (first) value; absent, no descriptor, or with
+    ``skip_if_absent`` the descriptor without this entry."""
     name, key = str(body.get("header_name", "")), str(body.get("descriptor_key", ""))
-    if body.get("skip_if_absent"):
-        return "request_headers with skip_if_absent is not supported"
     if not name or not key:
         return f"request_headers header {name!r} / descriptor_key {key!r} not supported"
-    return key, BucketValue(header=name), (objects.header_present(name),)
+    return read_value(
+        key,
+        BucketValue(header=name),
+        lambda kind, text: objects.header_predicate(name, kind, text),
+        bool(body.get("skip_if_absent")),
+    )
 
 
 def header_value_match(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
@@ -315,14 +323,34 @@ def header_value_match(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple
     return _constant_when_all_match(body, "header_value_match", "headers", "header_match", header_matcher)
 
 
-def query_parameters(body: Mapping[str, Any]) -> tuple[str, BucketValue, tuple[Predicate, ...]] | str:
-    """Envoy's ``query_parameters``: the parameter's value; no descriptor when it is absent."""
+def query_parameters(body: Mapping[str, Any]) -> Choices | str:
+    """Envoy's ``query_parameters``: the parameter's (first, decoded) value; absent, no
+    descriptor, or with ``skip_if_absent`` the descriptor without this entry."""
     name, key = str(body.get("query_parameter_name", "")), str(body.get("descriptor_key", ""))
-    if body.get("skip_if_absent"):
-        return "query_parameters with skip_if_absent is not supported"
     if not name or not key:
         return f"query_parameters {name!r} / descriptor_key {key!r} not supported"
-    return key, BucketValue(query=name), (objects.query_present(name),)
+    return read_value(
+        key,
+        BucketValue(query=name),
+        lambda kind, text: objects.query_predicate(name, kind, text),
+        bool(body.get("skip_if_absent")),
+    )
+
+
+def read_value(key: str, value: BucketValue, test: Callable[[str, str], Predicate], skip: bool) -> Choices:
+    """The alternatives of an entry whose value is read from the request (a header, a query
+    parameter): the value itself when it is not empty; the constant ``""`` when it is empty,
+    since the bucket id builder leaves out a field whose read value is empty (Envoy 1.36.4 and
+    1.40.0: the entry would vanish, shifting the descriptor onto another rule or none) while
+    the ``ratelimit`` filter sends ``(key, "")``, and a ``string_value`` of ``""`` is kept;
+    absent, the entry left out (``skip_if_absent``: the rest is sent) or no descriptor."""
+    found = [
+        Alternative((key, value), (test("safe_regex", "(?s).+"),)),
+        Alternative((key, BucketValue(constant="")), (test("exact", ""),)),
+    ]
+    if skip:
+        found.append(Alternative(None, (objects.negate(test("safe_regex", "(?s).*")),)))
+    return tuple(found)
 
 
 def query_matcher(matcher: Mapping[str, Any]) -> Predicate | str:
@@ -378,8 +406,8 @@ def _constant_when_all_match(
 _ACTIONS = {
     "remote_address": remote_address,
     "generic_key": generic_key,
-    "request_headers": request_headers,
     "header_value_match": header_value_match,
-    "query_parameters": query_parameters,
     "query_parameter_value_match": query_parameter_value_match,
 }
+_READS = {"request_headers": request_headers, "query_parameters": query_parameters}
+"""The actions whose entry is read from the request: alternatives (:func:`read_value`)."""

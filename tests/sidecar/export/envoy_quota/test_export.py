@@ -76,6 +76,11 @@ def present(name: str) -> dict[str, Any]:
     return header(name, **regex(".*"))
 
 
+def filled(name: str) -> dict[str, Any]:
+    """Header ``name`` present and not empty."""
+    return header(name, **regex("(?s).+"))
+
+
 def both(*predicates: dict[str, Any]) -> dict[str, Any]:
     return {"and_matcher": {"predicate": list(predicates)}}
 
@@ -127,14 +132,20 @@ def test_remote_address_is_the_source_ip_input(tmp_path: Path) -> None:
     assert bucket(entry) == {"domain": "t", "entry.0.remote_address": "source_ip"}
 
 
-def test_request_headers_reads_the_header_and_needs_it_present(tmp_path: Path) -> None:
+def test_request_headers_reads_the_header_and_writes_an_empty_one_as_a_constant(tmp_path: Path) -> None:
+    """The bucket id builder leaves out a field read empty (Envoy 1.36.4, 1.40.0), the
+    ``ratelimit`` filter sends ``(api_key, "")``: an empty header is the constant ``""``."""
     routes = """\
     - match: {prefix: /}
       route: {rate_limits: [{actions: [{request_headers: {header_name: x-api-key, descriptor_key: api_key}}]}]}
     """
-    entry = only_entry(routes, tmp_path)
-    assert entry["predicate"] == both(header(":path", prefix="/"), present("x-api-key"))
-    assert bucket(entry) == {"domain": "t", "entry.0.api_key": "header:x-api-key"}
+    filters, _ = export(routes, tmp_path)
+    (only,) = filters
+    value, empty = entries(only)
+    assert value["predicate"] == both(header(":path", prefix="/"), filled("x-api-key"))
+    assert bucket(value) == {"domain": "t", "entry.0.api_key": "header:x-api-key"}
+    assert empty["predicate"] == both(header(":path", prefix="/"), header("x-api-key", exact=""))
+    assert bucket(empty) == {"domain": "t", "entry.0.api_key": ""}
 
 
 def test_generic_key_is_a_constant_and_entries_keep_their_order(tmp_path: Path) -> None:
@@ -146,7 +157,8 @@ def test_generic_key_is_a_constant_and_entries_keep_their_order(tmp_path: Path) 
               - generic_key: {descriptor_value: api}
               - request_headers: {header_name: x-api-key, descriptor_key: api_key}
     """
-    entry = only_entry(routes, tmp_path)
+    filters, _ = export(routes, tmp_path)
+    entry = entries(filters[0])[0]
     assert bucket(entry) == {"domain": "t", "entry.0.generic_key": "api", "entry.1.api_key": "header:x-api-key"}
 
 
@@ -218,10 +230,10 @@ def test_a_request_an_earlier_route_takes_never_falls_through_to_a_later_route(t
       route: {rate_limits: [{actions: [{request_headers: {header_name: x-api-key, descriptor_key: api_key}}]}]}
     """
     filters, _ = export(routes, tmp_path)
-    login, rest = entries(filters[0])
+    login, login_empty, rest, rest_empty = entries(filters[0])
     earlier = negated(either(header(":path", prefix="/login"), header(":path", prefix="/health")))
-    assert rest["predicate"] == both(header(":path", prefix="/"), earlier, present("x-api-key"))
-    assert bucket(login) == bucket(rest)
+    assert rest["predicate"] == both(header(":path", prefix="/"), earlier, filled("x-api-key"))
+    assert (bucket(login), bucket(login_empty)) == (bucket(rest), bucket(rest_empty))
 
 
 def test_an_unconditional_earlier_route_needs_no_exclusion(tmp_path: Path) -> None:
@@ -302,7 +314,7 @@ def test_what_cannot_be_translated_is_listed_one_line_each(tmp_path: Path) -> No
       route:
         rate_limits:
           - actions: [{masked_remote_address: {v4_prefix_mask_len: 24}}]
-          - actions: [{request_headers: {header_name: x-k, descriptor_key: api_key, skip_if_absent: true}}]
+          - actions: [{extension: {name: acme.descriptor}}]
           - actions: [{generic_key: {descriptor_value: nowhere}}]
           - actions: [{remote_address: {}}]
             limit: {dynamic_metadata: {metadata_key: {key: k, path: [{key: p}]}}}
@@ -318,7 +330,7 @@ def test_what_cannot_be_translated_is_listed_one_line_each(tmp_path: Path) -> No
         "not exported: envoy.yaml: route 0 (prefix /q): match not translated; its requests would land in the "
         "buckets of route 1 (prefix /)",
         "route 1 (prefix /) rate_limits[0]: action 'masked_remote_address': a bucket id cannot hold a masked address",
-        "rate_limits[1]: request_headers with skip_if_absent is not supported; descriptor not exported",
+        "rate_limits[1]: action 'extension': an extension's descriptor is not known here; descriptor not exported",
         "note: envoy.yaml: route 1 (prefix /) rate_limits[2]: matches no rule of domain 't'",
         "rate_limits[3]: limit not supported; descriptor not exported",
         "note: envoy.yaml: route 1 (prefix /) rate_limits[4]: stage 1: not applied by the filter (stage 0)",
