@@ -30,8 +30,9 @@ import pytest
 
 
 def real_run(test: Any) -> Any:
-    """The marks of a test on the harness's rows: real processes, a fault timeline (serial phase)."""
-    for mark in (pytest.mark.redis, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(420)):
+    """The marks of a test on the harness's rows: real processes, a fault timeline at 400 req/s on two
+    replicas (alone: on one core the replicas, Redis and the load slip their sync intervals)."""
+    for mark in (pytest.mark.redis, pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(420)):
         test = mark(test)
     return test
 
