@@ -10,6 +10,10 @@ Variants, all with the routes of ``envoy/front.yaml`` in front of the sample app
 
 (a) ``envoy``   Envoy alone (the ``ratelimit`` filter removed);
 (b) ``local``   Envoy + ``local_ratelimit`` (one token bucket far above the load);
+(b') ``local-per-client``  Envoy + ``local_ratelimit`` with quota mode's limit: a descriptor built
+    from the client address per request and a token bucket per client address (a wildcard
+    descriptor, ``loadtest/local_limits.py``): (c)'s work done in Envoy alone, the like-for-like
+    baseline; (b) builds no descriptor at all;
 (c) ``quota``   Envoy + the ``rate_limit_quota`` filter(s) of ``export-envoy-quota`` + a sidecar,
     one Envoy per ``--quota-shapes`` entry (``loadtest/quota_shapes.py``: the same buckets,
     matched differently; ``--extra-routes N`` puts N routes before front.yaml's in every variant);
@@ -20,8 +24,8 @@ is 10^9 requests/s per client address, so everything is admitted: what is measur
 cost of asking, not of refusing. ``wrk`` (Debian) sends ``GET /bench`` (the catch-all route:
 one descriptor, the client address) on keep-alive connections, pinned to ``--client-cpu``;
 the app and the sidecars are not pinned (the scheduler places them).
-Rounds alternate a, b, c, d; the report gives per variant the median req/s over rounds and
-its ratio to (b), and for (c) the sidecar's CPU (``/proc/<pid>/stat`` utime + stime from 1 s
+Rounds alternate a, b, b', c, d; the report gives per variant the median req/s over rounds and
+its ratios to (b) and to (b'), and for (c) the sidecar's CPU (``/proc/<pid>/stat`` utime + stime from 1 s
 into each run to 0.5 s before its end) and whether the sidecar answered the RLQS stream: a
 quota result counts only if it did (else Envoy ran on ``no_assignment_behavior`` alone).
 
@@ -32,7 +36,7 @@ quota result counts only if it did (else Envoy ran on ``no_assignment_behavior``
 Each round runs every variant once, starting one variant later than the round before (so no
 variant always runs first or right after another); the report gives per variant the median
 over rounds, its ratio to (b) (of medians) and the spread of the per-round ratio to (b) (each
-round's run divided by the same round's (b) run: median, min-max).
+round's run divided by the same round's (b) run: median, min-max), and the same against (b').
 
 Only 127.0.0.1; every child is stopped at the end, also on Ctrl-C, SIGTERM or error.
 """
@@ -67,6 +71,7 @@ from loadtest.common import (
     scrape_metrics,
     tool_parser,
 )
+from loadtest.local_limits import LIMIT, local_per_client, local_ratelimit
 from loadtest.quota_shapes import (
     DEFAULT_SHAPE,
     QUOTA_SHAPES,
@@ -76,20 +81,23 @@ from loadtest.quota_shapes import (
     quota_config,
     shape_list,
 )
-from stack.envoy import ConfiguredEnvoy, EnvoyPorts, admin_get, envoy_binary, ingress_manager, render
+from stack.envoy import ConfiguredEnvoy, EnvoyPorts, admin_get, envoy_binary, render
 from stack.processes import ProcessGroup
 from stack.sidecar import SidecarProcess
 from stack.upstream import UpstreamProcess
 
 PATH = "/bench"
-LIMIT = 1_000_000_000
 VARIANTS = {
     "envoy": "(a) Envoy alone",
     "local": "(b) Envoy + local_ratelimit",
+    "local-per-client": "(b') Envoy + local_ratelimit, a bucket per client",
     "quota": "(c) Envoy + rate_limit_quota + sidecar",
     "ratelimit": "(d) Envoy + ratelimit filter + sidecar",
 }
 REFERENCE = "local"
+PER_CLIENT = "local-per-client"
+"""The second reference: (b'), the same per-client limit as (c), in Envoy alone."""
+SIDECARLESS = ("envoy", "local", PER_CLIENT)
 CPU_SKIP_START = 1.0
 CPU_SKIP_END = 0.5
 BENCH_CONFIG = f"""\
@@ -108,33 +116,18 @@ descriptors:
 # ---------------------------------------------------------------------------------
 
 
-def local_ratelimit(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` with ``local_ratelimit`` before the router: one bucket of 10^9 tokens a second."""
-    manager = ingress_manager(config, TEMPLATE)
-    limiter = {
-        "name": "envoy.filters.http.local_ratelimit",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
-            "stat_prefix": "bench",
-            "token_bucket": {"max_tokens": LIMIT, "tokens_per_fill": LIMIT, "fill_interval": "1s"},
-            "filter_enabled": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
-            "filter_enforced": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
-        },
-    }
-    manager["http_filters"].insert(len(manager["http_filters"]) - 1, limiter)
-    return config
-
-
 def variant_config(
     variant: str, ports: EnvoyPorts, rules: Path, shapes: Sequence[str], extra_routes: int = 0
 ) -> dict[str, Any]:
     """The Envoy config of one variant on ``ports`` (``ports.ratelimit``: that variant's sidecar),
     with ``extra_routes`` routes before front.yaml's (:func:`add_routes`)."""
-    config = add_routes(render(TEMPLATE, ports, ratelimit=variant not in {"envoy", "local"}), extra_routes)
+    config = add_routes(render(TEMPLATE, ports, ratelimit=variant not in SIDECARLESS), extra_routes)
     if variant == "envoy":
         return config
     if variant == "local":
-        return local_ratelimit(config)
+        return local_ratelimit(config, TEMPLATE)
+    if variant == PER_CLIENT:
+        return local_per_client(config, TEMPLATE)
     if variant == "ratelimit":
         return config
     return quota_config(config, rules, shape_of(variant, shapes))
@@ -142,7 +135,7 @@ def variant_config(
 
 def quota_variants(shapes: Sequence[str]) -> dict[str, str]:
     """Every variant, (c) once per shape: ``quota`` for the first, ``quota:<shape>`` for the others."""
-    found = {key: label for key, label in VARIANTS.items() if key in ("envoy", "local")}
+    found = {key: label for key, label in VARIANTS.items() if key in SIDECARLESS}
     for number, shape in enumerate(shapes):
         suffix = f" [{shape}]" if len(shapes) > 1 else ""
         found["quota" if number == 0 else f"quota:{shape}"] = VARIANTS["quota"] + suffix
@@ -179,7 +172,7 @@ class Servers:
 
 
 def start_servers(directory: Path, arguments: argparse.Namespace) -> Servers:
-    """The app, two sidecars (one for (c), one for (d)) and four Envoys, each waited for."""
+    """The app, two sidecars (one for (c), one for (d)) and an Envoy per variant, each waited for."""
     rules = directory / "bench.yaml"
     rules.write_text(BENCH_CONFIG)
     group = ProcessGroup()
@@ -360,34 +353,22 @@ def quota_metrics(url: str) -> list[tuple[str, float]]:
 
 
 def summarize(results: Sequence[RunResult], variants: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Per variant: median req/s over rounds and its spread, its ratio to (b) (of medians, and
-    per round: median, min, max), totals of non-2xx and errors."""
+    """Per variant: median req/s over rounds and its spread, Envoy CPU per request, totals of
+    non-2xx and errors, and its ratios to (b) and to (b') (:func:`add_ratios`)."""
     rows: dict[str, dict[str, Any]] = {}
-    reference_by_round = {run.round: run.requests_per_second for run in results if run.variant == REFERENCE}
-    reference_cpu = {run.round: _cpu_per_request(run) for run in results if run.variant == REFERENCE}
     for variant, label in variants.items():
         runs = [result for result in results if result.variant == variant]
         if not runs:
             continue
         window = sum(run.sidecar_window_seconds for run in runs)
-        per_round = [
-            run.requests_per_second / reference_by_round[run.round] for run in runs if reference_by_round.get(run.round)
-        ]
-        cpu_ratios = [
-            reference / mine
-            for run in runs
-            if (mine := _cpu_per_request(run)) and (reference := reference_cpu.get(run.round))
-        ]
         counted = [run for run in runs if run.envoy_cpu_seconds is not None and run.requests]
         spent = sum(run.envoy_cpu_seconds or 0.0 for run in counted)
         rows[variant] = {
             "label": label,
             "cpu_us": spent / sum(run.requests for run in counted) * 1e6 if counted else None,
-            "cpu_ratios": cpu_ratios,
             "rps": statistics.median(run.requests_per_second for run in runs),
             "rps_min": min(run.requests_per_second for run in runs),
             "rps_max": max(run.requests_per_second for run in runs),
-            "round_ratios": per_round,
             "p50_ms": statistics.median(run.p50_ms for run in runs),
             "p99_ms": statistics.median(run.p99_ms for run in runs),
             "non_2xx": sum(run.non_2xx for run in runs),
@@ -395,12 +376,36 @@ def summarize(results: Sequence[RunResult], variants: dict[str, str]) -> dict[st
             # all rounds' steady parts together: one figure at 10 ms / total-window resolution
             "sidecar_cpu_percent": sum(run.sidecar_cpu_seconds for run in runs) / window * 100 if window else None,
         }
-    reference = rows.get(REFERENCE, {}).get("rps") or 0.0
-    reference_us = rows.get(REFERENCE, {}).get("cpu_us") or 0.0
-    for row in rows.values():
-        row["ratio"] = row["rps"] / reference if reference else None
-        row["cpu_ratio"] = reference_us / row["cpu_us"] if reference_us and row["cpu_us"] else None
+    add_ratios(rows, results, REFERENCE, "")
+    add_ratios(rows, results, PER_CLIENT, "_per_client")
     return rows
+
+
+def add_ratios(rows: dict[str, dict[str, Any]], results: Sequence[RunResult], reference: str, suffix: str) -> None:
+    """Each row's ratio to ``reference``'s, under keys ending in ``suffix``: ``ratio`` (of the
+    medians), ``round_ratios`` (each run over the same round's ``reference`` run), ``cpu_ratio``
+    (``reference``'s Envoy CPU per request over the row's, all rounds together) and
+    ``cpu_ratios`` (the same per round). None / empty when ``reference`` was not measured."""
+    by_round = {run.round: run for run in results if run.variant == reference}
+    mine = rows.get(reference, {})
+    for variant, row in rows.items():
+        runs = [run for run in results if run.variant == variant]
+        row["round_ratios" + suffix] = [
+            run.requests_per_second / other.requests_per_second
+            for run in runs
+            if (other := by_round.get(run.round)) and other.requests_per_second
+        ]
+        row["cpu_ratios" + suffix] = [
+            theirs / ours
+            for run in runs
+            if (ours := _cpu_per_request(run)) and (theirs := _cpu_per_request_of(by_round.get(run.round)))
+        ]
+        row["ratio" + suffix] = row["rps"] / mine["rps"] if mine.get("rps") else None
+        row["cpu_ratio" + suffix] = mine["cpu_us"] / row["cpu_us"] if mine.get("cpu_us") and row["cpu_us"] else None
+
+
+def _cpu_per_request_of(run: RunResult | None) -> float | None:
+    return None if run is None else _cpu_per_request(run)
 
 
 def _cpu_per_request(run: RunResult) -> float | None:
@@ -414,50 +419,62 @@ def _spread(values: Sequence[float]) -> str:
 
 
 def table(rows: dict[str, dict[str, Any]], arguments: argparse.Namespace) -> str:
+    """One row per variant: its figures, and its ratios to (b) (one bucket) and to (b') (a
+    bucket per client, like (c)), each by req/s and by Envoy CPU per request."""
     header = [f"variant (median of {arguments.rounds} x {arguments.duration:g} s)", "req/s", "x (b)"]
     header += ["x (b) per round: median [min-max]", "req/s min-max", "Envoy CPU us/request", "x (b) by Envoy CPU"]
-    header += ["x (b) by CPU per round", "p50 ms", "p99 ms", "non-2xx", "socket errors"]
+    header += ["x (b) by CPU per round", "x (b')", "x (b') per round", "x (b') by Envoy CPU"]
+    header += ["x (b') by CPU per round", "p50 ms", "p99 ms", "non-2xx", "socket errors"]
     header += ["sidecar CPU % of a core (all rounds)"]
     cells = []
     for row in rows.values():
         speed = [f"{row['rps']:,.0f}", dash(row["ratio"], ".2f"), _spread(row["round_ratios"])]
         speed += [f"{row['rps_min']:,.0f}-{row['rps_max']:,.0f}", dash(row["cpu_us"], ".1f")]
         speed += [dash(row["cpu_ratio"], ".2f"), _spread(row["cpu_ratios"])]
+        speed += [dash(row["ratio_per_client"], ".2f"), _spread(row["round_ratios_per_client"])]
+        speed += [dash(row["cpu_ratio_per_client"], ".2f"), _spread(row["cpu_ratios_per_client"])]
         speed += [f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}"]
         failed = [f"{row['non_2xx']:,}", f"{row['errors']:,}"]
         cells.append([row["label"], *speed, *failed, dash(row["sidecar_cpu_percent"], ".2f")])
     return md_table(header, cells)
 
 
+def quota_ratios(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per (c) run: its ratio to both baselines, by req/s and by Envoy CPU per request."""
+    lines = []
+    for variant, row in rows.items():
+        if variant.startswith("quota"):
+            lines.append(
+                f"{row['label']}: x (b) one bucket {dash(row['ratio'], '.2f')} by req/s, "
+                f"{dash(row['cpu_ratio'], '.2f')} by Envoy CPU; x (b') a bucket per client "
+                f"{dash(row['ratio_per_client'], '.2f')} by req/s, "
+                f"{dash(row['cpu_ratio_per_client'], '.2f')} by Envoy CPU"
+            )
+    return lines
+
+
 def plot(rows: dict[str, dict[str, Any]], path: Path, answered: bool) -> None:
-    """Four bars of median req/s, each labelled with its ratio to (b)."""
+    """A bar of median req/s per variant, each labelled with its ratios to (b) and (b')."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [row["label"].replace(" + ", "\n+ ").replace(" [", "\n[") for row in rows.values()]
+    labels = [row["label"].replace(" + ", "\n+ ").replace(" [", "\n[").replace(", ", ",\n") for row in rows.values()]
     values = [row["rps"] for row in rows.values()]
     figure, axes = plt.subplots(figsize=(max(8, 1.6 * len(values)), 4.5))
     greens = ["#55a868", "#2e8b57", "#8fbc8f", "#6b8e23", "#3cb371", "#9acd32"]
-    colors = [
-        "#888888"
-        if key == "envoy"
-        else "#4c72b0"
-        if key == "local"
-        else "#c44e52"
-        if key == "ratelimit"
-        else greens.pop(0)
-        for key in rows
-    ]
+    fixed = {"envoy": "#888888", "local": "#4c72b0", PER_CLIENT: "#8fa8d8", "ratelimit": "#c44e52"}
+    colors = [fixed[key] if key in fixed else greens.pop(0) for key in rows]
     bars = axes.bar(labels, values, color=colors)
     for bar, row in zip(bars, rows.values(), strict=True):
         text = f"{row['rps']:,.0f}" + ("" if row["ratio"] is None else f"\n{row['ratio']:.2f}x (b)")
+        text += "" if row["ratio_per_client"] is None else f"\n{row['ratio_per_client']:.2f}x (b')"
         axes.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     note = "" if answered else " (quota: sidecar did NOT answer the stream)"
     axes.set_title(f"Envoy 1 worker, wrk on another core: req/s, everything admitted{note}", fontsize=9)
     axes.set_ylabel("requests/s (median over rounds)")
-    axes.set_ylim(0, max(values) * 1.2 if values else 1)
+    axes.set_ylim(0, max(values) * 1.3 if values else 1)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
@@ -501,6 +518,8 @@ def run(arguments: argparse.Namespace) -> int:
     print()
     print(table(rows, arguments))
     print()
+    for line in quota_ratios(rows):
+        print(line)
     print(
         "quota stream: "
         + (
@@ -531,7 +550,7 @@ def shapes_of(arguments: argparse.Namespace) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = tool_parser("loadtest.quota_paths", __doc__)
-    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of all four variants (default 3)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of every variant (default 3)")
     parser.add_argument("--duration", type=positive_int, default=5, help="seconds per run, whole (default 5)")
     parser.add_argument("--warmup", type=positive_int, default=1, help="unmeasured seconds per variant (default 1)")
     parser.add_argument("--connections", type=positive_int, default=32, help="wrk keep-alive connections (default 32)")
