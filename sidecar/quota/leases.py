@@ -52,7 +52,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 
@@ -106,6 +106,17 @@ MAX_REPORTED = 2**32
 """Allowed or denied in one report beyond this is not physically possible (860 million
 requests a second for 5 s): clamped."""
 REFUSAL_LOG_SECONDS = 60.0
+
+
+class CallTimes(NamedTuple):
+    """The durations of a ``share.lua`` call, in milliseconds (see :class:`Call`)."""
+
+    lease_ms: int
+    stale_ms: int
+    master_ms: int
+    master_gap_ms: int
+    min_gap_ms: int
+    hold_ms: int
 
 
 class QuotaLeases:
@@ -311,10 +322,10 @@ class QuotaLeases:
         return {key: (units, demand) for key, (units, demand) in self.totals.items() if units or demand}
 
     def _show(self, shared: Shared, units: int, demand: int | None = None) -> None:
-        rule = shared.base.rule
-        if rule is None:
-            return
         demand = shared.demand if demand is None else demand
+        rule = shared.base.rule
+        if rule is None or (units, demand) == shared.shown:
+            return  # most renewals: nothing moved, no total to look up
         total = self.totals.setdefault((rule.domain, rule.stat_key), [0, 0])
         total[0] += units - shared.shown[0]
         total[1] += demand - shared.shown[1]
@@ -367,7 +378,8 @@ class QuotaLeases:
             if deadline is not None and self.clock() >= deadline:
                 break
             chunk = keys[start : start + CHUNK]  # live, kept and leaving are disjoint: no key twice
-            calls = [(share_keys(self.prefix, key, -1), self._call_of(LEAVE, 0, -1, 0)) for key in chunk]
+            leave = self._call_of(LEAVE, 0, -1, 0, self._times())
+            calls = [(share_keys(self.prefix, key, -1), leave) for key in chunk]
             try:
                 async with asyncio.timeout(None if deadline is None else max(0.0, deadline - self.clock())):
                     await self.backend.run(calls)
@@ -468,16 +480,17 @@ class QuotaLeases:
 
     async def _call(self, keys: list[BucketKey]) -> bool:
         """One pipeline for ``keys`` (at most :data:`CHUNK`); False when Redis is away."""
-        now, wall = self.clock(), self.wall()
+        now, wall, times = self.clock(), self.wall(), self._times()
         calls: list[tuple[list[str], Call]] = []
         targets: list[Shared | BucketKey] = []
+        buckets = self.buckets
         for key in keys:
-            shared = self.buckets.get(key)
+            shared = buckets.get(key)
             if shared is None:  # given back (a bucket released without give-back leaves no key)
-                calls.append((share_keys(self.prefix, key, -1), self._call_of(LEAVE, 0, -1, 0)))
+                calls.append((share_keys(self.prefix, key, -1), self._call_of(LEAVE, 0, -1, 0, times)))
                 targets.append(key)
                 continue
-            calls.append((keys_of(shared.tag, shared.shape.window(wall)), self._publish(shared, now, wall)))
+            calls.append((keys_of(shared.tag, shared.shape.window(wall)), self._publish(shared, now, wall, times)))
             targets.append(shared)
         try:
             replies = await self.backend.run(calls)
@@ -569,22 +582,33 @@ class QuotaLeases:
                 handled += 1
             await give_way()
 
-    def _call_of(self, demand: int, limit: int, window: int, used_add: int) -> Call:
-        return Call(
-            self.replica_id,
-            demand,
-            limit,
+    def _times(self) -> CallTimes:
+        """The durations every call of a pipeline carries, computed once per pipeline."""
+        return CallTimes(
             lease_ms=int(self.lease * 1000),
             stale_ms=int(3 * self.report_seconds * 1000),
             master_ms=int(3 * self.report_seconds * 1000),
             master_gap_ms=int(self.report_seconds * 1000),
             min_gap_ms=int(self.poll * 1000),
-            window=window,
-            used_add=used_add,
             hold_ms=int(self.hold * 1000),
         )
 
-    def _publish(self, shared: Shared, now: float, wall: float) -> Call:
+    def _call_of(self, demand: int, limit: int, window: int, used_add: int, times: CallTimes) -> Call:
+        return Call(
+            self.replica_id,
+            demand,
+            limit,
+            lease_ms=times.lease_ms,
+            stale_ms=times.stale_ms,
+            master_ms=times.master_ms,
+            master_gap_ms=times.master_gap_ms,
+            min_gap_ms=times.min_gap_ms,
+            window=window,
+            used_add=used_add,
+            hold_ms=times.hold_ms,
+        )
+
+    def _publish(self, shared: Shared, now: float, wall: float, times: CallTimes) -> Call:
         demand = POLL
         shared.unsent = None
         if shared.reported:
@@ -597,7 +621,7 @@ class QuotaLeases:
         shape = shared.shape
         used = min(shared.allowed, shape.limit)  # more than the limit spends the window all the same
         shared.allowed = 0
-        return self._call_of(demand, shape.limit, shape.window(wall), used if shape.windowed else 0)
+        return self._call_of(demand, shape.limit, shape.window(wall), used if shape.windowed else 0, times)
 
     def _push(self, shared: Shared, now: float) -> None:
         units = self.units_of(shared, now)
@@ -614,7 +638,7 @@ class QuotaLeases:
             live.nanos = nanos_after(live.assignment, new, live.nanos)
             live.assignment = new
             live.sent_at = now
-            stream.push(Action(live.bucket_id, new, live.nanos))
+            stream.push(Action(live.bucket_id, new, live.nanos), shared.key)
             self.stats.pushes += 1
             stream.notify()
 

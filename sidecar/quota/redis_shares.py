@@ -126,7 +126,7 @@ class RedisShares:
         store = self.store
         script_calls = [ScriptCall(SHARE, keys, share_arguments(call)) for keys, call in calls]
         try:
-            replies = await store.run_scripts(script_calls, store.background_timeout, away_raises=True)
+            replies = await store.run_scripts(script_calls, store.background_timeout, away_raises=True, packed=True)
         except RedisUnavailable as error:
             raise SharesUnavailable(str(error)) from error
         return [
@@ -135,5 +135,14 @@ class RedisShares:
 
 
 def _reply(values: Sequence[Any]) -> Reply:
-    grant, replicas, unsettled, master, computed, capacity, others, silent = (int(value) for value in values)
-    return Reply(grant, replicas, bool(unsettled), bool(master), bool(computed), capacity, others, silent)
+    grant, replicas, unsettled, master, computed, capacity, others, silent = values
+    return Reply(
+        int(grant),
+        int(replicas),
+        bool(int(unsettled)),
+        bool(int(master)),
+        bool(int(computed)),
+        int(capacity),
+        int(others),
+        int(silent),
+    )

@@ -180,18 +180,22 @@ def clamped(call: Call) -> Call:
     same): the limit to [0, :data:`MAX_UNITS`], a demand to at most the limit (asking more
     than all of it gets the same share), admitted requests to [0, limit] (more than the
     limit spends the window all the same), durations to [0, :data:`MAX_MS`]."""
-    limit = min(max(0, call.limit), MAX_UNITS)
-    demand = call.demand if call.demand in (POLL, LEAVE) else min(max(0, call.demand), limit)
-    times = (call.lease_ms, call.stale_ms, call.master_ms, call.min_gap_ms, call.master_gap_ms, call.hold_ms)
-    if (
-        limit == call.limit
-        and demand == call.demand
-        and 0 <= call.used_add <= limit
-        and all(0 <= value <= MAX_MS for value in times)
+    if (  # the usual case, tested first with no tuple nor generator built: nothing to cut, no copy
+        0 <= call.limit <= MAX_UNITS
+        and (LEAVE <= call.demand <= call.limit)
+        and 0 <= call.used_add <= call.limit
+        and 0 <= call.lease_ms <= MAX_MS
+        and 0 <= call.stale_ms <= MAX_MS
+        and 0 <= call.master_ms <= MAX_MS
+        and 0 <= call.min_gap_ms <= MAX_MS
+        and 0 <= call.master_gap_ms <= MAX_MS
+        and 0 <= call.hold_ms <= MAX_MS
         and 0 <= call.threshold_pct <= 1000
         and -1 <= call.window <= MAX_MS
     ):
-        return call  # the usual case: nothing to cut, no copy
+        return call
+    limit = min(max(0, call.limit), MAX_UNITS)
+    demand = call.demand if call.demand in (POLL, LEAVE) else min(max(0, call.demand), limit)
 
     def ms(value: int) -> int:
         return min(max(0, value), MAX_MS)

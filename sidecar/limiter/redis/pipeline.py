@@ -37,17 +37,25 @@ def queue_calls(pipe: Any, calls: Sequence[ScriptCall | Command], *, with_body: 
     first call caches the script for the ``EVALSHA`` of the calls behind it; in Cluster
     they go to several nodes, so every resent call carries the body.
     """
+    for command in commands_of(calls, with_body=with_body, cluster=cluster):
+        pipe.execute_command(*command)
+
+
+def commands_of(calls: Sequence[ScriptCall | Command], *, with_body: bool, cluster: bool) -> list[Command]:
+    """The commands :func:`queue_calls` queues, as tuples (for a pipeline packed by hand)."""
+    commands: list[Command] = []
     sent: set[str] = set()
     for call in calls:
         if not isinstance(call, ScriptCall):
-            pipe.execute_command(*call)
+            commands.append(call)
             continue
         script, keys, args = call
         if with_body and (cluster or script.sha not in sent):
-            pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
+            commands.append(("EVAL", script.source, len(keys), *keys, *args))
         else:
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
         sent.add(script.sha)
+    return commands
 
 
 def redis_away(reply: object) -> bool:
