@@ -270,3 +270,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.redis)
         if item.get_closest_marker("alone") is not None:
             item.add_marker(pytest.mark.serial)  # kept out of the parallel phase as well
+    # Files with slow tests first (each file kept whole, for its module fixtures): the xdist
+    # workers take them while there is other work to fill the cores, instead of the last
+    # directory's long harness runs (tests/tools/) leaving the other workers idle at the end.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)

@@ -57,7 +57,8 @@ REDIS_TIMEOUT = 0.5
 CALL_TIMEOUT = 20.0
 """Client deadline: a call that times out has an unknown outcome and spoils the exact checks."""
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(450)]
+# alone: rolling counts under load
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(450)]
 
 
 def blind_cap(limit: int, replicas: int) -> int:
