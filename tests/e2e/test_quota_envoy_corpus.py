@@ -12,6 +12,11 @@ A case may keep routes on the per-request filter (``per_request``: ``--per-reque
 Envoy then runs both paths, and the ``ratelimit`` filter must be asked about exactly the
 requests of those routes.
 
+The cases whose entries become alternatives (metadata, values read from the request: empty,
+absent, ``skip_if_absent``) also run in the ``list`` shape (the filters alone, as printed
+without ``--full``), where a route's alternatives share one filter with the other routes'
+descriptors and a request whose entry reaches no rule must not fall to a later route's.
+
 Timing: every request is sent once to start its buckets (quota mode allows a bucket's
 first requests until its assignment lands), then, in a new second once the assignments are
 in, each group is sent back to back. Limits are per second and small, so a burst within one
@@ -36,6 +41,8 @@ import pytest
 import yaml
 
 from sidecar.__main__ import main
+from sidecar.config import load_config
+from sidecar.export.envoy_quota.export import DEFAULT_CLUSTER, export_quota, quota_document
 from stack.envoy import admin_get
 from stack.processes import process_group
 from stack.quota_envoy import LocalEnvoy, http_get, quota_sidecar
@@ -186,3 +193,19 @@ def test_corpus_case_admits_what_the_per_request_path_admits(name: str, services
     assert every_call > 0
     # Only the routes kept per request still ask the sidecar per request (warm-up included).
     assert calls == sum(int(group["count"]) + 1 for group in groups if group.get("per_request"))
+
+
+@pytest.mark.parametrize("name", ["metadata", "read_values"])
+def test_the_list_shape_admits_what_the_per_request_path_admits(name: str, services: SimpleNamespace) -> None:
+    case = CORPUS / name
+    spec = yaml.safe_load((case / "requests.yaml").read_text())
+    groups, expected = spec["groups"], [int(group["admitted"]) for group in spec["groups"]]
+    document = yaml.safe_load((case / "envoy.yaml").read_text())
+    origin = case / "envoy.yaml"
+    result = export_quota(load_config(str(case / "rules.yaml")).domains, document, origin)
+    assert result.dropped == ()
+    assert len(result.filters) == 1  # every route sends one entry's alternatives: they share one filter
+    config = quota_document(document, origin, result.filters, DEFAULT_CLUSTER)
+    admitted, calls = run_config(services, f"{name}-list", config, groups)
+    assert admitted == expected
+    assert calls == 0  # no request asked the sidecar per request
