@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,8 @@ class Waits:
     seconds = 0.0
 
     @classmethod
-    def install(cls) -> None:
+    def install(cls) -> Callable[[], None]:
+        """Time every socket read from now on; returns what puts the parser back."""
         original = _AsyncHiredisParser.read_from_socket
 
         async def timed(parser: _AsyncHiredisParser) -> bool:
@@ -86,6 +87,11 @@ class Waits:
                 cls.seconds += time.perf_counter() - began
 
         _AsyncHiredisParser.read_from_socket = timed  # type: ignore[method-assign]
+
+        def uninstall() -> None:
+            _AsyncHiredisParser.read_from_socket = original  # type: ignore[method-assign]
+
+        return uninstall
 
 
 class TimedBackend:
@@ -203,7 +209,6 @@ async def measure(url: str, directory: Path, arguments: argparse.Namespace) -> N
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    Waits.install()
     parser.add_argument("--buckets", type=int, default=10_000, help="shared buckets (default 10,000)")
     parser.add_argument("--repeats", type=int, default=5, help="passes of each kind (default 5)")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N functions")
@@ -216,7 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         redis = group.start_ready(lambda: RedisProcess(directory))
         import uvloop
 
-        uvloop.run(measure(redis.url, directory, arguments))
+        uninstall = Waits.install()
+        try:
+            uvloop.run(measure(redis.url, directory, arguments))
+        finally:
+            uninstall()
     return 0
 
 

@@ -193,3 +193,14 @@ def test_clamped_cuts_exactly_what_is_out_of_bounds(demand: int, limit: int, ms:
     assert cut.lease_ms == cut.hold_ms == min(max(0, ms), MAX_MS)
     assert cut.threshold_pct == min(max(0, pct), 1000) and cut.window == min(max(-1, window), MAX_MS)
     assert (cut is call) == (cut == call)
+
+
+def test_the_share_cost_loadtest_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m loadtest.quota_share_cost`` at its smallest: a real redis-server, both passes printed."""
+    from loadtest.quota_share_cost import main
+
+    assert main(["--buckets", "300", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("report", "renew"))}
+    assert set(rows) == {"report", "renew"}
+    assert all(float(value) >= 0 for values in rows.values() for value in values)
