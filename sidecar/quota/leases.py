@@ -94,11 +94,15 @@ POLL_SECONDS = 1.0
 """Between reports, buckets whose shares are still moving are asked again this often."""
 TICK = 0.25
 CHUNK = 128
-"""Buckets per pipeline and per loop turn (calls built, replies read, pushes). redis-py reads
-a pipeline's buffered replies in one loop turn: with 20,000 shared buckets, pipelines of 250
-held the loop 17-23 ms (probe p99 24-33 ms with Redis up), of 128 10-14 ms (17-19 ms); of 64,
-6 ms, but Redis then falls behind the 5 s reports (``python -m loadtest.reliability --areas
-loop-stalls``, outage row, runs in alternation)."""
+"""Buckets per pipeline and per loop turn (calls built, replies read, pushes). A pipeline's
+replies are read and applied in one loop turn. Through redis-py's ``Pipeline`` that cost the
+loop 80-140 us a bucket: with 20,000 shared buckets, pipelines of 250 held the loop 17-23 ms
+(probe p99 24-33 ms with Redis up), of 128 10-14 ms (17-19 ms); of 64, 6 ms, but Redis then
+fell behind the 5 s reports (``python -m loadtest.reliability --areas loop-stalls``, outage
+row, runs in alternation). Packed by hand (``run_scripts(packed=True)``) a renewal costs
+about 40 us a bucket, a changed share about 80 (``python -m loadtest.quota_share_cost``),
+so 128 now hold a turn a few ms; kept at 128 rather than raised, since a smaller turn is
+what the request path waits on, and not lowered, since Redis's pace is what 64 lacked."""
 MAX_PER_TICK = 5000
 """Buckets called per tick (the rest wait for the next): 20,000 a second, the 100,000
 buckets of a full process every 5 s report."""
