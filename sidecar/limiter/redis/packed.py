@@ -32,16 +32,23 @@ import hiredis
 from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
 from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 def packable(client: object) -> bool:
-    """Whether ``client`` takes :func:`run_packed`: a plain (or Sentinel) ``redis.asyncio.Redis``
-    speaking RESP2, the protocol whose replies the parser gives as ``Pipeline`` would."""
+    """Whether ``client`` takes :func:`run_packed`: a plain ``redis.asyncio.Redis`` speaking
+    RESP2 (the protocol whose replies the parser gives as ``Pipeline`` would), whose
+    connections read replies as redis-py's own do. Sentinel's connections do not: a
+    ``READONLY`` reply from a demoted master becomes a lost connection there (so Redis is
+    marked down and found again through Sentinel), and reading from the parser would skip
+    that; they keep the ``Pipeline``."""
     if not isinstance(client, Redis):
         return False
-    return client.connection_pool.connection_kwargs.get("protocol") in (None, 2, "2")
+    pool = client.connection_pool
+    reads_as_redis_py = getattr(pool.connection_class, "read_response", None) is AbstractConnection.read_response
+    return reads_as_redis_py and pool.connection_kwargs.get("protocol") in (None, 2, "2")
 
 
 def pack(commands: Sequence[tuple[Any, ...]]) -> bytes:

@@ -204,3 +204,18 @@ def test_the_share_cost_loadtest_runs_end_to_end(capsys: pytest.CaptureFixture[s
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("report", "renew"))}
     assert set(rows) == {"report", "renew"}
     assert all(float(value) >= 0 for values in rows.values() for value in values)
+
+
+def test_only_plain_redis_connections_are_packed() -> None:
+    """Sentinel's connections turn a demoted master's READONLY into a lost connection in their
+    own ``read_response``: they keep redis-py's ``Pipeline``, as does RESP3."""
+    from redis.asyncio import Redis
+    from redis.asyncio.sentinel import Sentinel
+
+    from sidecar.limiter.redis.connect import connect
+
+    assert packable(connect("redis://127.0.0.1:1", False, 0.05))
+    assert packable(connect("rediss://127.0.0.1:1", False, 0.05))
+    assert not packable(Sentinel([("127.0.0.1", 1)]).master_for("mymaster"))
+    assert not packable(Redis(host="127.0.0.1", port=1, protocol=3))
+    assert not packable(connect("redis://127.0.0.1:1", True, 0.05))  # Cluster
