@@ -29,22 +29,29 @@ from collections.abc import Sequence
 from typing import Any
 
 import hiredis
-from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
-from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+try:  # redis-py's parser internals, as in redis-py 5 to 8
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
+    from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR
+
+    PARSER_KNOWN = hasattr(_AsyncHiredisParser, "read_from_socket")
+except ImportError:  # another layout: every client keeps redis-py's Pipeline
+    PARSER_KNOWN = False
+
 
 def packable(client: object) -> bool:
     """Whether ``client`` takes :func:`run_packed`: a plain ``redis.asyncio.Redis`` speaking
-    RESP2 (the protocol whose replies the parser gives as ``Pipeline`` would), whose
+    RESP2 (the protocol whose replies the parser gives as ``Pipeline`` would) through a
+    redis-py whose parser internals are the ones read here (``PARSER_KNOWN``), whose
     connections read replies as redis-py's own do. Sentinel's connections do not: a
     ``READONLY`` reply from a demoted master becomes a lost connection there (so Redis is
     marked down and found again through Sentinel), and reading from the parser would skip
     that; they keep the ``Pipeline``."""
-    if not isinstance(client, Redis):
+    if not PARSER_KNOWN or not isinstance(client, Redis):
         return False
     pool = client.connection_pool
     reads_as_redis_py = getattr(pool.connection_class, "read_response", None) is AbstractConnection.read_response

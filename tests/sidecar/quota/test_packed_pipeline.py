@@ -219,3 +219,13 @@ def test_only_plain_redis_connections_are_packed() -> None:
     assert not packable(Sentinel([("127.0.0.1", 1)]).master_for("mymaster"))
     assert not packable(Redis(host="127.0.0.1", port=1, protocol=3))
     assert not packable(connect("redis://127.0.0.1:1", True, 0.05))  # Cluster
+
+
+def test_a_redis_py_without_the_parser_read_here_keeps_the_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing reads redis-py's private parser: where its layout is not the one known
+    (``PARSER_KNOWN``), every client keeps redis-py's ``Pipeline`` instead of failing."""
+    from sidecar.limiter.redis import packed
+    from sidecar.limiter.redis.connect import connect
+
+    monkeypatch.setattr(packed, "PARSER_KNOWN", False)
+    assert not packable(connect("redis://127.0.0.1:1", False, 0.05))
