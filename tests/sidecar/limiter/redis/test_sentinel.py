@@ -84,6 +84,11 @@ async def test_after_a_failover_the_sidecar_counts_on_the_new_master(
     check = Check((uuid.uuid4().hex,), 3600, 1_000, 1)
     for _ in range(3):
         assert (await limiter.check([check], time.time())).admitted
+    # Replication is asynchronous: a master killed before its replica had the third hit
+    # leaves the new master one short for good (a loaded CI did). Failover starts once
+    # the replica holds all three.
+    replicated = await asyncio.to_thread(own_sentinel.master.client().execute_command, "WAIT", 1, 10_000)
+    assert replicated == 1, "the replica did not acknowledge the three hits"
     new_master = await asyncio.to_thread(own_sentinel.fail_over)
 
     deadline = time.monotonic() + FAILOVER_DEADLINE
