@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,27 +124,26 @@ def start_servers(directory: Path, server_cpus: tuple[int, ...] | None) -> Serve
     group = ProcessGroup()
     servers = Servers(group)
     try:
-        app = group.start(UpstreamProcess("app", directory))
-        redis = group.start(RedisProcess(directory))
-        redis.wait_ready()
+        # Through the launchers that build a child again on fresh ports when another process
+        # took one between choosing and binding it.
+        app = group.start_ready(lambda: UpstreamProcess("app", directory))
+        redis = group.start_ready(lambda: RedisProcess(directory))
         config = ["--config", str(EXAMPLE_CONFIG), "--log-level", "warning"]
-        memory = group.start(SidecarProcess("sidecar-memory", [*config, "--backend", "memory"], directory))
         sync_args = [*config, "--backend", "redis", "--redis-url", redis.url, "--mode", "sync"]
-        sync = group.start(SidecarProcess("sidecar-sync", sync_args, directory))
-        for child in (app, memory, sync):
-            child.wait_ready()
+        memory, sync = group.start_all_ready(
+            [
+                functools.partial(SidecarProcess, "sidecar-memory", [*config, "--backend", "memory"], directory),
+                functools.partial(SidecarProcess, "sidecar-sync", sync_args, directory),
+            ]
+        )
         template = ENVOY_CONFIGS / "front.yaml"
-        envoys = {
-            "no_filter": EnvoyProcess(
-                "envoy-no-filter", template, EnvoyPorts.free(app.port, memory.port), directory, ratelimit=False
-            ),
-            "memory": EnvoyProcess("envoy-memory", template, EnvoyPorts.free(app.port, memory.port), directory),
-            "sync_redis": EnvoyProcess("envoy-sync", template, EnvoyPorts.free(app.port, sync.port), directory),
-        }
-        for envoy in envoys.values():
-            group.start(envoy)
-        for envoy in envoys.values():
-            envoy.wait_ready()
+
+        def envoy(label: str, sidecar: SidecarProcess, ratelimit: bool = True) -> Callable[[], EnvoyProcess]:
+            ports = functools.partial(EnvoyPorts.free, app.port, sidecar.port)
+            return lambda: EnvoyProcess(label, template, ports(), directory, ratelimit=ratelimit)
+
+        builds = [envoy("envoy-no-filter", memory, False), envoy("envoy-memory", memory), envoy("envoy-sync", sync)]
+        envoys = dict(zip(("no_filter", "memory", "sync_redis"), group.start_all_ready(builds), strict=True))
     except BaseException:
         group.close()
         raise

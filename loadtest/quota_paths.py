@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,20 +178,25 @@ def start_servers(directory: Path, arguments: argparse.Namespace) -> Servers:
     group = ProcessGroup()
     servers = Servers(group)
     try:
-        app = group.start(UpstreamProcess("app", directory))
+        # Through the launchers that build a child again on fresh ports when another process
+        # took one between choosing and binding it.
+        app = group.start_ready(lambda: UpstreamProcess("app", directory))
         serve = ["--config", str(rules), "--backend", "memory", "--log-level", "warning"]
-        quota = group.start(SidecarProcess("sidecar-quota", serve, directory))
-        per_request = group.start(SidecarProcess("sidecar-ratelimit", serve, directory))
-        for child in (app, quota, per_request):
-            child.wait_ready()
+        builds = [functools.partial(SidecarProcess, f"sidecar-{n}", serve, directory) for n in ("quota", "ratelimit")]
+        quota, per_request = group.start_all_ready(builds)
         servers.quota_sidecar = quota
         sidecars = {"quota": quota.port, "ratelimit": per_request.port}
-        for variant in quota_variants(shapes_of(arguments)):
-            ports = EnvoyPorts.free(app.port, sidecars.get(variant, quota.port))
-            config = variant_config(variant, ports, rules, shapes_of(arguments), arguments.extra_routes)
-            servers.envoys[variant] = group.start(PinnedEnvoy(variant, config, ports, directory, arguments.envoy_cpu))
-        for envoy in servers.envoys.values():
-            envoy.wait_ready()
+
+        def envoy(variant: str) -> Callable[[], PinnedEnvoy]:
+            def build() -> PinnedEnvoy:
+                ports = EnvoyPorts.free(app.port, sidecars.get(variant, quota.port))
+                config = variant_config(variant, ports, rules, shapes_of(arguments), arguments.extra_routes)
+                return PinnedEnvoy(variant, config, ports, directory, arguments.envoy_cpu)
+
+            return build
+
+        variants = quota_variants(shapes_of(arguments))
+        servers.envoys.update(zip(variants, group.start_all_ready([envoy(v) for v in variants]), strict=True))
     except BaseException:
         group.close()
         raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,8 +37,35 @@ class PortTakenError(StartError):
 PORT_TAKEN_MARKERS = ("address already in use", "cannot bind socket")
 
 
+CHOSEN_PORTS = range(25_000, 30_000)
+"""Where :func:`free_port` chooses: above the demo's fixed ports (8081-10081) and the Redis
+Cluster nodes' (20,000-25,000, ``stack.redis``), below their bus ports (30,000-35,000) and
+the kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by default)."""
+
+
+def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> range:
+    """The ports the kernel gives outgoing connections (its default where it does not say)."""
+    try:
+        low, high = (int(word) for word in path.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
+    """A TCP port free on ``host`` right now, outside the ephemeral range when there is room.
+
+    A port the kernel picks (bind to 0) is an ephemeral one: between our closing it and a
+    child binding it, any process's outgoing connection (a client to Redis, Envoy to its
+    upstream) may be given it, and the child fails with "address already in use" (loaded CI
+    runs did). Below the ephemeral range no outgoing connection takes a port, so the only
+    race left is with another chooser, one port in thousands (and the retry of a port race).
+    """
+    below = range(CHOSEN_PORTS.start, min(CHOSEN_PORTS.stop, ephemeral_ports().start))
+    for _ in range(64 if len(below) >= 1000 else 0):
+        port = random.choice(below)
+        if port_free(port, host):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from loadtest.common import scrape_metrics
 from loadtest.compare_harness import haproxy_config
 from stack.envoy import ENVOY_CONFIGS, EnvoyPorts, EnvoyProcess
 from stack.haproxy import HAProxyPorts, HAProxyProcess
-from stack.processes import REPO, Child, ProcessGroup
+from stack.processes import REPO, ProcessGroup
 from stack.redis import RedisProcess
 from stack.sidecar import SidecarProcess
 from stack.upstream import UpstreamProcess
@@ -114,11 +115,6 @@ def sliding_config(directory: Path) -> Path:
     return target
 
 
-def _wait_all(children: Sequence[Child]) -> None:
-    for child in children:
-        child.wait_ready()
-
-
 def metric(url: str, name: str) -> float | None:
     """The value of an unlabelled metric at ``url``/metrics (None when absent or unreachable)."""
     try:
@@ -163,64 +159,64 @@ def _single_sidecars(names: Sequence[str], directory: Path) -> dict[str, tuple[s
 
 
 def _start_sync(bench: Bench, directory: Path, redis_timeout: float | None) -> list[SidecarProcess]:
-    """redis-server and the two sync-mode sidecars (started, not yet waited for)."""
+    """redis-server and the two sync-mode sidecars, serving."""
     group = bench.group
-    bench.redis = group.start(RedisProcess(directory))
-    bench.redis.wait_ready()
-    sync = []
-    for index in (1, 2):
-        args = _sidecar_args("--backend", "redis", "--redis-url", bench.redis.url, "--mode", "sync")
-        if redis_timeout is not None:
-            args += ["--redis-timeout", f"{redis_timeout:g}"]
-        sync.append(group.start(SidecarProcess(f"sidecar-sync-{index}", args, directory)))
-    return sync
+    bench.redis = redis = group.start_ready(lambda: RedisProcess(directory))
+    args = _sidecar_args("--backend", "redis", "--redis-url", redis.url, "--mode", "sync")
+    if redis_timeout is not None:
+        args += ["--redis-timeout", f"{redis_timeout:g}"]
+    builds = [partial(SidecarProcess, f"sidecar-sync-{index}", args, directory) for index in (1, 2)]
+    return group.start_all_ready(builds)
+
+
+def _start_envoys(
+    group: ProcessGroup, app: UpstreamProcess, sidecars: dict[str, SidecarProcess], directory: Path
+) -> list[EnvoyProcess]:
+    """One Envoy per ``label -> sidecar``, in front of ``app``, serving. Every child here is
+    started through the launchers that build it again on fresh ports when another process
+    took one between choosing and binding it (a loaded CI saw it)."""
+
+    def envoy(label: str, sidecar: SidecarProcess) -> Callable[[], EnvoyProcess]:
+        return lambda: EnvoyProcess(label, ENVOY_TEMPLATE, EnvoyPorts.free(app.port, sidecar.port), directory)
+
+    return group.start_all_ready([envoy(label, sidecar) for label, sidecar in sidecars.items()])
 
 
 def _start(bench: Bench, directory: Path, names: Sequence[str], redis_timeout: float | None) -> None:
     group = bench.group
-    app = group.start(UpstreamProcess("app", directory))
-    starting: list[Child] = [app]
-    single = {
-        path: group.start(SidecarProcess(f"sidecar-{label}", args, directory))
-        for path, (label, args) in _single_sidecars(names, directory).items()
-    }
-    starting += single.values()
+    app = group.start_ready(lambda: UpstreamProcess("app", directory))
+    wanted = _single_sidecars(names, directory)
+    started = group.start_all_ready(
+        [partial(SidecarProcess, f"sidecar-{label}", args, directory) for label, args in wanted.values()]
+    )
+    single = dict(zip(wanted, started, strict=True))
     sync = _start_sync(bench, directory, redis_timeout) if "envoy_sync" in names else []
-    starting += sync
-    _wait_all(starting)
-    envoys: dict[str, list[EnvoyProcess]] = {}
-    for path, sidecar in single.items():
-        ports = EnvoyPorts.free(app.port, sidecar.port)
-        label = path.replace("_", "-")
-        envoys[path] = [group.start(EnvoyProcess(label, ENVOY_TEMPLATE, ports, directory))]
-    for index, sidecar in enumerate(sync, start=1):
-        ports = EnvoyPorts.free(app.port, sidecar.port)
-        envoy = group.start(EnvoyProcess(f"envoy-sync-{index}", ENVOY_TEMPLATE, ports, directory))
-        envoys.setdefault("envoy_sync", []).append(envoy)
-    _wait_all([envoy for group_envoys in envoys.values() for envoy in group_envoys])
+    fronts = {path.replace("_", "-"): sidecar for path, sidecar in single.items()}
+    fronts.update({f"envoy-sync-{index}": sidecar for index, sidecar in enumerate(sync, start=1)})
+    envoys = dict(zip(fronts, _start_envoys(group, app, fronts, directory), strict=True))
     if sync:
         wait_replicas(sync, len(sync))
     for path, sidecar in single.items():
-        (envoy,) = envoys[path]
-        bench.paths[path] = Contender(path, [envoy.ports.listen], [envoy.pid, sidecar.pid], envoys[path], [sidecar])
+        envoy = envoys[path.replace("_", "-")]
+        bench.paths[path] = Contender(path, [envoy.ports.listen], [envoy.pid, sidecar.pid], [envoy], [sidecar])
     if sync:
         assert bench.redis is not None
-        pids = [*(envoy.pid for envoy in envoys["envoy_sync"]), *(s.pid for s in sync), bench.redis.pid]
-        ports_in = [envoy.ports.listen for envoy in envoys["envoy_sync"]]
-        bench.paths["envoy_sync"] = Contender("envoy_sync", ports_in, pids, envoys["envoy_sync"], sync)
+        sync_envoys = [envoys[f"envoy-sync-{index}"] for index in range(1, len(sync) + 1)]
+        pids = [*(envoy.pid for envoy in sync_envoys), *(s.pid for s in sync), bench.redis.pid]
+        ports_in = [envoy.ports.listen for envoy in sync_envoys]
+        bench.paths["envoy_sync"] = Contender("envoy_sync", ports_in, pids, sync_envoys, sync)
     if any(name.startswith("haproxy") for name in names):
-        haproxy_ports = HAProxyPorts.free(app.port)
-        bench.haproxy_config = haproxy_config.write(directory, haproxy_ports)
-        haproxy = HAProxyProcess(
-            "haproxy", haproxy_ports, directory, config=bench.haproxy_config.path, log_level="notice"
-        )
-        group.start(haproxy)
-        haproxy.wait_ready()
-        bench.haproxy = haproxy
+
+        def build_haproxy() -> HAProxyProcess:
+            ports = HAProxyPorts.free(app.port)
+            bench.haproxy_config = haproxy_config.write(directory, ports)
+            return HAProxyProcess("haproxy", ports, directory, config=bench.haproxy_config.path, log_level="notice")
+
+        bench.haproxy = haproxy = group.start_ready(build_haproxy)
         for flavour in ("fixed", "sliding"):
             name = f"haproxy_{flavour}"
             if name in names:
-                bench.paths[name] = Contender(name, [haproxy_ports.port(flavour)], [haproxy.pid])
+                bench.paths[name] = Contender(name, [haproxy.ports.port(flavour)], [haproxy.pid])
 
 
 def sidecar_shutdown_stats(bench: Bench) -> dict[str, dict[str, Any]]:

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from stack.processes import Child, PortTakenError, ProcessGroup, free_port, process_group
+from stack.processes import (
+    CHOSEN_PORTS,
+    Child,
+    PortTakenError,
+    ProcessGroup,
+    ephemeral_ports,
+    free_port,
+    port_free,
+    process_group,
+)
 
 SERVE = (
     "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen();"
@@ -58,3 +67,18 @@ def test_close_stops_every_child(tmp_path: Path) -> None:
     codes = group.close(timeout=5)
     assert len(codes) == 3
     assert not any(child.alive() for child in children)
+
+
+def test_a_chosen_port_is_free_and_below_the_ephemeral_range(tmp_path: Path) -> None:
+    """No outgoing connection can be given a port between its choosing and a child binding it."""
+    ephemeral = ephemeral_ports()
+    chosen = {free_port() for _ in range(20)}
+    if ephemeral.start - CHOSEN_PORTS.start >= 1000:
+        assert all(port in CHOSEN_PORTS and port < ephemeral.start for port in chosen), chosen
+    assert all(port_free(port) for port in chosen)
+
+
+def test_the_ephemeral_range_is_read_from_the_kernel_file(tmp_path: Path) -> None:
+    (tmp_path / "range").write_text("40000\t50000\n")
+    assert ephemeral_ports(tmp_path / "range") == range(40000, 50001)
+    assert ephemeral_ports(tmp_path / "missing") == range(32768, 61000)
