@@ -62,13 +62,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     race left is with another chooser, one port in thousands (and the retry of a port race).
     """
     below = range(CHOSEN_PORTS.start, min(CHOSEN_PORTS.stop, ephemeral_ports().start))
-    for _ in range(64 if len(below) >= 1000 else 0):
-        port = random.choice(below)
-        if port_free(port, host):
-            return port
+    port = free_port_in(below, host) if len(below) >= 1000 else None
+    if port is not None:
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
+
+
+def free_port_in(
+    ports: range, host: str = "127.0.0.1", *, also_free: Callable[[int], bool] = lambda port: True, tries: int = 64
+) -> int | None:
+    """A random port of ``ports`` free on ``host`` (and for which ``also_free`` holds), None
+    when ``tries`` picks found none: how every port outside the kernel's choice is chosen."""
+    for _ in range(tries):
+        port = random.choice(ports)
+        if port_free(port, host) and also_free(port):
+            return port
+    return None
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -8,7 +8,6 @@ line from :func:`server_argv` (or :func:`sentinel_argv`) and its process from
 
 from __future__ import annotations
 
-import random
 import shutil
 import socket
 import subprocess
@@ -16,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from stack.processes import Child, free_port, port_free, spawn
+from stack.processes import Child, free_port, free_port_in, port_free, spawn
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -109,12 +108,10 @@ HARNESS_CLUSTER_PORTS = (23_000, 25_000)
 def cluster_port(ports: tuple[int, int] = HARNESS_CLUSTER_PORTS) -> int:
     """A free port in ``ports`` whose Cluster bus port (+10000) is free too: below Linux's
     ephemeral range (a node's port must be at most 55535)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(*ports)
-        if port_free(port) and port_free(port + 10_000):
-            return port
-    raise RuntimeError("no free pair of ports for a Cluster node")
+    port = free_port_in(range(*ports), also_free=lambda port: port_free(port + 10_000), tries=200)
+    if port is None:
+        raise RuntimeError("no free pair of ports for a Cluster node")
+    return port
 
 
 def cluster_node(directory: Path) -> RedisProcess:
