@@ -152,6 +152,15 @@ class QuotaLeases:
         self.lease = lease_seconds(ttl, report_seconds)
         self.hold = hold_seconds(ttl, hold, report_seconds)
         """Seconds past its end a lease stays reserved in Redis, and kept here without Redis."""
+        self.times = CallTimes(
+            lease_ms=int(self.lease * 1000),
+            stale_ms=int(3 * report_seconds * 1000),
+            master_ms=int(3 * report_seconds * 1000),
+            master_gap_ms=int(report_seconds * 1000),
+            min_gap_ms=int(self.poll * 1000),
+            hold_ms=int(self.hold * 1000),
+        )
+        """The durations every ``share.lua`` call carries, fixed for the process."""
         self.after_hold = after_hold
         """What a bucket cut from Redis enforces once its hold ended: nothing, or the safe capacity."""
         self.clock = clock
@@ -382,7 +391,7 @@ class QuotaLeases:
             if deadline is not None and self.clock() >= deadline:
                 break
             chunk = keys[start : start + CHUNK]  # live, kept and leaving are disjoint: no key twice
-            leave = self._call_of(LEAVE, 0, -1, 0, self._times())
+            leave = self._call_of(LEAVE, 0, -1, 0)
             calls = [(share_keys(self.prefix, key, -1), leave) for key in chunk]
             try:
                 async with asyncio.timeout(None if deadline is None else max(0.0, deadline - self.clock())):
@@ -484,17 +493,17 @@ class QuotaLeases:
 
     async def _call(self, keys: list[BucketKey]) -> bool:
         """One pipeline for ``keys`` (at most :data:`CHUNK`); False when Redis is away."""
-        now, wall, times = self.clock(), self.wall(), self._times()
+        now, wall = self.clock(), self.wall()
         calls: list[tuple[list[str], Call]] = []
         targets: list[Shared | BucketKey] = []
         buckets = self.buckets
         for key in keys:
             shared = buckets.get(key)
             if shared is None:  # given back (a bucket released without give-back leaves no key)
-                calls.append((share_keys(self.prefix, key, -1), self._call_of(LEAVE, 0, -1, 0, times)))
+                calls.append((share_keys(self.prefix, key, -1), self._call_of(LEAVE, 0, -1, 0)))
                 targets.append(key)
                 continue
-            calls.append((keys_of(shared.tag, shared.shape.window(wall)), self._publish(shared, now, wall, times)))
+            calls.append((keys_of(shared.tag, shared.shape.window(wall)), self._publish(shared, now, wall)))
             targets.append(shared)
         try:
             replies = await self.backend.run(calls)
@@ -586,18 +595,8 @@ class QuotaLeases:
                 handled += 1
             await give_way()
 
-    def _times(self) -> CallTimes:
-        """The durations every call of a pipeline carries, computed once per pipeline."""
-        return CallTimes(
-            lease_ms=int(self.lease * 1000),
-            stale_ms=int(3 * self.report_seconds * 1000),
-            master_ms=int(3 * self.report_seconds * 1000),
-            master_gap_ms=int(self.report_seconds * 1000),
-            min_gap_ms=int(self.poll * 1000),
-            hold_ms=int(self.hold * 1000),
-        )
-
-    def _call_of(self, demand: int, limit: int, window: int, used_add: int, times: CallTimes) -> Call:
+    def _call_of(self, demand: int, limit: int, window: int, used_add: int) -> Call:
+        times = self.times
         return Call(
             self.replica_id,
             demand,
@@ -612,7 +611,7 @@ class QuotaLeases:
             hold_ms=times.hold_ms,
         )
 
-    def _publish(self, shared: Shared, now: float, wall: float, times: CallTimes) -> Call:
+    def _publish(self, shared: Shared, now: float, wall: float) -> Call:
         demand = POLL
         shared.unsent = None
         if shared.reported:
@@ -625,7 +624,7 @@ class QuotaLeases:
         shape = shared.shape
         used = min(shared.allowed, shape.limit)  # more than the limit spends the window all the same
         shared.allowed = 0
-        return self._call_of(demand, shape.limit, shape.window(wall), used if shape.windowed else 0, times)
+        return self._call_of(demand, shape.limit, shape.window(wall), used if shape.windowed else 0)
 
     def _push(self, shared: Shared, now: float) -> None:
         units = self.units_of(shared, now)
