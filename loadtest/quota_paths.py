@@ -502,7 +502,7 @@ def run(arguments: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="quota-paths-") as directory:
         servers = start_servers(Path(directory), arguments)
         try:
-            for variant in variants:  # warm every path (connections, first buckets) unmeasured
+            for variant in variants if arguments.warmup else ():  # warm every path (connections, first buckets)
                 run_wrk(servers.envoys[variant].ports.listen, arguments.warmup, arguments)
             for number in range(1, arguments.rounds + 1):
                 for variant in rotated(list(variants), number - 1):
@@ -553,11 +553,18 @@ def shapes_of(arguments: argparse.Namespace) -> list[str]:
     return str(arguments.quota_shapes).split(",")
 
 
+def whole_seconds(text: str) -> int:
+    """argparse type: a whole number >= 0 (a test's ``--warmup 0`` skips the unmeasured runs)."""
+    if int(text) < 0:
+        raise argparse.ArgumentTypeError("must be at least 0")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = tool_parser("loadtest.quota_paths", __doc__)
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of every variant (default 3)")
     parser.add_argument("--duration", type=positive_int, default=5, help="seconds per run, whole (default 5)")
-    parser.add_argument("--warmup", type=positive_int, default=1, help="unmeasured seconds per variant (default 1)")
+    parser.add_argument("--warmup", type=whole_seconds, default=1, help="unmeasured seconds per variant (default 1)")
     parser.add_argument("--connections", type=positive_int, default=32, help="wrk keep-alive connections (default 32)")
     parser.add_argument(
         "--extra-routes",

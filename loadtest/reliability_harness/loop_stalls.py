@@ -21,7 +21,7 @@ RSS before, at peak and after. Rows:
 A row holds when every probe call was answered and the sidecar serves after the input.
 The measured goals are printed beside it ("goal missed" with the figure), never asserted:
 the probe's p99 within 2x of the quiet run, no stall over 20 ms, RSS back within 10 %.
-``--quick`` (the test) uses smaller numbers.
+``--quick`` uses smaller numbers, ``--smoke`` (the test) smaller still (:data:`SMOKE`).
 
     python -m loadtest.reliability --areas loop-stalls
     python -m loadtest.reliability_harness.loop_stalls [--full]
@@ -105,6 +105,8 @@ class Sizes:
 
 FULL = Sizes(Timing(quiet=5.0, settle=10.0), 10.0, 1.0, 100_000, 20_000, 20_000, 4.0, 2.0)
 QUICK = Sizes(Timing(quiet=2.0, settle=3.0), 2.0, 0.5, 20_000, 2_000, 300, 1.5, 1.0)
+SMOKE = Sizes(Timing(quiet=1.0, settle=1.5), 1.0, 0.3, 5_000, 1_000, 150, 1.0, 0.5)
+"""The tests' size: every row and every figure, on half the quiet time and inputs of quick."""
 
 
 def write_config(directory: Path, user_limit: int = 100) -> Path:
@@ -346,7 +348,7 @@ def run_row(context: Context, sizes: Sizes, scenario: str, setup: Setup) -> Row:
 
 
 def run(context: Context) -> list[Row]:
-    sizes = QUICK if context.quick else FULL
+    sizes = {"smoke": SMOKE, "quick": QUICK, "full": FULL}[context.size]
     return [run_row(context, sizes, scenario, setup) for scenario, setup in ROWS.items()]
 
 

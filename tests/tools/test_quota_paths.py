@@ -19,7 +19,7 @@ pytestmark = [
 
 def test_a_short_run_reports_five_variants_and_plots_them(tmp_path: Path) -> None:
     plot = tmp_path / "paths.png"
-    argv = ["--rounds", "1", "--duration", "1", "--warmup", "1", "--connections", "4", "--plot", str(plot)]
+    argv = ["--rounds", "1", "--duration", "1", "--warmup", "0", "--connections", "4", "--plot", str(plot)]
     result, output = run_tool("quota_paths", argv, timeout=90)
     assert result.returncode == 0, output
     rows = [line for line in result.stdout.splitlines() if line.startswith("| (")]

@@ -1,4 +1,4 @@
-"""The ``loop-stalls`` reliability area (issue 25) in its quick size, and its pieces.
+"""The ``loop-stalls`` reliability area (issue 25) in its smoke size, and its pieces.
 
 Latency, stall and memory figures are the report's business (printed as each row's
 verdict); this checks what does not depend on timing: every row is there and measured,
@@ -38,7 +38,7 @@ MEASURED = (
 @pytest.mark.redis
 @pytest.mark.timeout(400)
 def test_every_row_is_measured_and_the_sidecar_serves_after_each_input(tmp_path: Path) -> None:
-    rows = loop_stalls.run(Context(tmp_path, quick=True))
+    rows = loop_stalls.run(Context(tmp_path, quick=True, smoke=True))
     assert [row.scenario for row in rows] == list(loop_stalls.ROWS)
     for row in rows:
         figures = row.figures
@@ -53,10 +53,10 @@ def test_every_row_is_measured_and_the_sidecar_serves_after_each_input(tmp_path:
     by_name = {row.scenario.split(":")[0]: row for row in rows}
     assert by_name["JSON body"].figures["posts"] > 0
     assert by_name["/config reader"].figures["config_reads"] > 0
-    quick = loop_stalls.QUICK
+    smoke = loop_stalls.SMOKE
     for name in ("outage", "reload"):
-        assert by_name[name].figures["live_buckets"] == quick.buckets, by_name[name].notes
-    assert by_name["/config reader"].figures["live_buckets"] == quick.config_buckets
+        assert by_name[name].figures["live_buckets"] == smoke.buckets, by_name[name].notes
+    assert by_name["/config reader"].figures["live_buckets"] == smoke.config_buckets
     assert "| loop stalls | big report" in table(rows)
 
 
