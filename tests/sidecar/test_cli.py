@@ -1,5 +1,12 @@
 """The command line as an operator uses it: check-config, serve's failures and settings,
-query and health against a running sidecar."""
+query and health against a running sidecar.
+
+What a command prints and returns is checked through ``main`` in this process
+(:mod:`tests.support.serve_refusal`: a ``python -m sidecar`` start costs about a CPU-second,
+mostly imports); one real process per kind of exit (a config check refused, a serve
+refused for its config and for a setting, a health check that passes, a reader that left)
+proves that the process says and returns the same.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.serve_refusal import cli_in_process, serve_in_process
 from tests.support.sidecars import (
     OK,
     OVER_LIMIT,
@@ -73,9 +81,9 @@ def test_check_config_summarises_each_domain(tmp_path: Path) -> None:
     write_config(directory, OTHER_DOMAIN, name="other.yml")
     (directory / "notes.txt").write_text("not a config")
 
-    result = run_cli("check-config", str(directory))
+    result = cli_in_process("check-config", str(directory))
 
-    assert result.returncode == 0, result.stderr
+    assert result.code == 0, result.stderr
     assert result.stderr == ""
     lines = result.stdout.splitlines()
     assert len(lines) == 2
@@ -91,6 +99,7 @@ def test_check_config_lists_every_error_with_file_line_and_path(tmp_path: Path) 
 
     assert result.returncode == 1
     assert result.stdout == ""
+    assert result.stderr == cli_in_process("check-config", str(directory)).stderr
     *issues, verdict = result.stderr.splitlines()
     assert verdict == "3 error(s); config refused"
     parsed = [ISSUE_LINE.match(issue) for issue in issues]
@@ -110,9 +119,9 @@ def test_check_config_reports_a_control_character_without_a_traceback(tmp_path: 
     config = tmp_path / "control.yaml"
     config.write_text("domain: x\ndescriptors:\n  - key: a\x01\n")
 
-    result = run_cli("check-config", str(config))
+    result = cli_in_process("check-config", str(config))
 
-    assert result.returncode == 1
+    assert result.code == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [
         f"{config}:3: invalid YAML: unacceptable character #x0001: special characters are not allowed",
@@ -135,9 +144,9 @@ def test_serve_with_a_bad_config_fails_with_one_line(tmp_path: Path, text: str, 
     config = tmp_path / "bad.yaml"
     config.write_text(text)
 
-    result = run_cli("serve", "--config", str(config), "--grpc-address", f"127.0.0.1:{free_port()}")
+    result = serve_in_process("--config", str(config), "--grpc-address", "127.0.0.1:0", load=True)
 
-    assert result.returncode != 0
+    assert result.code != 0
     assert "Traceback" not in result.stderr
     (line,) = stderr_lines(result.stderr)
     assert line.startswith(f"{PROG}: error: invalid rate limit config: {config}:")
@@ -145,10 +154,22 @@ def test_serve_with_a_bad_config_fails_with_one_line(tmp_path: Path, text: str, 
     assert f"check-config {config}" in line
 
 
+def test_a_real_serve_with_a_bad_config_fails_with_that_one_line(tmp_path: Path) -> None:
+    """The process behind the in-process checks above: exit 1, stderr that same line."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(BAD_CONFIG)
+    flags = ("--config", str(config), "--grpc-address", f"127.0.0.1:{free_port()}")
+
+    result = run_cli("serve", *flags)
+
+    assert result.returncode == 1
+    assert stderr_lines(result.stderr) == serve_in_process(*flags, load=True).lines
+
+
 def test_serve_with_a_missing_config_fails_with_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "missing"
-    result = run_cli("serve", "--config", str(missing), "--grpc-address", f"127.0.0.1:{free_port()}")
-    assert result.returncode != 0
+    result = serve_in_process("--config", str(missing), "--grpc-address", "127.0.0.1:0", load=True)
+    assert result.code != 0
     (line,) = stderr_lines(result.stderr)
     assert f"{missing}: no such file or directory" in line
 
@@ -158,9 +179,9 @@ def test_serve_on_a_port_in_use_fails_with_one_clear_line(config_dir: Path) -> N
         occupant.bind(("127.0.0.1", 0))
         occupant.listen()
         port = occupant.getsockname()[1]
-        result = run_cli("serve", "--config", str(config_dir), "--grpc-address", f"127.0.0.1:{port}")
+        result = serve_in_process("--config", str(config_dir), "--grpc-address", f"127.0.0.1:{port}")
 
-    assert result.returncode != 0
+    assert result.code != 0
     assert "Traceback" not in result.stderr
     assert non_log_lines(result.stderr) == [f"{PROG}: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
     assert "sidecar_started" not in result.stderr
@@ -178,16 +199,26 @@ def test_serve_on_a_port_in_use_fails_with_one_clear_line(config_dir: Path) -> N
 def test_serve_with_a_bad_setting_names_it(
     config_dir: Path, flags: list[str], env: dict[str, str], culprit: str
 ) -> None:
-    result = run_cli("serve", "--config", str(config_dir), *flags, env=clean_env(**env))
-    assert result.returncode != 0
+    result = serve_in_process("--config", str(config_dir), *flags, env=env)
+    assert result.code != 0
     assert "Traceback" not in result.stderr
     (line,) = stderr_lines(result.stderr)
     assert line.startswith(f"{PROG}: error: {culprit}")
 
 
+def test_a_real_serve_with_a_bad_variable_names_it_in_that_one_line(config_dir: Path) -> None:
+    """The process behind the in-process checks above: the variable is read at its start."""
+    result = run_cli("serve", "--config", str(config_dir), env=clean_env(RLS_INSTANCES="0"))
+    assert result.returncode == 1
+    assert (
+        stderr_lines(result.stderr) == serve_in_process("--config", str(config_dir), env={"RLS_INSTANCES": "0"}).lines
+    )
+    assert result.stderr.startswith(f"{PROG}: error: RLS_INSTANCES='0': must be at least 1")
+
+
 def test_serve_without_config_says_it_is_required() -> None:
-    result = run_cli("serve", "--grpc-address", f"127.0.0.1:{free_port()}")
-    assert result.returncode != 0
+    result = serve_in_process("--grpc-address", "127.0.0.1:0")
+    assert result.code != 0
     assert stderr_lines(result.stderr) == [f"{PROG}: error: --config (or RLS_CONFIG) is required"]
 
 
@@ -260,8 +291,8 @@ def test_query_prints_the_decision(shared_sidecar: Sidecar) -> None:
 
     def attempt() -> list[Any]:
         key = f"{value}-{uuid.uuid4().hex}"
-        first = run_cli("query", "--address", shared_sidecar.address, "--domain", "it", f"per_minute={key}")
-        rest = run_cli(
+        first = cli_in_process("query", "--address", shared_sidecar.address, "--domain", "it", f"per_minute={key}")
+        rest = cli_in_process(
             "query",
             "--address",
             shared_sidecar.address,
@@ -276,11 +307,11 @@ def test_query_prints_the_decision(shared_sidecar: Sidecar) -> None:
         return [first, rest]
 
     first, rest = in_one_window(60, attempt)
-    assert first.returncode == 0, first.stderr
+    assert first.code == 0, first.stderr
     overall, status = first.stdout.splitlines()
     assert overall == "overall: OK"
     assert re.fullmatch(r"  \[0\] OK limit=5/minute name=five_per_minute remaining=4 reset=\d+s", status)
-    assert rest.returncode == 0, rest.stderr
+    assert rest.code == 0, rest.stderr
     lines = rest.stdout.splitlines()
     assert lines[0] == "overall: OVER_LIMIT"
     assert re.fullmatch(r"  \[0\] OVER_LIMIT limit=5/minute name=five_per_minute remaining=0 reset=\d+s", lines[1])
@@ -300,8 +331,8 @@ def test_query_into_a_reader_that_left_ends_quietly(shared_sidecar: Sidecar) -> 
 
 
 def test_query_reports_invalid_argument(shared_sidecar: Sidecar) -> None:
-    result = run_cli("query", "--address", shared_sidecar.address, "--domain", "", "k=v")
-    assert result.returncode == 1
+    result = cli_in_process("query", "--address", shared_sidecar.address, "--domain", "", "k=v")
+    assert result.code == 1
     assert stderr_lines(result.stderr) == [
         f"{PROG}: error: {shared_sidecar.address}: INVALID_ARGUMENT: domain: must not be empty"
     ]
@@ -309,19 +340,26 @@ def test_query_reports_invalid_argument(shared_sidecar: Sidecar) -> None:
 
 @pytest.mark.parametrize("service", ["", SERVICE_NAME])
 def test_health_command_says_serving(shared_sidecar: Sidecar, service: str) -> None:
-    result = run_cli("health", "--address", shared_sidecar.address, "--service", service)
+    result = cli_in_process("health", "--address", shared_sidecar.address, "--service", service)
+    assert result.code == 0, result.stderr
+    assert result.stdout == "SERVING\n"
+
+
+def test_a_real_health_command_exits_0_saying_serving(shared_sidecar: Sidecar) -> None:
+    """The process a container's health check runs."""
+    result = run_cli("health", "--address", shared_sidecar.address)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "SERVING\n"
 
 
 def test_health_command_fails_for_unknown_service_and_dead_address(shared_sidecar: Sidecar) -> None:
-    unknown = run_cli("health", "--address", shared_sidecar.address, "--service", "no.Such")
-    assert unknown.returncode == 1
+    unknown = cli_in_process("health", "--address", shared_sidecar.address, "--service", "no.Such")
+    assert unknown.code == 1
     assert stderr_lines(unknown.stderr) == [f"{PROG}: error: {shared_sidecar.address}: NOT_FOUND: "]
 
     dead = f"127.0.0.1:{free_port()}"
-    result = run_cli("health", "--address", dead)
-    assert result.returncode == 1
+    result = cli_in_process("health", "--address", dead)
+    assert result.code == 1
     (line,) = stderr_lines(result.stderr)
     assert line.startswith(f"{PROG}: error: {dead}: UNAVAILABLE")
 
@@ -333,8 +371,8 @@ def test_query_with_the_config_names_a_replaced_rule(start_sidecar: SidecarFacto
     sidecar = start_sidecar(config=demo)
     premium = f"generic_key=api,api_key=premium-{uuid.uuid4().hex}"
     args = ("query", "--address", sidecar.address, "--domain", "demo", "generic_key=api", premium)
-    told = run_cli(*args, "--config", str(demo))
-    assert told.returncode == 0, told.stderr
+    told = cli_in_process(*args, "--config", str(demo))
+    assert told.code == 0, told.stderr
     assert told.stdout.splitlines()[1] == "  [0] OK no limit: api_route replaced by premium_key"
-    from_environment = run_cli(*args, env=clean_env(RLS_CONFIG=str(demo)))
+    from_environment = cli_in_process(*args, env={"RLS_CONFIG": str(demo)})
     assert from_environment.stdout.splitlines()[1] == "  [0] OK no limit: api_route replaced by premium_key"

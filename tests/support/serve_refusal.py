@@ -8,6 +8,9 @@ refusal ends in one ``ratelimit-sidecar: error:`` line. Doing that here costs mi
 where a real ``serve`` process costs about a CPU-second (interpreter start, grpc and uvloop
 imports), so tests check every bad value in-process and keep one real process per path to
 prove the exit itself.
+
+:func:`cli_in_process` runs any other command (``check-config``, ``query``, ``health``) the
+same way: its parsing, messages and exit code need no process of their own either.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from tests.support.sidecars import clean_env
 
 @dataclass(frozen=True)
 class Refusal:
-    """What ``serve`` gave back: its exit code and what it wrote."""
+    """What ``serve`` (or another command) gave back: its exit code and what it wrote."""
 
     code: int
     stdout: str
@@ -49,7 +52,8 @@ ACCEPTED = "serve() got past its startup checks to load the config: the value wa
 
 def _accepted(*_: object) -> NoReturn:
     """Stands for ``has_startup_config``, serve()'s first step past its checks (towards the
-    config load): reaching it fails the test."""
+    config load), or with a config load for ``settle_after_load``, its first step past the
+    load: reaching it fails the test."""
     raise AssertionError(ACCEPTED)
 
 
@@ -99,20 +103,33 @@ def _logging_restored() -> Iterator[None]:
         structlog.configure(**saved)
 
 
-def serve_in_process(*args: str, env: Mapping[str, str] | None = None) -> Refusal:
+def serve_in_process(*args: str, env: Mapping[str, str] | None = None, load: bool = False) -> Refusal:
     """``python -m sidecar serve ARGS`` with ``clean_env(**env)`` as the environment, in this
     process. An exception ``serve`` lets escape (a real process's traceback) propagates; a
     value it accepts fails the test at the config load instead of starting a server. The
-    gRPC address should bind (``127.0.0.1:0``): serve() checks it first."""
+    gRPC address should bind (``127.0.0.1:0``): serve() checks it first.
+
+    ``load``: the config is loaded too (for a refused config); a config that loads fails the
+    test before serve() settles the heap (``gc.freeze``) or starts the event loop."""
+    stop_at = "settle_after_load" if load else "has_startup_config"
+    with (
+        mock.patch.object(server, stop_at, _accepted),
+        mock.patch.object(server, "uvloop", SimpleNamespace(run=_serving)),
+    ):
+        return cli_in_process("serve", *args, env=env)
+
+
+def cli_in_process(*args: str, env: Mapping[str, str] | None = None) -> Refusal:
+    """``python -m sidecar ARGS`` with ``clean_env(**env)`` as the environment, in this
+    process: ``main``'s exit code and what it wrote (warnings and log records included);
+    structlog's configuration and the environment are restored afterwards."""
     out, err = io.StringIO(), io.StringIO()
     with (
         _logging_restored(),
         mock.patch.dict(os.environ, clean_env(**(env or {})), clear=True),
-        mock.patch.object(server, "has_startup_config", _accepted),
-        mock.patch.object(server, "uvloop", SimpleNamespace(run=_serving)),
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(err),
         _stderr_of_a_process(err),
     ):
-        code = cli.main(["serve", *args])
+        code = cli.main(list(args))
     return Refusal(code, out.getvalue(), err.getvalue())
