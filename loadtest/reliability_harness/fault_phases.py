@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import random
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from loadtest.reliability_harness.support import (
     Calls,
     CounterNames,
     CpuWatch,
+    ProcessGroup,
     ProxyProcess,
     RedisProcess,
     SidecarProcess,
@@ -58,6 +60,8 @@ NEAR = ("near_a", "near_b", "near_c")
 WEIGHTS = {"hot": 0.60, "near": 0.25, "both": 0.15}
 """Kinds of call: one hot counter (1-3 hits), one near counter (1 hit), or both (1 hit, all or nothing)."""
 BACKGROUND_TIMEOUT = 1.0
+SMOKE_TOGETHER = 4
+"""Smoke size: configurations run side by side (all four of ``faults.CONFIGURATIONS``)."""
 """The sidecar's timeout of background Redis calls and its socket timeout (``max(1 s, 2 x --redis-timeout)``)."""
 
 
@@ -71,13 +75,21 @@ class Timing:
     """After a replica is killed: long enough for the survivor to see it gone (3 missed beats)."""
     pause: float = 0.8
     """``redis_pause``: shorter than the background timeout, so every late answer arrives."""
+    together: int = 1
+    """Configurations whose sidecar pairs meet each fault side by side (one timeline, one load each)."""
+    rate: float = RATE
+    """Calls per second offered to each configuration's pair."""
 
     @classmethod
     def of(cls, quick: bool, smoke: bool = False) -> Timing:
         """Full, quick, or smoke (the tests': each fault still long enough for calls to meet it
-        and for Redis to restart; the stall still outlasts the background timeout, the pause not)."""
+        and for Redis to restart; the stall still outlasts the background timeout, the pause not).
+        Smoke runs the four configurations side by side, each at a quarter of :data:`RATE` (the
+        machine gets the same load as one configuration at full rate): every configuration still
+        meets every fault, and the near limits scale with the rate so they are crossed at the
+        same moments."""
         if smoke:
-            return cls(0.5, 1.0, 0.6, 4.5)
+            return cls(0.5, 1.0, 0.6, 4.5, together=SMOKE_TOGETHER, rate=RATE / SMOKE_TOGETHER)
         return cls(0.8, 1.5, 1.0, 4.5) if quick else cls(2.0, 5.0, 3.0, 8.0)
 
     def duration(self, fault: str) -> float:
@@ -91,16 +103,16 @@ class Timing:
         return self.pre + self.duration(fault) + self.post
 
 
-def near_rate() -> float:
-    """Hits per second offered to each near counter."""
-    return RATE * (WEIGHTS["near"] + WEIGHTS["both"]) / len(NEAR)
+def near_rate(rate: float = RATE) -> float:
+    """Hits per second offered to each near counter when a pair gets ``rate`` calls per second."""
+    return rate * (WEIGHTS["near"] + WEIGHTS["both"]) / len(NEAR)
 
 
 def near_limits(timing: Timing) -> dict[str, int]:
     # Sized on the common fault duration; shorter or longer faults move the crossings a little.
     """Limits reached before the fault, in its middle, and after it (at the offered rate)."""
     moments = (timing.pre / 2, timing.pre + timing.fault / 2, timing.pre + timing.fault + timing.post / 2)
-    return {name: max(4, round(near_rate() * moment)) for name, moment in zip(NEAR, moments, strict=True)}
+    return {name: max(4, round(near_rate(timing.rate) * moment)) for name, moment in zip(NEAR, moments, strict=True)}
 
 
 def config_text(limits: dict[str, int]) -> str:
@@ -309,12 +321,27 @@ async def run_phase(
     seconds: float,
     events: Sequence[Event],
     pids: Sequence[int],
+    *,
+    rate: float = RATE,
 ) -> None:
     """Load for ``seconds`` while the ``events`` happen."""
+    await run_phases([(phase, sidecars)], seconds, events, pids, rate=rate)
+
+
+async def run_phases(
+    runs: Sequence[tuple[Phase, Sequence[SidecarProcess]]],
+    seconds: float,
+    events: Sequence[Event],
+    pids: Sequence[int],
+    *,
+    rate: float = RATE,
+) -> None:
+    """Load on each ``(phase, sidecars)`` pair for ``seconds`` (``rate`` calls per second each)
+    while the ``events`` happen once for all of them."""
     stop = asyncio.Event()
     start = time.perf_counter()
 
-    async def histogram() -> dict[float, float]:
+    async def histogram(sidecars: Sequence[SidecarProcess]) -> dict[float, float]:
         views = await asyncio.gather(*(asyncio.to_thread(scrape, sidecar.metrics_url, 2.0) for sidecar in sidecars))
         summed: dict[float, float] = {}
         for view in views:
@@ -322,38 +349,92 @@ async def run_phase(
                 summed[bound] = summed.get(bound, 0.0) + count
         return summed
 
+    async def histograms(name: str) -> None:
+        views = await asyncio.gather(*(histogram(sidecars) for _, sidecars in runs))
+        for (phase, _), view in zip(runs, views, strict=True):
+            phase.histograms[name] = view
+
+    def mark(name: str) -> None:
+        now = time.perf_counter()
+        for phase, _ in runs:
+            phase.marks[name] = now
+
     async def control() -> None:
-        for number, (at, mark, action, wait) in enumerate(events):
+        for number, (at, name, action, wait) in enumerate(events):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             if number == 0:
-                phase.histograms["fault"] = await histogram()
-            phase.marks[mark] = time.perf_counter()
+                await histograms("fault")
+            mark(name)
             action()
             if wait is not None:
                 await asyncio.to_thread(wait)
-            phase.marks[mark + "_done"] = time.perf_counter()
+            mark(name + "_done")
         await asyncio.sleep(max(0.0, min(RECOVERY, start + seconds - time.perf_counter() - 0.1)))
         with contextlib.suppress(OSError):
-            phase.histograms["after"] = await histogram()
+            await histograms("after")
 
-    watcher = asyncio.create_task(watch(sidecars, phase, stop, pids))
+    watchers = [asyncio.create_task(watch(sidecars, phase, stop, pids)) for phase, sidecars in runs]
     try:
         await asyncio.gather(
-            drive(
-                [sidecar.address for sidecar in sidecars],
-                [payload.data for payload in phase.traffic.payloads],
-                phase.traffic.choose,
-                phase.calls,
-                seconds=seconds,
-                lanes=LANES,
-                rate=RATE,
-                timeout=CALL_TIMEOUT,
+            *(
+                drive(
+                    [sidecar.address for sidecar in sidecars],
+                    [payload.data for payload in phase.traffic.payloads],
+                    phase.traffic.choose,
+                    phase.calls,
+                    seconds=seconds,
+                    lanes=LANES,
+                    rate=rate,
+                    timeout=CALL_TIMEOUT,
+                )
+                for phase, sidecars in runs
             ),
             control(),
         )
     finally:
         stop.set()
-        await watcher
+        await asyncio.gather(*watchers)
+
+
+def start_pairs(
+    group: ProcessGroup, logs: Path, cpus: tuple[int, ...] | None, pairs: Sequence[tuple[str, list[str]]]
+) -> list[list[SidecarProcess]]:
+    """:data:`REPLICAS` sidecars per ``(label, serve args)``, all started at once (logs under
+    ``logs/label``); returns once each counts its peers (or after 10 s): a sidecar that believes
+    it is alone would meet the load with the wrong share."""
+
+    def build(label: str, args: list[str], index: int) -> Callable[[], SidecarProcess]:
+        return lambda: pin(SidecarProcess(f"sidecar-{index}", [*args, "--log-format", "json"], logs / label), cpus)
+
+    started = group.start_all_ready([build(label, args, index) for label, args in pairs for index in range(REPLICAS)])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(scrape(sidecar.metrics_url).get("ratelimit_sidecar_replicas") == REPLICAS for sidecar in started):
+            break
+        time.sleep(0.1)
+    return [started[number * REPLICAS : (number + 1) * REPLICAS] for number in range(len(pairs))]
+
+
+def stop_pairs(group: ProcessGroup, pairs: Sequence[Sequence[SidecarProcess]]) -> list[dict[str, int | None]]:
+    """SIGTERM each sidecar once (it drains and flushes), wait; returns each pair's exit codes.
+    (A second SIGTERM could land after the sidecar removed its handler, at the very end of its drain.)"""
+    for sidecars in pairs:
+        for sidecar in sidecars:
+            sidecar.signal(signal.SIGTERM)
+    every: list[dict[str, int | None]] = []
+    for sidecars in pairs:
+        codes: dict[str, int | None] = {}
+        for sidecar in sidecars:
+            assert sidecar.process is not None
+            try:
+                codes[sidecar.label] = sidecar.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                sidecar.kill()
+                codes[sidecar.label] = None
+            with contextlib.suppress(ValueError):
+                group.children.remove(sidecar)
+        every.append(codes)
+    return every
 
 
 def drained(sidecars: Sequence[SidecarProcess], timeout: float = DRAIN_TIMEOUT) -> float | None:

@@ -7,7 +7,8 @@ limits are sized so one is over before the fault, one crosses its limit during i
 one after it (escalations and certain rejections all happen around the fault). Every
 configuration (sync mode with ``--redis-failure-mode`` ``local``, ``open``, ``closed``,
 and strict mode with ``local``) gets every fault mid-load, one phase each, with fresh
-counters per phase:
+counters per phase (quick and full runs: one configuration after the other; the tests'
+smoke size: all four pairs side by side on one fault timeline, each at a quarter of the rate):
 
 ``redis_kill``
     redis-server SIGKILLed, restarted on the same port. It runs with ``appendonly yes``
@@ -52,17 +53,14 @@ bound plus that loss.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import secrets
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvloop
@@ -71,7 +69,6 @@ from loadtest.reliability_harness.fault_phases import (
     BACKGROUND_TIMEOUT,
     DOMAIN,
     DRAIN_TIMEOUT,
-    RATE,
     RECOVERY,
     REPLICAS,
     SLOW_DELAY,
@@ -89,6 +86,9 @@ from loadtest.reliability_harness.fault_phases import (
     durable_redis,
     near_limits,
     run_phase,
+    run_phases,
+    start_pairs,
+    stop_pairs,
 )
 from loadtest.reliability_harness.support import (
     CODE_ERROR,
@@ -112,9 +112,7 @@ from loadtest.reliability_harness.support import (
     process_group,
     redis_available,
     redis_counts,
-    scrape,
     skipped_row,
-    start_sidecar,
 )
 
 AREA = "faults"
@@ -181,80 +179,89 @@ def sidecar_args(setup: Setup, mode: str, failure: str, prefix: str) -> list[str
     ]  # fmt: skip
 
 
-def start_pair(setup: Setup, label: str, args: list[str]) -> list[SidecarProcess]:
-    where = setup.logs / label
-    sidecars = [start_sidecar(setup.group, setup.context, f"sidecar-{index}", args, where) for index in range(REPLICAS)]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # each must count the other before the load starts
-        if all(scrape(sidecar.metrics_url).get("ratelimit_sidecar_replicas") == REPLICAS for sidecar in sidecars):
-            break
-        time.sleep(0.1)
-    return sidecars
+@dataclass
+class Configuration:
+    """One configuration's pair of sidecars, its counters' prefix and its phases so far."""
+
+    mode: str
+    failure: str
+    seed: int
+    prefix: str = field(default_factory=lambda: f"f{secrets.token_hex(3)}")
+    sidecars: list[SidecarProcess] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)
+    broken: dict[str, Row] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}-{self.failure}"
 
 
-def stop_pair(setup: Setup, sidecars: Sequence[SidecarProcess]) -> dict[str, int | None]:
-    """SIGTERM each once (it drains and flushes), wait; returns exit codes. (A second SIGTERM
-    could land after the sidecar removed its handler, at the very end of its drain.)"""
-    for sidecar in sidecars:
-        sidecar.signal(signal.SIGTERM)
-    codes: dict[str, int | None] = {}
-    for sidecar in sidecars:
-        assert sidecar.process is not None
-        try:
-            codes[sidecar.label] = sidecar.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            sidecar.kill()
-            codes[sidecar.label] = None
-    for sidecar in sidecars:
-        with contextlib.suppress(ValueError):
-            setup.group.children.remove(sidecar)
-    return codes
-
-
-def run_configuration(setup: Setup, mode: str, failure: str, seed: int) -> list[Row]:
-    prefix = f"f{secrets.token_hex(3)}"
-    label = f"{mode}-{failure}"
-    sidecars = start_pair(setup, label, sidecar_args(setup, mode, failure, prefix))
-    pids = [sidecar.pid for sidecar in sidecars] + [setup.faults.redis.pid, setup.faults.proxy.pid]
-    phases: list[Phase] = []
-    broken: dict[str, Row] = {}
-    timing = setup.timing
+def run_configurations(setup: Setup, configurations: Sequence[Configuration]) -> list[Row]:
+    """Every fault in turn; the configurations' pairs meet each one side by side."""
+    args = [sidecar_args(setup, item.mode, item.failure, item.prefix) for item in configurations]
+    labels = [item.label for item in configurations]
+    pairs = start_pairs(setup.group, setup.logs, setup.context.server_cpus, list(zip(labels, args, strict=True)))
+    for item, sidecars in zip(configurations, pairs, strict=True):
+        item.sidecars = sidecars
+    pids = [sidecar.pid for sidecars in pairs for sidecar in sidecars]
+    pids += [setup.faults.redis.pid, setup.faults.proxy.pid]
     for number, fault in enumerate(FAULTS):
-        avoid_window_end(UNIT_SECONDS, timing.total(fault) + DRAIN_TIMEOUT + 30)
-        phase = Phase(fault, Traffic(setup.names, f"{prefix}{number}", seed * 100 + number))
-        events: list[Event] = [
-            (timing.pre, "fault", functools.partial(setup.faults.begin, fault), None),
-            (
-                timing.pre + timing.duration(fault),
-                "recovery",
-                functools.partial(setup.faults.end, fault),
-                functools.partial(setup.faults.settle, fault),
-            ),
-        ]
-        try:
-            try:
-                with client_cpus(setup.context.client_cpus):
-                    uvloop.run(run_phase(phase, sidecars, timing.total(fault), events, pids))
-            finally:
-                if "recovery_done" not in phase.marks:
-                    setup.faults.end(fault)  # never leave Redis stopped or the proxy refusing
-                    setup.faults.settle(fault)
-                phase.failed_restarts, setup.faults.failed_restarts = setup.faults.failed_restarts, []
-            phase.drain_seconds = drained(sidecars)
-            time.sleep(0.3)  # strict mode: give-backs are not counted as pending
-            phase.at_drain = account(phase, setup.faults.redis.port, prefix)
-        except Exception as error:
-            broken[fault] = failed_row(AREA, row_name(mode, failure, fault), error, sidecars)
-        phases.append(phase)
-    codes = stop_pair(setup, sidecars)
+        run_fault(setup, configurations, number, fault, pids)
+    every_codes = stop_pairs(setup.group, pairs)
     rows = []
-    for phase in phases:
-        if phase.name in broken:
-            rows.append(broken[phase.name])
-            continue
-        phase.final = account(phase, setup.faults.redis.port, prefix)
-        rows.append(fault_row(mode, failure, phase, codes))
+    for item, codes in zip(configurations, every_codes, strict=True):
+        for phase in item.phases:
+            if phase.name in item.broken:
+                rows.append(item.broken[phase.name])
+                continue
+            phase.final = account(phase, setup.faults.redis.port, item.prefix)
+            rows.append(fault_row(item.mode, item.failure, phase, codes, setup.timing.rate))
     return rows
+
+
+def run_fault(setup: Setup, configurations: Sequence[Configuration], number: int, fault: str, pids: list[int]) -> None:
+    """One fault mid-load on every configuration's pair, then each pair's drain and accounting."""
+    timing = setup.timing
+    avoid_window_end(UNIT_SECONDS, timing.total(fault) + DRAIN_TIMEOUT + 30)
+    phases = [
+        Phase(fault, Traffic(setup.names, f"{item.prefix}{number}", item.seed * 100 + number))
+        for item in configurations
+    ]
+    events: list[Event] = [
+        (timing.pre, "fault", functools.partial(setup.faults.begin, fault), None),
+        (
+            timing.pre + timing.duration(fault),
+            "recovery",
+            functools.partial(setup.faults.end, fault),
+            functools.partial(setup.faults.settle, fault),
+        ),
+    ]
+    runs = [(phase, item.sidecars) for phase, item in zip(phases, configurations, strict=True)]
+    try:
+        try:
+            with client_cpus(setup.context.client_cpus):
+                uvloop.run(run_phases(runs, timing.total(fault), events, pids, rate=timing.rate))
+        finally:
+            if "recovery_done" not in phases[0].marks:
+                setup.faults.end(fault)  # never leave Redis stopped or the proxy refusing
+                setup.faults.settle(fault)
+            for phase in phases:
+                phase.failed_restarts = list(setup.faults.failed_restarts)
+            setup.faults.failed_restarts = []
+        together = drained([sidecar for item in configurations for sidecar in item.sidecars])
+    except Exception as error:
+        for item, phase in zip(configurations, phases, strict=True):
+            item.broken[fault] = failed_row(AREA, row_name(item.mode, item.failure, fault), error, item.sidecars)
+            item.phases.append(phase)
+        return
+    time.sleep(0.3)  # strict mode: give-backs are not counted as pending
+    for item, phase in zip(configurations, phases, strict=True):
+        try:  # a pair that did not drain with the others is asked on its own (its row says so)
+            phase.drain_seconds = together if together is not None else drained(item.sidecars, timeout=1.0)
+            phase.at_drain = account(phase, setup.faults.redis.port, item.prefix)
+        except Exception as error:
+            item.broken[fault] = failed_row(AREA, row_name(item.mode, item.failure, fault), error, item.sidecars)
+        item.phases.append(phase)
 
 
 def row_name(mode: str, failure: str, fault: str) -> str:
@@ -266,7 +273,7 @@ def bound_ms(bound: float) -> float:
     return bound * 1000 if math.isfinite(bound) else -1.0
 
 
-def fault_row(mode: str, failure: str, phase: Phase, codes: dict[str, int | None]) -> Row:
+def fault_row(mode: str, failure: str, phase: Phase, codes: dict[str, int | None], rate: float) -> Row:
     calls = phase.calls
     start, end = phase.marks["fault"], phase.marks.get("recovery_done", phase.marks["fault"]) + RECOVERY
     during = [index for index in range(len(calls)) if start <= calls.sent[index] <= end]
@@ -335,7 +342,7 @@ def fault_row(mode: str, failure: str, phase: Phase, codes: dict[str, int | None
     return Row(
         AREA,
         row_name(mode, failure, phase.name),
-        load=f"{RATE:.0f} req/s on {REPLICAS} replicas, p99 {figures['p99_ms']:.1f} ms during the fault",
+        load=f"{rate:.0f} req/s on {REPLICAS} replicas, p99 {figures['p99_ms']:.1f} ms during the fault",
         hits_lost=lost,
         ok=not problems,
         notes=notes,
@@ -362,7 +369,8 @@ def latency_goals_missed(figures: dict[str, float]) -> list[str]:
 
 def run_replica_kill(setup: Setup, seed: int) -> Row:
     prefix = f"k{secrets.token_hex(3)}"
-    sidecars = start_pair(setup, "replica-kill", sidecar_args(setup, "sync", "local", prefix))
+    args = sidecar_args(setup, "sync", "local", prefix)
+    (sidecars,) = start_pairs(setup.group, setup.logs, setup.context.server_cpus, [("replica-kill", args)])
     survivor, victim = sidecars
     pids = [survivor.pid, victim.pid, setup.faults.redis.pid, setup.faults.proxy.pid]
     timing = setup.timing
@@ -375,9 +383,10 @@ def run_replica_kill(setup: Setup, seed: int) -> Row:
         victim.kill()
 
     with client_cpus(setup.context.client_cpus):
-        uvloop.run(run_phase(phase, sidecars, kill_at + timing.kill_post, [(kill_at, "kill", kill, None)], pids))
+        seconds = kill_at + timing.kill_post
+        uvloop.run(run_phase(phase, sidecars, seconds, [(kill_at, "kill", kill, None)], pids, rate=timing.rate))
     phase.drain_seconds = drained([survivor])
-    codes = stop_pair(setup, [survivor])
+    (codes,) = stop_pairs(setup.group, [[survivor]])
     return replica_kill_row(setup, phase, prefix, codes)
 
 
@@ -470,7 +479,8 @@ def replica_kill_row(setup: Setup, phase: Phase, prefix: str, codes: dict[str, i
         "other_cpu_after_kill": round(other, 2),
     }
     notes = (
-        f"replica 2 of 2 SIGKILLed after {killed - phase.calls.sent[0]:.1f} s at {RATE:.0f} req/s: it had answered "
+        f"replica 2 of 2 SIGKILLed after {killed - phase.calls.sent[0]:.1f} s at {setup.timing.rate:.0f} req/s: it "
+        "had answered "
         f"{sum(by_victim.values()):,} hits OK, Redis got all but {lost} (bound {bound}: its admissions in the "
         f"last {2 * SYNC_INTERVAL * 1000:.0f} ms; one {SYNC_INTERVAL * 1000:.0f} ms interval at its rate is "
         f"{one_interval:.1f}); {len(cut)} calls on the wire failed; the survivor answered every call after it "
@@ -481,7 +491,7 @@ def replica_kill_row(setup: Setup, phase: Phase, prefix: str, codes: dict[str, i
     return Row(
         AREA,
         "sync mode: a replica SIGKILLed mid-load",
-        load=f"{RATE:.0f} req/s on {REPLICAS} replicas, then 1",
+        load=f"{setup.timing.rate:.0f} req/s on {REPLICAS} replicas, then 1",
         hits_lost=lost,
         ok=not problems,
         notes=notes,
@@ -527,12 +537,19 @@ def run(context: Context) -> list[Row]:
                 setup = Setup(context, group, Faults(redis, proxy), config, CounterNames(config, DOMAIN), timing, logs)
             except Exception as error:
                 return [failed_row(AREA, "Redis and replica faults under load", error, children)]
-            for number, (mode, failure) in enumerate(CONFIGURATIONS):
+            every = [
+                Configuration(mode, failure, context.seed * 1000 + number)
+                for number, (mode, failure) in enumerate(CONFIGURATIONS)
+            ]
+            for first in range(0, len(every), timing.together):
+                batch = every[first : first + timing.together]
                 try:
-                    rows += run_configuration(setup, mode, failure, context.seed * 1000 + number)
+                    rows += run_configurations(setup, batch)
                 except Exception as error:
-                    rows.append(failed_row(AREA, f"{mode} mode, --redis-failure-mode {failure}", error, group.children))
-                    stop_pair(setup, [child for child in group.children if isinstance(child, SidecarProcess)])
+                    for item in batch:
+                        scenario = f"{item.mode} mode, --redis-failure-mode {item.failure}"
+                        rows.append(failed_row(AREA, scenario, error, group.children))
+                    stop_pairs(group, [[child for child in group.children if isinstance(child, SidecarProcess)]])
             try:
                 rows.append(run_replica_kill(setup, context.seed * 1000 + 99))
             except Exception as error:
