@@ -499,6 +499,10 @@ async def drive(
     channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for address in addresses]
     try:
         methods = [channel.unary_unary(METHOD) for channel in channels]
+        # Connected before the first call: CHANNEL_OPTIONS' 20 ms minimum backoff is also gRPC's
+        # minimum connect timeout, so on a busy machine a first attempt can fail and fail-fast calls
+        # would get UNAVAILABLE; channel_ready retries until the connection is up.
+        await asyncio.wait_for(asyncio.gather(*(channel.channel_ready() for channel in channels)), timeout)
         perf = time.perf_counter
         start = perf()
         end = start + seconds
