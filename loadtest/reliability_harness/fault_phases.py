@@ -360,10 +360,14 @@ async def run_phases(
             phase.marks[name] = now
 
     async def control() -> None:
+        first = start
         for number, (at, name, action, wait) in enumerate(events):
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            # Later events keep their distance from the first one, however late that came.
+            due = start + at if number == 0 else first + at - events[0][0]
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
             if number == 0:
                 await histograms("fault")
+                first = time.perf_counter()
             mark(name)
             action()
             if wait is not None:
