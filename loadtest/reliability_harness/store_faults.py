@@ -97,8 +97,8 @@ from loadtest.reliability_harness.support import (
     process_group,
     redis_available,
     scrape,
+    sidecar_build,
     skipped_row,
-    start_sidecar,
 )
 
 
@@ -124,7 +124,8 @@ def sidecar_args(bench: Bench, store: Store, mode: str, prefix: str) -> list[str
 
 def start_pair(bench: Bench, label: str, args: list[str]) -> list[SidecarProcess]:
     where = bench.logs / label
-    sidecars = [start_sidecar(bench.group, bench.context, f"sidecar-{index}", args, where) for index in range(REPLICAS)]
+    builds = [sidecar_build(bench.context, f"sidecar-{index}", args, where) for index in range(REPLICAS)]
+    sidecars = bench.group.start_all_ready(builds)  # both come up at once
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):

@@ -67,6 +67,8 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 100),
 ]
 MIB = 1024 * 1024
+CONNECT_TIMEOUT = 5.0
+"""Seconds :func:`drive` waits for its channels to connect, whatever the calls' deadline."""
 
 
 # ---------------------------------------------------------------------------------
@@ -125,6 +127,14 @@ def start_sidecar(
     directory: Path | None = None,
 ) -> SidecarProcess:
     """A real ``python -m sidecar serve`` process, SERVING, with its metrics endpoint."""
+    return group.start_ready(sidecar_build(context, name, serve_args, directory))
+
+
+def sidecar_build(
+    context: Context, name: str, serve_args: Sequence[str], directory: Path | None = None
+) -> Callable[[], SidecarProcess]:
+    """What :func:`start_sidecar` starts, as a build for ``ProcessGroup.start_all_ready``
+    (several sidecars coming up at once)."""
     where = directory or context.directory
 
     def build() -> SidecarProcess:
@@ -132,7 +142,7 @@ def start_sidecar(
         pin(child, context.server_cpus)
         return child
 
-    return group.start_ready(build)
+    return build
 
 
 @contextlib.contextmanager
@@ -501,8 +511,10 @@ async def drive(
         methods = [channel.unary_unary(METHOD) for channel in channels]
         # Connected before the first call: CHANNEL_OPTIONS' 20 ms minimum backoff is also gRPC's
         # minimum connect timeout, so on a busy machine a first attempt can fail and fail-fast calls
-        # would get UNAVAILABLE; channel_ready retries until the connection is up.
-        await asyncio.wait_for(asyncio.gather(*(channel.channel_ready() for channel in channels)), timeout)
+        # would get UNAVAILABLE; channel_ready retries until the connection is up. Connecting is
+        # not a call: it gets CONNECT_TIMEOUT even when the calls' deadline is Envoy's 25 ms.
+        connected = asyncio.gather(*(channel.channel_ready() for channel in channels))
+        await asyncio.wait_for(connected, max(timeout, CONNECT_TIMEOUT))
         perf = time.perf_counter
         start = perf()
         end = start + seconds

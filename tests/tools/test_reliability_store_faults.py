@@ -151,3 +151,32 @@ def test_only_masters_the_fault_did_not_touch_count_as_healthy_ones_marked_down(
     migration = Fault.__new__(Fault)
     migration.name, migration.victim = "slot_migration", 1
     assert store_events([log], [offset], migration)["healthy_masters_marked_down"] == 2
+
+
+def test_drive_connects_even_when_the_calls_deadline_is_shorter_than_a_connection() -> None:
+    """The rows' calls carry Envoy's 25 ms deadline; connecting a channel on a busy machine can take
+    longer. ``drive`` once waited for its channels with the calls' deadline and raised TimeoutError,
+    failing a whole row; now the connection gets its own time and the calls their deadline."""
+    import asyncio
+
+    import grpc
+
+    from loadtest.reliability_harness.support import METHOD, Calls, drive
+
+    async def scenario() -> Calls:
+        server = grpc.aio.server()
+        service, name = METHOD.rsplit("/", 2)[1:]
+        handler = grpc.unary_unary_rpc_method_handler(lambda request, context: b"\x08\x01")
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {name: handler})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        calls = Calls()
+        try:
+            await drive([f"127.0.0.1:{port}"], [b""], lambda: (0, 0), calls, seconds=0.3, lanes=1, timeout=1e-6)
+        finally:
+            await server.stop(None)
+        return calls
+
+    calls = asyncio.run(scenario())
+    assert len(calls) > 0, "no call was sent"
+    assert set(calls.errors.values()) == {"DEADLINE_EXCEEDED"}, calls.errors
