@@ -13,6 +13,8 @@ cap); with the default ``--clock-source redis`` both cut windows on Redis's cloc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,6 +23,7 @@ from loadtest.reliability_harness.support import (
     CHANNEL_OPTIONS,
     METHOD,
     Context,
+    ProcessGroup,
     RedisProcess,
     Row,
     SidecarProcess,
@@ -65,20 +68,43 @@ def overshoot(outcomes: list[tuple[float, bool]]) -> tuple[int, int, int]:
     return sum(per_second.values()), beyond, max(per_second.values(), default=0)
 
 
-def one_run(context: Context, skew: float, source: str) -> Row:
+@dataclass
+class Replicas:
+    """One run's two sidecars (the second skewed) on its own redis-server."""
+
+    skew: float
+    source: str
+    addresses: list[str]
+
+
+def builds(group: ProcessGroup, context: Context, skew: float, source: str) -> list[Callable[[], SidecarProcess]]:
+    """Start one run's redis-server; its two sidecars' builds, to start with every other run's."""
     directory = context.directory / f"skew-{skew:g}-{source}"
     directory.mkdir(parents=True, exist_ok=True)
+    redis = group.start_ready(lambda: RedisProcess(directory))
+    flags = ["--config", str(EXAMPLES), "--backend", "redis", "--redis-url", redis.url, "--clock-source", source]
+    flags += ["--heartbeat-interval", "0.2"]
+    return [
+        lambda: SidecarProcess("sidecar-1", flags, directory),
+        lambda: SidecarProcess("sidecar-2", [*flags, "--clock-offset", str(skew)], directory),
+    ]
+
+
+def start_runs(group: ProcessGroup, context: Context, pairs: list[tuple[float, str]]) -> list[Replicas]:
+    """Every run's processes, started together: one wait for all of them, not one per process."""
+    sidecar_builds = [build for skew, source in pairs for build in builds(group, context, skew, source)]
+    sidecars = group.start_all_ready(sidecar_builds)
+    return [
+        Replicas(skew, source, [sidecar.address for sidecar in sidecars[2 * index : 2 * index + 2]])
+        for index, (skew, source) in enumerate(pairs)
+    ]
+
+
+def one_run(context: Context, replicas: Replicas) -> Row:
+    """Drive one run's replicas (already counting each other) and judge its true seconds."""
+    skew, source = replicas.skew, replicas.source
     seconds = {"smoke": 3.0, "quick": 4.0, "full": 20.0}[context.size]
-    with process_group() as group:
-        redis = group.start_ready(lambda: RedisProcess(directory))
-        flags = ["--config", str(EXAMPLES), "--backend", "redis", "--redis-url", redis.url, "--clock-source", source]
-        flags += ["--heartbeat-interval", "0.2"]
-        plain = group.start_ready(lambda: SidecarProcess("sidecar-1", flags, directory))
-        skewed = group.start_ready(
-            lambda: SidecarProcess("sidecar-2", [*flags, "--clock-offset", str(skew)], directory)
-        )
-        time.sleep(0.5)  # a few heartbeats: both count each other (or, skewed, fail to)
-        outcomes = drive([plain.address, skewed.address], seconds, 2 * LIMIT)
+    outcomes = drive(replicas.addresses, seconds, 2 * LIMIT)
     admitted, beyond, worst = overshoot(outcomes)
     ideal = LIMIT * int(seconds)
     return Row(
@@ -99,10 +125,23 @@ def runs(context: Context) -> list[tuple[float, str]]:
 
 
 def run(context: Context) -> list[Row]:
+    """The runs are driven one after another, the other runs' sidecars idle meanwhile (a
+    heartbeat each 0.2 s, to their own redis-server)."""
+    pairs = runs(context)
     rows = []
-    for skew, source in runs(context):
+    with process_group() as group:
         try:
-            rows.append(one_run(context, skew, source))
+            ready = start_runs(group, context, pairs)
         except Exception as error:  # a failed scenario is a row, never a missing area
-            rows.append(failed_row("clock", f"replica clock +{skew * 1000:g} ms ({source})", error))
+            return [failed_row("clock", scenario(skew, source), error) for skew, source in pairs]
+        time.sleep(0.5)  # a few heartbeats: both count each other (or, skewed, fail to)
+        for replicas in ready:
+            try:
+                rows.append(one_run(context, replicas))
+            except Exception as error:
+                rows.append(failed_row("clock", scenario(replicas.skew, replicas.source), error))
     return rows
+
+
+def scenario(skew: float, source: str) -> str:
+    return f"replica clock +{skew * 1000:g} ms ({source})"
