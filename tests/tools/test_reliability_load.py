@@ -14,7 +14,7 @@ checks the invariants their rows promise:
   1,000 streams on one connection are queued, not served, and harm nothing.
 
 The smoke size (``Context.smoke``) floods 25,000 values instead of 100,000 and soaks for
-15 s instead of 45 s: every cap is still passed many times over, and the checks are the
+9 s instead of 45 s: every cap is still passed many times over, and the checks are the
 same; the report's figures come from ``python -m loadtest.reliability --quick`` or full runs.
 """
 
