@@ -25,6 +25,7 @@ import pytest
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from tests.support.deploy import REPO, dockerfile_env, effective, read_dockerfile, stage_chain
 from tests.support.redis_servers import RedisServer, fresh_prefix
+from tests.support.serve_refusal import cli_in_process
 from tests.support.sidecars import free_port, request
 
 RULES = """\
@@ -146,7 +147,20 @@ def run_image(command: list[str], env: dict[str, str], tmp_path: Path, started: 
     return container
 
 
-def check_serves(container: Container) -> None:
+def healthcheck(env: dict[str, str], real: bool) -> tuple[int, str, str]:
+    """The image's HEALTHCHECK command with ``env``: exit code, stdout, stderr. ``real``: as a
+    process; else the same ``ratelimit-sidecar`` arguments through ``main`` in this process
+    (a process start costs about a CPU-second; one real check per image command suffices)."""
+    command = healthcheck_command()
+    if real:
+        check = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30, check=False)
+        return check.returncode, check.stdout, check.stderr
+    assert command[0] == "ratelimit-sidecar", command
+    done = cli_in_process(*command[1:], env=env)
+    return done.code, done.stdout, done.stderr
+
+
+def check_serves(container: Container, real_healthcheck: bool = False) -> None:
     """Decisions on GRPC_PORT (via loopback, as Envoy in the pod), the image's HEALTHCHECK
     command, and /json from loopback on the reference's HTTP port."""
     env = container.env
@@ -154,8 +168,8 @@ def check_serves(container: Container) -> None:
         stub = rls_pb2_grpc.RateLimitServiceStub(channel)
         codes = [stub.ShouldRateLimit(request("ref", [("user", "ann")]), timeout=5).overall_code for _ in range(3)]
     assert codes == [rls_pb2.RateLimitResponse.OK] * 2 + [rls_pb2.RateLimitResponse.OVER_LIMIT]
-    check = subprocess.run(healthcheck_command(), env=env, capture_output=True, text=True, timeout=30, check=False)
-    assert (check.returncode, check.stdout.strip()) == (0, "SERVING"), check.stderr
+    code, stdout, stderr = healthcheck(env, real_healthcheck)
+    assert (code, stdout.strip()) == (0, "SERVING"), stderr
     body = json.dumps({"domain": "ref", "descriptors": [{"entries": [{"key": "user", "value": "bob"}]}]})
     status, answer = http("POST", f"http://127.0.0.1:{env['PORT']}/json", body.encode())
     assert (status, json.loads(answer)["overallCode"]) == (200, "OK")
@@ -166,7 +180,7 @@ def test_the_image_runs_on_the_reference_environment(tmp_path: Path, containers:
     health check must dial GRPC_PORT (it hard-coded 127.0.0.1:8081)."""
     env = image_env(reference_variables(tmp_path))
     container = run_image(image_command(), env, tmp_path, containers)
-    check_serves(container)
+    check_serves(container, real_healthcheck=True)
     assert "/etc/ratelimit/config" not in container.logs()
 
 
