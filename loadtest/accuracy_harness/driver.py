@@ -10,6 +10,9 @@ throughput scenario): every lane sends back to back until the end.
 For every call it records the send and receive wall-clock time (``time.time()``,
 the clock the sidecar uses for windows), the overall code, and the gRPC status
 name when the call failed.
+
+The process starts with the sidecars (its imports overlap theirs) and opens its channels
+when the harness says ``connect`` (the sidecars serve), then warms up and says ``ready``.
 """
 
 from __future__ import annotations
@@ -157,6 +160,8 @@ async def _closed_lane(
 
 
 async def _drive(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
+    if not await asyncio.to_thread(conn.poll, 120) or conn.recv()[0] != "connect":
+        return  # the sidecars did not come up: nothing to drive
     channels = [
         grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
         for address in spec.addresses

@@ -157,6 +157,8 @@ class Run:
         self.hogs: list[Hog] = []
         self.call_timeout = options.timeout or scenario.call_timeout or DEFAULT_CALL_TIMEOUT
         self.workers = Workers()
+        processes = options.throughput_processes if scenario.pattern == "closed" else options.client_processes
+        self.replica_groups = _split(range(options.replicas), processes)
         self.outcome: dict[str, Any] = {
             "scenario": scenario.name,
             "mode": mode,
@@ -200,6 +202,9 @@ class Run:
         for sidecar in self.sidecars:
             sidecar.cpus = self.scenario.sidecar_cpus or None
             self.group.start(sidecar)
+        # The load generators start meanwhile (their imports overlap the sidecars'); they open
+        # their channels and warm up once told to, while the replicas find each other.
+        self.workers.start(self._worker_specs(self.replica_groups))
         try:
             wait_all_serving(self.sidecars)
         except ChildStartError as failure:
@@ -208,6 +213,7 @@ class Run:
             self.outcome["reason"] = str(failure)
             self.outcome["log_tail"] = failure.log_tail
             return False
+        self.workers.send(("connect",))
         if self.redis is not None:
             self.outcome["replicas_converged_s"] = wait_replicas_converged(self.sidecars)
         started = [
@@ -255,9 +261,7 @@ class Run:
     def _drive(self) -> tuple[float, float, list[ReplicaRecord]]:
         """Warm up, go at the start time, collect every call; returns (start, measure_from, records)."""
         scenario, options = self.scenario, self.options
-        processes = options.throughput_processes if scenario.pattern == "closed" else options.client_processes
-        replica_groups = _split(range(options.replicas), processes)
-        self.workers.start(self._worker_specs(replica_groups))
+        replica_groups = self.replica_groups
         self.workers.expect("ready", time.monotonic() + 60)
         start = start_time(scenario)
         self.workers.send(("go", start))
@@ -269,8 +273,7 @@ class Run:
         deadline = time.monotonic() + (start - time.time()) + last + RUN_GRACE + 30
         answers = self.workers.expect("result", deadline, self.watch.poll_if_due if self.watch else None)
         cpu_after = self._cpu()
-        window = max(1e-9, time.time() - measure_from)
-        self.workers.close()
+        window = max(1e-9, time.time() - measure_from)  # the generators exit while the sidecars stop
         by_replica: dict[int, ReplicaRecord] = {}
         for indices, answer in zip(replica_groups, answers, strict=True):
             for index, message in zip(indices, answer, strict=True):
