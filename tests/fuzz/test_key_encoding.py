@@ -23,7 +23,10 @@ from sidecar.limiter.redis.keys import counter_digest, counter_window, window_ke
 from sidecar.limiter.redis.scripts import decide_arguments
 from sidecar.limiter.windows import Unit, window_start
 
-PROPERTY = settings(max_examples=300, deadline=None)
+PROPERTY = settings(max_examples=100, deadline=None)
+"""Hypothesis' default volume (was 300, three times the CPU): encodings that collide (parts
+joined by ``_`` or by nothing) fail the resplit test, long values kept unhashed fail the
+bound checks, at 100 examples as at 300; weaker encodings (``NUL``-joined) escaped both."""
 PREFIXES = st.sampled_from(["rls", "ratelimit-prod", "a.b_c-d", "x"])
 TRICKY = st.sampled_from(["", "_", ":", "{", "}", "{}", "}{", "\n", "\x00", "a_b", "a:b", "{x}", "ü", "\U0001f600"])
 VALUES = st.one_of(TRICKY, st.text(max_size=20), st.text(st.sampled_from("_:{}\n\\\"'"), max_size=8))
