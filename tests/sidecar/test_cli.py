@@ -245,15 +245,15 @@ def test_environment_variables_replace_flags(start_sidecar: SidecarFactory, conf
     assert [a.overall_code for a in answers] == [OK, OVER_LIMIT]
 
 
-def test_flag_wins_over_environment(start_sidecar: SidecarFactory, config_dir: Path) -> None:
+def test_flags_win_over_environment_and_instances_take_the_ceiling_of_the_share(
+    start_sidecar: SidecarFactory, config_dir: Path
+) -> None:
+    """One sidecar for both: variables a flag overrides (one refused, one naming no config)
+    must not count, and the flag's --instances sets the share."""
     env = clean_env(RLS_INSTANCES="0", RLS_CONFIG="/nonexistent")
-    sidecar = start_sidecar("--instances", "1", config=config_dir, env=env)
+    sidecar = start_sidecar("--instances", "2", config=config_dir, env=env)
     started = sidecar.event("sidecar_started")
-    assert started["instances"] == 1
-
-
-def test_instances_takes_the_ceiling_of_the_share(start_sidecar: SidecarFactory, config_dir: Path) -> None:
-    sidecar = start_sidecar("--instances", "2", config=config_dir)
+    assert started["instances"] == 2
 
     def attempt() -> list[Any]:
         value = uuid.uuid4().hex
