@@ -22,6 +22,7 @@ import grpc
 from loadtest.reliability_harness.support import (
     CHANNEL_OPTIONS,
     METHOD,
+    Child,
     Context,
     ProcessGroup,
     RedisProcess,
@@ -75,6 +76,8 @@ class Replicas:
     skew: float
     source: str
     addresses: list[str]
+    children: list[Child]
+    """Its redis-server and sidecars: stopped once it is driven, before the next run's drive."""
 
 
 def builds(group: ProcessGroup, context: Context, skew: float, source: str) -> list[Callable[[], SidecarProcess]]:
@@ -92,12 +95,17 @@ def builds(group: ProcessGroup, context: Context, skew: float, source: str) -> l
 
 def start_runs(group: ProcessGroup, context: Context, pairs: list[tuple[float, str]]) -> list[Replicas]:
     """Every run's processes, started together: one wait for all of them, not one per process."""
-    sidecar_builds = [build for skew, source in pairs for build in builds(group, context, skew, source)]
+    sidecar_builds = []
+    servers = []
+    for skew, source in pairs:
+        sidecar_builds += builds(group, context, skew, source)
+        servers.append(group.children[-1])  # the run's redis-server, just started
     sidecars = group.start_all_ready(sidecar_builds)
-    return [
-        Replicas(skew, source, [sidecar.address for sidecar in sidecars[2 * index : 2 * index + 2]])
-        for index, (skew, source) in enumerate(pairs)
-    ]
+    replicas = []
+    for index, (skew, source) in enumerate(pairs):
+        pair = sidecars[2 * index : 2 * index + 2]
+        replicas.append(Replicas(skew, source, [child.address for child in pair], [servers[index], *pair]))
+    return replicas
 
 
 def one_run(context: Context, replicas: Replicas) -> Row:
@@ -125,8 +133,8 @@ def runs(context: Context) -> list[tuple[float, str]]:
 
 
 def run(context: Context) -> list[Row]:
-    """The runs are driven one after another, the other runs' sidecars idle meanwhile (a
-    heartbeat each 0.2 s, to their own redis-server)."""
+    """The runs are driven one after another, each run's processes stopped after its drive;
+    the runs not yet driven idle meanwhile (a heartbeat each 0.2 s, to their own redis-server)."""
     pairs = runs(context)
     rows = []
     with process_group() as group:
@@ -140,6 +148,7 @@ def run(context: Context) -> list[Row]:
                 rows.append(one_run(context, replicas))
             except Exception as error:
                 rows.append(failed_row("clock", scenario(replicas.skew, replicas.source), error))
+            group.stop(replicas.children)  # the next run's drive has only its own processes busy
     return rows
 
 
