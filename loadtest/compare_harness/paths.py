@@ -158,15 +158,13 @@ def _single_sidecars(names: Sequence[str], directory: Path) -> dict[str, tuple[s
     return single
 
 
-def _start_sync(bench: Bench, directory: Path, redis_timeout: float | None) -> list[SidecarProcess]:
-    """redis-server and the two sync-mode sidecars, serving."""
-    group = bench.group
-    bench.redis = redis = group.start_ready(lambda: RedisProcess(directory))
+def _sync_builds(bench: Bench, directory: Path, redis_timeout: float | None) -> list[Callable[[], SidecarProcess]]:
+    """redis-server, serving, and the builds of the two sync-mode sidecars (started with the others)."""
+    bench.redis = redis = bench.group.start_ready(lambda: RedisProcess(directory))
     args = _sidecar_args("--backend", "redis", "--redis-url", redis.url, "--mode", "sync")
     if redis_timeout is not None:
         args += ["--redis-timeout", f"{redis_timeout:g}"]
-    builds = [partial(SidecarProcess, f"sidecar-sync-{index}", args, directory) for index in (1, 2)]
-    return group.start_all_ready(builds)
+    return [partial(SidecarProcess, f"sidecar-sync-{index}", args, directory) for index in (1, 2)]
 
 
 def _start_envoys(
@@ -186,11 +184,13 @@ def _start(bench: Bench, directory: Path, names: Sequence[str], redis_timeout: f
     group = bench.group
     app = group.start_ready(lambda: UpstreamProcess("app", directory))
     wanted = _single_sidecars(names, directory)
-    started = group.start_all_ready(
-        [partial(SidecarProcess, f"sidecar-{label}", args, directory) for label, args in wanted.values()]
-    )
-    single = dict(zip(wanted, started, strict=True))
-    sync = _start_sync(bench, directory, redis_timeout) if "envoy_sync" in names else []
+    builds: list[Callable[[], SidecarProcess]] = [
+        partial(SidecarProcess, f"sidecar-{label}", args, directory) for label, args in wanted.values()
+    ]
+    sync_builds = _sync_builds(bench, directory, redis_timeout) if "envoy_sync" in names else []
+    started = group.start_all_ready([*builds, *sync_builds])  # every sidecar comes up at once
+    single = dict(zip(wanted, started[: len(builds)], strict=True))
+    sync = started[len(builds) :]
     fronts = {path.replace("_", "-"): sidecar for path, sidecar in single.items()}
     fronts.update({f"envoy-sync-{index}": sidecar for index, sidecar in enumerate(sync, start=1)})
     envoys = dict(zip(fronts, _start_envoys(group, app, fronts, directory), strict=True))
