@@ -412,9 +412,14 @@ def start_pairs(
 
     started = group.start_all_ready([build(label, args, index) for label, args in pairs for index in range(REPLICAS)])
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if all(scrape(sidecar.metrics_url).get("ratelimit_sidecar_replicas") == REPLICAS for sidecar in started):
-            break
+
+    def counts_its_peers(sidecar: SidecarProcess) -> bool:
+        try:  # SERVING is the gRPC port; the metrics endpoint may answer a moment later
+            return scrape(sidecar.metrics_url).get("ratelimit_sidecar_replicas") == REPLICAS
+        except OSError:
+            return False
+
+    while time.monotonic() < deadline and not all(counts_its_peers(sidecar) for sidecar in started):
         time.sleep(0.1)
     return [started[number * REPLICAS : (number + 1) * REPLICAS] for number in range(len(pairs))]
 
