@@ -87,7 +87,7 @@ class Timing:
         Smoke runs the four configurations side by side, each at a quarter of :data:`RATE` (the
         machine gets the same load as one configuration at full rate): every configuration still
         meets every fault, and the near limits scale with the rate so they are crossed at the
-        same moments."""
+        same moments. (The replica kill, one pair alone, keeps :data:`RATE`: ``faults.kill_setup``.)"""
         if smoke:
             return cls(0.5, 1.0, 0.6, 4.5, together=SMOKE_TOGETHER, rate=RATE / SMOKE_TOGETHER)
         return cls(0.8, 1.5, 1.0, 4.5) if quick else cls(2.0, 5.0, 3.0, 8.0)

@@ -8,7 +8,8 @@ one after it (escalations and certain rejections all happen around the fault). E
 configuration (sync mode with ``--redis-failure-mode`` ``local``, ``open``, ``closed``,
 and strict mode with ``local``) gets every fault mid-load, one phase each, with fresh
 counters per phase (quick and full runs: one configuration after the other; the tests'
-smoke size: all four pairs side by side on one fault timeline, each at a quarter of the rate):
+smoke size: all four pairs side by side on one fault timeline, each at a quarter of the rate;
+the replica kill below always runs one pair at the full rate):
 
 ``redis_kill``
     redis-server SIGKILLed, restarted on the same port. It runs with ``appendonly yes``
@@ -60,7 +61,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import uvloop
@@ -69,6 +70,7 @@ from loadtest.reliability_harness.fault_phases import (
     BACKGROUND_TIMEOUT,
     DOMAIN,
     DRAIN_TIMEOUT,
+    RATE,
     RECOVERY,
     REPLICAS,
     SLOW_DELAY,
@@ -367,6 +369,18 @@ def latency_goals_missed(figures: dict[str, float]) -> list[str]:
 # ---------------------------------------------------------------------------------
 
 
+def kill_setup(setup: Setup) -> Setup:
+    """The replica kill runs one pair alone: at the full :data:`RATE` at every size (its loss bound,
+    two sync intervals of the victim's admissions, needs hits to count), near limits sized for it."""
+    timing = replace(setup.timing, together=1, rate=RATE)
+    if timing == setup.timing:
+        return setup
+    config = setup.logs / "config-kill"
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "faults.yaml").write_text(config_text(near_limits(timing)))
+    return replace(setup, config=config, names=CounterNames(config, DOMAIN), timing=timing)
+
+
 def run_replica_kill(setup: Setup, seed: int) -> Row:
     prefix = f"k{secrets.token_hex(3)}"
     args = sidecar_args(setup, "sync", "local", prefix)
@@ -551,7 +565,7 @@ def run(context: Context) -> list[Row]:
                         rows.append(failed_row(AREA, scenario, error, group.children))
                     stop_pairs(group, [[child for child in group.children if isinstance(child, SidecarProcess)]])
             try:
-                rows.append(run_replica_kill(setup, context.seed * 1000 + 99))
+                rows.append(run_replica_kill(kill_setup(setup), context.seed * 1000 + 99))
             except Exception as error:
                 rows.append(failed_row(AREA, "sync mode: a replica SIGKILLed mid-load", error, group.children))
     finally:

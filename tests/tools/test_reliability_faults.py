@@ -17,8 +17,9 @@ timeout, slow, unreachable), then a replica SIGKILLed. It checks what the rows p
 The smoke size (``Context.smoke``) keeps every configuration and every fault, shortens the
 phases around them and lets the four configurations' pairs meet each fault side by side, each
 at a quarter of the rate (``fault_phases.Timing``: the machine carries the load of one
-configuration, the near limits scale with the rate); the report's figures come from
-``python -m loadtest.reliability --quick`` or full runs, one configuration at a time.
+configuration, the near limits scale with the rate; the replica kill keeps the full rate);
+the report's figures come from ``python -m loadtest.reliability --quick`` or full runs, one
+configuration at a time.
 """
 
 from __future__ import annotations
