@@ -49,6 +49,8 @@ LANES = 48
 CALL_TIMEOUT = 2.0
 """A call unanswered after this is an error (its outcome unknown): none is expected."""
 RECOVERY = 1.0
+LATE_EVENTS = 30.0
+"""Seconds a phase's load may outlast its plan when its events run late (a slow scrape or restart)."""
 """Seconds after a fault ends whose calls still count as "during the fault"."""
 DRAIN_TIMEOUT = 20.0
 SYNC_INTERVAL = 0.05
@@ -339,6 +341,8 @@ async def run_phases(
     """Load on each ``(phase, sidecars)`` pair for ``seconds`` (``rate`` calls per second each)
     while the ``events`` happen once for all of them."""
     stop = asyncio.Event()
+    halt = asyncio.Event()
+    """Set by the timeline when the load is to end."""
     start = time.perf_counter()
 
     async def histogram(sidecars: Sequence[SidecarProcess]) -> dict[float, float]:
@@ -360,22 +364,29 @@ async def run_phases(
             phase.marks[name] = now
 
     async def control() -> None:
-        first = start
-        for number, (at, name, action, wait) in enumerate(events):
-            # Later events keep their distance from the first one, however late that came.
-            due = start + at if number == 0 else first + at - events[0][0]
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            if number == 0:
-                await histograms("fault")
-                first = time.perf_counter()
-            mark(name)
-            action()
-            if wait is not None:
-                await asyncio.to_thread(wait)
-            mark(name + "_done")
-        await asyncio.sleep(max(0.0, min(RECOVERY, start + seconds - time.perf_counter() - 0.1)))
-        with contextlib.suppress(OSError):
-            await histograms("after")
+        first, last = start, 0.0
+        try:
+            for number, (at, name, action, wait) in enumerate(events):
+                # Later events keep their distance from the first one, however late that came.
+                due = start + at if number == 0 else first + at - events[0][0]
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                if number == 0:
+                    await histograms("fault")
+                    first = time.perf_counter()
+                mark(name)
+                action()
+                if wait is not None:
+                    await asyncio.to_thread(wait)
+                mark(name + "_done")
+                last = at
+            # The load goes on for what the plan leaves after the last event, however late it was done.
+            end = max(start + seconds, time.perf_counter() + seconds - last)
+            await asyncio.sleep(max(0.0, min(RECOVERY, end - time.perf_counter() - 0.1)))
+            with contextlib.suppress(OSError):
+                await histograms("after")
+            await asyncio.sleep(max(0.0, end - time.perf_counter()))
+        finally:
+            halt.set()
 
     watchers = [asyncio.create_task(watch(sidecars, phase, stop, pids)) for phase, sidecars in runs]
     try:
@@ -386,10 +397,11 @@ async def run_phases(
                     [payload.data for payload in phase.traffic.payloads],
                     phase.traffic.choose,
                     phase.calls,
-                    seconds=seconds,
+                    seconds=seconds + LATE_EVENTS,
                     lanes=LANES,
                     rate=rate,
                     timeout=CALL_TIMEOUT,
+                    stop=halt,
                 )
                 for phase, sidecars in runs
             ),
