@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -35,8 +34,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first build and
 
 DEMO_CONFIG = REPO / "examples" / "config"
 BUILD_TIMEOUT = 600
-BUILD_REQUIRES = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
-"""What an isolated build installs: ``[build-system] requires``."""
 
 
 @dataclass(frozen=True)
@@ -83,30 +80,17 @@ def must(argv: list[str | Path], cwd: Path, timeout: float = 120) -> str:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
-    """``python -m build`` (sdist, then the wheel from the sdist), then ``pip install WHEEL[tracing]``.
-
-    The build runs in one fresh venv holding only ``pyproject.toml``'s build requirements and
-    ``build`` itself, with ``--no-isolation``: what an isolated build does, but one environment
-    for both distributions instead of one each (two venvs and two setuptools installs)."""
+    """``python -m build`` (sdist, then the wheel from the sdist), then ``pip install WHEEL[tracing]``."""
     scratch = tmp_path_factory.mktemp("wheel")
     dist = scratch / "dist"
-    builder = fresh_venv(scratch / "build-env", *BUILD_REQUIRES, "build")
-    must([builder, "-m", "build", "--no-isolation", "--outdir", dist, REPO], scratch, timeout=BUILD_TIMEOUT)
-    (wheel,) = dist.glob("ratelimit_sidecar-*.whl")
+    must([sys.executable, "-m", "build", "--outdir", dist, REPO], scratch, timeout=BUILD_TIMEOUT)
     venv = scratch / "venv"
-    fresh_venv(venv, f"{wheel}[tracing]")
+    must([sys.executable, "-m", "venv", "--without-pip", venv], scratch)
+    (wheel,) = dist.glob("ratelimit_sidecar-*.whl")
+    # This venv's pip installs into the new one (as the Dockerfile does): no pip copied in, no bytecode compiled.
+    install = ["--python", venv / "bin" / "python", "install", "--quiet", "--no-compile", f"{wheel}[tracing]"]
+    must([sys.executable, "-m", "pip", *install], scratch, BUILD_TIMEOUT)
     yield Installed(venv, dist)
-
-
-def fresh_venv(venv: Path, *requirements: str) -> Path:
-    """A new venv holding ``requirements`` and their dependencies; its python.
-
-    This venv's pip installs into it (as the Dockerfile does): no pip copied in, no bytecode compiled."""
-    must([sys.executable, "-m", "venv", "--without-pip", venv], venv.parent)
-    python = venv / "bin" / "python"
-    install = ["--python", python, "install", "--quiet", "--no-compile", *requirements]
-    must([sys.executable, "-m", "pip", *install], venv.parent, BUILD_TIMEOUT)
-    return python
 
 
 def test_the_sdist_and_wheel_pass_twine_check(installed: Installed) -> None:
