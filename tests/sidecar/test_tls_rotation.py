@@ -25,7 +25,7 @@ from sidecar.tls_files import TLS_RELOADS
 from stack import redis as launcher
 from stack.tls import OPENSSL, Certificates, make_certificates
 from tests.support.redis_servers import RedisServer, running
-from tests.support.sidecars import OK, Sidecar, SidecarFactory, free_port, log_events, metric, request
+from tests.support.sidecars import OK, Sidecar, SidecarFactory, log_events, metric, request
 
 pytestmark = [pytest.mark.slow]
 
@@ -98,10 +98,10 @@ def install(certs: Certificates, directory: Path, mutual: bool) -> None:
         os.replace(directory / f".{name}.tmp", directory / name)
 
 
-def flags(directory: Path, mutual: bool, metrics_port: int) -> list[str]:
+def flags(directory: Path, mutual: bool) -> list[str]:
     served = ["--tls-cert", str(directory / "cert.pem"), "--tls-key", str(directory / "key.pem")]
     mutual_flags = ["--tls-client-ca", str(directory / "ca.pem")] if mutual else []
-    return [*served, *mutual_flags, "--metrics-address", f"127.0.0.1:{metrics_port}"]
+    return [*served, *mutual_flags]
 
 
 def reloads(metrics_port: int, result: str) -> float:
@@ -114,12 +114,11 @@ def start(
     start_sidecar: SidecarFactory, config: Path, directory: Path, first: Certificates, mutual: bool
 ) -> tuple[Sidecar, int]:
     """A sidecar serving ``directory``'s files, and its metrics port."""
-    metrics_port = free_port()
     probe_client = (first.client_cert, first.client_key) if mutual else None
     sidecar = start_sidecar(
-        *flags(directory, mutual, metrics_port), config=config, probe_tls=first.ca, probe_client=probe_client
+        *flags(directory, mutual), config=config, probe_tls=first.ca, probe_client=probe_client, metrics=True
     )
-    return sidecar, metrics_port
+    return sidecar, sidecar.metrics_port
 
 
 class Caller:
@@ -206,9 +205,9 @@ def test_kubelet_secret_update_is_served(
     mount = tmp_path / "secret"
     mount.mkdir()
     kubelet_write(mount, old, "2026_11_28_00_00_00.1")
-    metrics_port = free_port()
     tls = ["--tls-cert", str(mount / "tls.crt"), "--tls-key", str(mount / "tls.key")]
-    sidecar = start_sidecar(*tls, "--metrics-address", f"127.0.0.1:{metrics_port}", config=config_dir, probe_tls=old.ca)
+    sidecar = start_sidecar(*tls, config=config_dir, probe_tls=old.ca, metrics=True)
+    metrics_port = sidecar.metrics_port
     kubelet_write(mount, new, "2026_11_28_00_05_00.2")
     poll(lambda: answers(sidecar.address, new, False), "the certificate of the new Secret is served")
     assert not answers(sidecar.address, old, False)

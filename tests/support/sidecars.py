@@ -183,12 +183,16 @@ class Sidecar:
         args: Sequence[str],
         env: dict[str, str],
         credentials: grpc.ChannelCredentials | None = None,
+        metrics: bool = False,
     ) -> None:
         self.workdir = workdir
         self.args = list(args)
         self.env = env
         self.credentials = credentials
         """TLS credentials for a sidecar serving TLS; None for plaintext."""
+        self.metrics = metrics
+        """Whether the metrics endpoint listens, on :attr:`metrics_port` (picked with the gRPC port)."""
+        self.metrics_port = 0
         self.port = 0
         self.address = ""
         self.process: subprocess.Popen[bytes] | None = None
@@ -208,7 +212,11 @@ class Sidecar:
         for attempt in range(attempts):
             self.port = port if port is not None else free_port()
             self.address = f"127.0.0.1:{self.port}"
-            command = serve_argv(self.args, grpc_address=self.address if pass_address else None)
+            args = self.args
+            if self.metrics:  # a fresh port on each attempt: either port may be the one taken
+                self.metrics_port = free_port()
+                args = [*args, "--metrics-address", f"127.0.0.1:{self.metrics_port}"]
+            command = serve_argv(args, grpc_address=self.address if pass_address else None)
             with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
                 self.process = spawn(
                     command, stdout=out, stderr=err, stdin=None, env=self.env, cwd=self.workdir,
@@ -322,7 +330,10 @@ SidecarFactory = Callable[..., Sidecar]
 
 @contextlib.contextmanager
 def sidecar_factory(base: Path) -> Iterator[SidecarFactory]:
-    """Yield ``start(*serve_flags, config=, env=, port=, pass_address=)``; kill them all on exit."""
+    """Yield ``start(*serve_flags, config=, env=, port=, pass_address=, metrics=)``; kill them all on exit.
+
+    ``metrics=True`` turns the metrics endpoint on, on a port picked with the gRPC port and
+    picked again with it when a start finds either taken (``sidecar.metrics_port``)."""
     started: list[Sidecar] = []
 
     def start(
@@ -333,6 +344,7 @@ def sidecar_factory(base: Path) -> Iterator[SidecarFactory]:
         pass_address: bool = True,
         probe_tls: Path | None = None,
         probe_client: tuple[Path, Path] | None = None,
+        metrics: bool = False,
     ) -> Sidecar:
         workdir = base / f"sidecar-{len(started)}"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -345,7 +357,7 @@ def sidecar_factory(base: Path) -> Iterator[SidecarFactory]:
             credentials = grpc.ssl_channel_credentials(
                 probe_tls.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None
             )
-        sidecar = Sidecar(workdir, argv, env if env is not None else clean_env(), credentials)
+        sidecar = Sidecar(workdir, argv, env if env is not None else clean_env(), credentials, metrics)
         started.append(sidecar)
         return sidecar.start(port=port, pass_address=pass_address)
 

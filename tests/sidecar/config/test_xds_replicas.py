@@ -109,15 +109,15 @@ def control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
 
 
 def test_three_replicas_follow_the_control_plane(control_plane: ControlPlane, start_sidecar: SidecarFactory) -> None:
-    admin_port = free_port()
     replicas = [
         start_sidecar(
             "--config-source", "xds", "--xds-server", f"127.0.0.1:{control_plane.port}",
             "--xds-node-id", f"replica-{n}", "--xds-backoff-max", "1",
-            "--metrics-address", f"127.0.0.1:{admin_port}" if n == 0 else "",
+            *([] if n == 0 else ["--metrics-address", ""]), metrics=n == 0,
         )
         for n in range(3)
     ]  # fmt: skip
+    admin_port = replicas[0].metrics_port
     limits_file = control_plane.directory / "tenants.yaml"
     poll_until(lambda: all_enforce(replicas, 3), "the initial limit (3/hour) on every replica")
 

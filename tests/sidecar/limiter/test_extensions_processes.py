@@ -23,7 +23,6 @@ from tests.support.sidecars import (
     OVER_LIMIT,
     Sidecar,
     SidecarFactory,
-    free_port,
     request,
     wait_for_replicas,
     write_config,
@@ -55,12 +54,11 @@ def replicas(request: pytest.FixtureRequest, start_sidecar: SidecarFactory, tmp_
     redis: RedisServer = request.getfixturevalue("redis_server")
     flags = ["--backend", "redis", "--redis-url", redis.url, "--redis-prefix", fresh_prefix("ext"), "--mode", mode]
     flags += ["--redis-timeout", "0.5", "--heartbeat-interval", "0.2"]
-    ports = [free_port() for _ in range(2)]
-    sidecars = [start_sidecar(*flags, "--metrics-address", f"127.0.0.1:{port}", config=config) for port in ports]
+    sidecars = [start_sidecar(*flags, config=config, metrics=True) for _ in range(2)]
     # Until a replica has seen the other's heartbeat it counts itself alone (and may decide
     # locally with the whole limit, so its limit_remaining would not count the other's hits).
-    for port in ports:
-        wait_for_replicas(port, 2)
+    for sidecar in sidecars:
+        wait_for_replicas(sidecar.metrics_port, 2)
     return sidecars
 
 

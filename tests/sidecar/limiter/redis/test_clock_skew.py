@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.support.redis_servers import RedisServer, fresh_prefix
-from tests.support.sidecars import OK, OVER_LIMIT, Sidecar, SidecarFactory, free_port, request, wait_for_replicas
+from tests.support.sidecars import OK, OVER_LIMIT, Sidecar, SidecarFactory, request, wait_for_replicas
 
 SKEW = 30.0
 
@@ -31,19 +31,16 @@ def pair(start_sidecar: SidecarFactory, config_dir: Path, redis_server: RedisSer
     # slow escalation on a loaded machine falls back to the ``local`` failure mode, which
     # lets each of the two replicas admit ceil(5 / 2) = 3 and the exact count is lost.
     flags += ["--redis-timeout", "0.5"]
-    ports = [free_port() for _ in range(2)]
     sidecars = [
-        start_sidecar(*flags, "--metrics-address", f"127.0.0.1:{ports[0]}", config=config_dir),
-        start_sidecar(
-            *flags, "--clock-offset", str(SKEW), "--metrics-address", f"127.0.0.1:{ports[1]}", config=config_dir
-        ),
+        start_sidecar(*flags, config=config_dir, metrics=True),
+        start_sidecar(*flags, "--clock-offset", str(SKEW), config=config_dir, metrics=True),
     ]
     # Until a replica has seen the other's heartbeat it counts itself alone, and may admit
     # locally what the pair may admit together: wait until both count two. (On skewed
     # local clocks each takes the other's heartbeats for stale: only Redis's clock agrees.)
     if source == "redis":
-        for port in ports:
-            wait_for_replicas(port, 2)
+        for sidecar in sidecars:
+            wait_for_replicas(sidecar.metrics_port, 2)
     return sidecars
 
 
