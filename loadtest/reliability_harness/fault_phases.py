@@ -62,9 +62,9 @@ NEAR = ("near_a", "near_b", "near_c")
 WEIGHTS = {"hot": 0.60, "near": 0.25, "both": 0.15}
 """Kinds of call: one hot counter (1-3 hits), one near counter (1 hit), or both (1 hit, all or nothing)."""
 BACKGROUND_TIMEOUT = 1.0
+"""The sidecar's timeout of background Redis calls and its socket timeout (``max(1 s, 2 x --redis-timeout)``)."""
 SMOKE_TOGETHER = 4
 """Smoke size: configurations run side by side (all four of ``faults.CONFIGURATIONS``)."""
-"""The sidecar's timeout of background Redis calls and its socket timeout (``max(1 s, 2 x --redis-timeout)``)."""
 
 
 @dataclass(frozen=True)
