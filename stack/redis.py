@@ -47,8 +47,13 @@ def acl_flags(user: str, password: str) -> list[str]:
     return ["--user", user, "on", f">{password}", "~*", "&*", "+@all", "--user", "default", "off"]
 
 
-CLUSTER_FLAGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
-"""The flags of a Cluster node (see :func:`create_cluster`)."""
+CLUSTER_FLAGS = (
+    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+    "--repl-diskless-sync-delay", "0",
+)  # fmt: skip
+"""The flags of a Cluster node (see :func:`create_cluster`). Redis 7 waits 5 s before a full
+sync, for more replicas to join it: with one replica per master that is idle time after the
+Cluster's creation and after every rejoin of a killed node."""
 
 
 def create_cluster(addresses: Sequence[str], timeout: float, replicas: int = 0) -> subprocess.CompletedProcess[str]:

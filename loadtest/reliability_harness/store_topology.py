@@ -48,16 +48,6 @@ PROBE_INTERVAL = 0.01
 PROBE_SOCKET_TIMEOUT = 0.25
 
 
-NO_SYNC_DELAY = ("--repl-diskless-sync-delay", "0")
-"""Redis 7 waits 5 s before a full sync (for more replicas to join it): idle seconds after the
-Cluster's creation and after each rejoin, with one replica per master nothing to wait for."""
-
-
-def cluster_node(directory: Path) -> RedisProcess:
-    """``stack.redis.cluster_node`` whose full syncs start at once (kept when started again)."""
-    return RedisProcess(directory, stack_redis.cluster_port(), extra=(*stack_redis.CLUSTER_FLAGS, *NO_SYNC_DELAY))
-
-
 def cluster_client(ports: list[int]) -> Any:
     """A synchronous redis-py Cluster client over every node that answers."""
     import redis.cluster
@@ -78,7 +68,7 @@ class ClusterStore:
     @classmethod
     def start(cls, group: ProcessGroup, directory: Path) -> ClusterStore:
         """Six nodes joined as three masters with a replica each, healthy."""
-        nodes = [group.start(cluster_node(directory / f"node-{index}")) for index in range(6)]
+        nodes = [group.start(stack_redis.cluster_node(directory / f"node-{index}")) for index in range(6)]
         for node in nodes:
             node.wait_ready()
         created = stack_redis.create_cluster([f"127.0.0.1:{node.port}" for node in nodes], 60, replicas=1)
