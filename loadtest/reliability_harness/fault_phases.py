@@ -49,9 +49,9 @@ LANES = 48
 CALL_TIMEOUT = 2.0
 """A call unanswered after this is an error (its outcome unknown): none is expected."""
 RECOVERY = 1.0
+"""Seconds after a fault ends whose calls still count as "during the fault"."""
 LATE_EVENTS = 30.0
 """Seconds a phase's load may outlast its plan when its events run late (a slow scrape or restart)."""
-"""Seconds after a fault ends whose calls still count as "during the fault"."""
 DRAIN_TIMEOUT = 20.0
 SYNC_INTERVAL = 0.05
 SYNC_MAX_OVERSHOOT = 0.05
