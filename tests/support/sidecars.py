@@ -208,7 +208,7 @@ class Sidecar:
         With ``pass_address`` False the caller provides the address itself (for example
         through ``RLS_GRPC_ADDRESS``) and must pass the matching ``port``.
         """
-        attempts = 3 if port is None else 1
+        attempts = 3 if port is None or self.metrics else 1  # a port of ours may be taken meanwhile
         for attempt in range(attempts):
             self.port = port if port is not None else free_port()
             self.address = f"127.0.0.1:{self.port}"
