@@ -75,6 +75,8 @@ PER_REQUEST = 64
 """Descriptors per request: the validation bound (``sidecar.config.model.MAX_DESCRIPTORS``)."""
 IN_FLIGHT = 8
 CALL_TIMEOUT = 30.0
+SERVING_WAIT = 10.0
+"""Seconds after the flood the sidecar gets to answer a health check SERVING."""
 BUDGET_BYTES_PER_COUNTER = 1024
 """What one live counter may cost in RSS, fragmentation included. README sizes the
 default cap of 2,000,000 counters at "about 1 GB" (~500 bytes each); this budget is
@@ -225,7 +227,9 @@ def run_flood(context: Context, flood: Flood, config: Path, index: int) -> Row:
             after = scrape(sidecar.metrics_url)
             rss_after = rss(sidecar.pid)
             hwm = proc_status(sidecar.pid, "VmHWM") or 0
-            alive = sidecar.alive() and sidecar.ready()
+            # Serving still: one health call (0.5 s) can miss on a loaded machine right after the
+            # flood; a sidecar that stopped serving does not start again within SERVING_WAIT.
+            alive = sidecar.alive() and wait_for(sidecar.ready, SERVING_WAIT)
         except Exception as error:
             return failed_row(AREA, f"flood of unique values: {flood.name}", error, children)
     return judge(
