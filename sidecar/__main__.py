@@ -12,16 +12,21 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+# gRPC's fork handlers serve a child that keeps using gRPC without exec; this process only
+# forks to exec (the quota worker), where they would just log a line per start.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 import grpc
 import structlog
 
 from sidecar import __version__
+from sidecar.addresses import StartupError
 from sidecar.client import ClientTLS, Replaced, build_request, describe, health_status, query, replaced_rules
 from sidecar.config import ConfigError, LoadOptions, load_config
 from sidecar.export.haproxy.export import add_export_arguments, run_export
 from sidecar.export.problems import ExportError
 from sidecar.logs import configure_logging
-from sidecar.server import StartupError, serve
+from sidecar.server import serve
 from sidecar.settings import Settings, SettingsError, add_serve_arguments, option_value, resolve_with_notes
 
 PROG = "ratelimit-sidecar"

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import ipaddress
-import os
+import pickle
 import signal
-import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +20,12 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from sidecar import heap
+from sidecar.addresses import (
+    StartupError,
+    ensure_bindable,
+    is_loopback,
+    unix_socket_created_private,
+)
 from sidecar.admin import AdminEndpoint, config_json
 from sidecar.config import ConfigError, LoadOptions, RateLimitConfig
 from sidecar.config.reload import ConfigReloader, load_quietly, rule_count, settle_after_load
@@ -32,9 +35,10 @@ from sidecar.limiter.memory import MemoryLimiter
 from sidecar.limiter.protocol import Limiter
 from sidecar.limiter.redis.clock import SharedClock
 from sidecar.limiter.windows import Clock, system_clock
-from sidecar.metrics import EXPIRE_EVERY_SECONDS, RuleStats, Scrape, ServiceStats, SidecarCollector
+from sidecar.metrics import EXPIRE_EVERY_SECONDS, Collectable, RuleStats, Scrape, ServiceStats, SidecarCollector
 from sidecar.quota import service as quota
 from sidecar.quota.registry import QuotaRegistry, QuotaSettings
+from sidecar.quota.relay import QuotaWorker, RelayedQuota, add_relay_to_server
 from sidecar.quota.stats import QuotaStats
 from sidecar.service.headers import HeaderNames
 from sidecar.service.json_api import JsonEndpoint
@@ -77,20 +81,8 @@ SERVER_OPTIONS = [
 ]
 
 
-UNIX_SOCKET_MODE = 0o660
-"""Mode of a ``unix:PATH`` gRPC socket, set after the bind whatever the umask.
-
-Connecting to a unix socket needs write permission on it, so this says who may call the
-sidecar: its own user and its group (the image's dedicated ``ratelimit`` group, 10001;
-Envoy joins it with ``runAsGroup`` or ``supplementalGroups``), nobody else on the host.
-"""
-
 DRAIN_QUIET = 0.1
 """On SIGTERM, serving stops once no call has arrived for this long (the callers have stopped)."""
-
-
-class StartupError(Exception):
-    """The sidecar cannot start; the message is one line meant for the operator."""
 
 
 def build_limiter(settings: Settings, clock: SharedClock | None = None) -> Limiter:
@@ -228,81 +220,6 @@ def has_startup_config(settings: Settings) -> bool:
     return bool(settings.config)
 
 
-def is_unix(address: str) -> bool:
-    """A ``unix:PATH`` gRPC address (a unix domain socket)."""
-    return address.startswith("unix:")
-
-
-def is_loopback(address: str) -> bool:
-    """True for addresses only this host can reach (127.0.0.0/8, ::1, localhost, unix sockets)."""
-    if is_unix(address):
-        return True
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def unix_socket_path(address: str) -> Path:
-    """The file of a ``unix:PATH`` (or ``unix:///abs/path``) address."""
-    return Path(address.removeprefix("unix:").removeprefix("//"))
-
-
-@contextlib.contextmanager
-def unix_socket_created_private(address: str) -> Iterator[None]:
-    """While gRPC binds ``address``, a umask that creates a unix socket no wider than
-    :data:`UNIX_SOCKET_MODE`; then the mode is set exactly.
-
-    gRPC creates the socket ``0777 & ~umask`` and listens at once (it accepts only once the
-    server starts, but a connection made meanwhile waits in the backlog), so setting the
-    mode afterwards alone would leave an instant in which anyone could connect. The umask
-    is the process's: this runs once, at startup, before anything is served.
-    """
-    if not is_unix(address):
-        yield
-        return
-    previous = os.umask(0o777 & ~UNIX_SOCKET_MODE)
-    try:
-        yield
-    finally:
-        os.umask(previous)
-    path = unix_socket_path(address)
-    try:
-        path.chmod(UNIX_SOCKET_MODE)
-    except OSError as error:
-        raise StartupError(f"cannot set the mode of {path}: {error.strerror}") from None
-
-
-def ensure_bindable(address: str) -> None:
-    """Fail with a plain message if ``address`` cannot be bound, before gRPC tries.
-
-    gRPC's own bind failure arrives as a vague RuntimeError plus a C-core log line;
-    binding a socket first names the real cause (in use, not an address of this host).
-    A unix socket's directory must exist; gRPC replaces a socket file left behind.
-    """
-    if is_unix(address):
-        path = unix_socket_path(address)
-        if not path.parent.is_dir():
-            raise StartupError(f"cannot listen on {address}: directory {path.parent} does not exist")
-        return
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
-        raise StartupError(f"cannot listen on {address}: {error.strerror}") from None
-    family, kind, proto, _, sockaddr = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(sockaddr)
-        except OSError as error:
-            raise StartupError(f"cannot listen on {address}: {error.strerror}") from None
-
-
 class Sidecar:
     """A running gRPC server with its service, health, limiter and admin endpoint."""
 
@@ -345,11 +262,21 @@ class Sidecar:
                 settle=heap.settle,  # buckets adopted in bursts leave the heap full collections walk
             )
         )
+        self.worker = (
+            QuotaWorker(
+                lambda config, token: pickle.dumps((settings, config, token)),
+                lambda: self.service.config,
+                write_timeout=self.quota.registry.settings.write_timeout,
+            )
+            if settings.quota_process == "worker"
+            else None
+        )
+        """``--quota-process worker``: quota mode runs in a child process; ``self.quota`` stays idle."""
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.port = 0
         self.serving = False
-        self.collector = SidecarCollector(self.stats, self.service.limiter.snapshot, self.quota.registry.frozen_stats)
+        self.collector = SidecarCollector(self.stats, self.service.limiter.snapshot, self._quota_numbers)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         process = ProcessCollector(registry=self.registry)
@@ -391,6 +318,12 @@ class Sidecar:
         """``--config-source xds``: the control plane's pushes replace the config (no file reloads)."""
         self._xds_task: asyncio.Task[None] | None = None
 
+    def _quota_numbers(self) -> Collectable:
+        """Quota mode's numbers for a scrape: copied here, on the loop, or asked of the worker
+        from the scrape thread (its idle stand-in's zeros while it is not running)."""
+        idle = self.quota.registry.frozen_stats()
+        return idle if self.worker is None else RelayedQuota(self.worker, idle)
+
     def _config_json(self) -> Callable[[], dict[str, Any]]:
         """``/config``, called on the event loop: the quota buckets' assignments (mutable, so
         described here, bounded) and the config (immutable, swapped whole on reload), and what
@@ -399,13 +332,15 @@ class Sidecar:
         quota_state = self.quota.registry.describe()
         if self.leases is not None:
             quota_state["shares"] = self.leases.describe()
+        worker = self.worker
+        about = worker.about() if worker is not None else None
         suppression = getattr(self.service.limiter, "suppression", None)
         busy = suppression.describe(self.service.clock()) if suppression is not None else []
         xds = dataclasses.asdict(self.xds.state) if self.xds is not None else None
 
         def document() -> dict[str, Any]:
             shown = config_json(config, loaded_at)
-            shown["quota"] = quota_state
+            shown["quota"] = quota_state if worker is None else {**(worker.describe() or quota_state), "worker": about}
             shown["suppression"] = busy  # overload: suppress, the busiest counters and their p
             if xds is not None:
                 shown["xds"] = xds  # --config-source xds: the version served, pushes applied and refused
@@ -419,15 +354,24 @@ class Sidecar:
         self.service.config = config
         self.stats.config_loaded(config.digest)
         self.quota.registry.reassign(config)
+        if self.worker is not None:
+            self.worker.configure(config)
+
+    def _add_services(self) -> None:
+        """ShouldRateLimit, RLQS (served here, or relayed to the quota worker), health, reflection."""
+        add_to_server(self.service, self.server)
+        if self.worker is None:
+            quota.add_to_server(self.quota, self.server)
+        else:
+            add_relay_to_server(self.worker, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE_NAME, quota.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
 
     async def start(self) -> None:
         """Bind, start serving, and only then report SERVING."""
         heap.PAUSES.install()  # ratelimit_sidecar_gc_pause_max_seconds
-        add_to_server(self.service, self.server)
-        quota.add_to_server(self.quota, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (SERVICE_NAME, quota.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
+        self._add_services()
         address = self.settings.grpc_address
         self.tls = server_credentials(self.settings)
         if self.tls is None and not is_loopback(address):
@@ -544,6 +488,8 @@ class Sidecar:
         await self._wait_until_quiet(deadline)
         await self.server.stop(0)
         await self.json.close()
+        if self.worker is not None:
+            await self.worker.close(deadline)  # it hands its shares on, as below
         if self.leases is not None:
             await self.leases.close(deadline)  # a clean stop hands its shares on at once
         await self.service.limiter.close(deadline)  # the flush may use what the grace left
@@ -577,7 +523,8 @@ async def run(settings: Settings, config: RateLimitConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain."""
     stop = asyncio.Event()
     clock = SharedClock(settings.clock_offset)
-    leases = build_quota_leases(settings, clock) if settings.backend == "redis" else None
+    inline_shares = settings.backend == "redis" and settings.quota_process == "inline"
+    leases = build_quota_leases(settings, clock) if inline_shares else None
     sidecar = Sidecar(settings, config, build_limiter(settings, clock), clock, leases)
     # OpenTelemetry: only the OTEL_* variables turn it on (sidecar/tracing.py); off, nothing is imported.
     tracing = start_tracing(enforcing_mode(settings) or "memory")

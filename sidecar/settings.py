@@ -62,6 +62,7 @@ ClockSource = Literal["redis", "local"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["json", "console", "auto"]
 ConfigSource = Literal["file", "xds"]
+QuotaProcess = Literal["worker", "inline"]
 
 
 class SettingsError(ValueError):
@@ -356,6 +357,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "within the limit in every partition) or share (ceil(limit / live replicas): a full Redis outage stays "
         "available, a longer partition may exceed the limit by that much per cut replica)",
     ),
+    Option(
+        "quota_process",
+        one_of(QuotaProcess),
+        "quota mode: worker (RLQS streams, buckets and shares in a child process started on the first stream; "
+        "this process relays the streams as bytes, so their work never delays a ShouldRateLimit) or inline "
+        "(all in this process: one process less, but a 20,000-bucket reconnect costs the decisions 10-30 ms)",
+    ),
     Option("log_level", one_of(LogLevel), "log level"),
     Option(
         "log_format",
@@ -429,6 +437,7 @@ class Settings:
     quota_max_streams: int = 100
     quota_partition_hold: float = 0.0
     quota_after_hold: AfterHold = "deny"
+    quota_process: QuotaProcess = "worker"
     log_level: LogLevel = "info"
     log_format: LogFormat = "auto"
 

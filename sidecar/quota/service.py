@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -112,16 +112,23 @@ def action_label(action: Action) -> str:
 class QuotaService:
     """Serves ``StreamRateLimitQuotas`` from a :class:`QuotaRegistry`."""
 
-    def __init__(self, registry: QuotaRegistry, tick: float = TICK) -> None:
+    def __init__(
+        self,
+        registry: QuotaRegistry,
+        tick: float = TICK,
+        peer: Callable[[grpc.aio.ServicerContext[Any, Any]], str] = lambda context: context.peer(),
+    ) -> None:
         self.registry = registry
         self.tick = tick
+        self.peer = peer
+        """Who the client is, for logs and ``/config`` (the quota worker reads what the relay saw)."""
 
     async def StreamRateLimitQuotas(  # noqa: N802 - name fixed by the proto
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         registry = self.registry
         try:
-            stream = registry.open(context.peer())
+            stream = registry.open(self.peer(context))
         except StreamCapError as refused:
             registry.logs.every("quota_stream_refused", registry.clock(), reason=str(refused))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))

@@ -2,7 +2,7 @@
 
 Connecting to a unix socket needs write permission on it, so the socket's mode is who may
 call the sidecar. Under ``umask 000`` gRPC creates it 0777 (anyone on the host could spend
-every limit); the sidecar sets :data:`sidecar.server.UNIX_SOCKET_MODE` (0660: its user and
+every limit); the sidecar sets :data:`sidecar.addresses.UNIX_SOCKET_MODE` (0660: its user and
 its group) after the bind and before it listens. The whole server runs in-process, on the
 test's event loop, and is asked over the socket afterwards.
 """
@@ -22,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
-from sidecar.server import UNIX_SOCKET_MODE, Sidecar, unix_socket_created_private
+from sidecar.addresses import UNIX_SOCKET_MODE, unix_socket_created_private
+from sidecar.server import Sidecar
 from sidecar.settings import Settings
 
 RULES = """\

@@ -40,6 +40,7 @@ async def test_a_drained_sidecar_gives_its_quota_leases_back(tmp_path: Path, red
         redis_prefix=prefix,
         quota_ttl=6,
         shutdown_grace=3.0,
+        quota_process="inline",  # this test holds the leases itself; test_worker.py drains a worker
     )
     clock = SharedClock(settings.clock_offset)
     leases = build_quota_leases(settings, clock)
@@ -63,3 +64,44 @@ async def test_a_drained_sidecar_gives_its_quota_leases_back(tmp_path: Path, red
         await channel.close()
     assert not check.hexists(replicas, leases.replica_id)
     assert leases.partition_counts().handed_on == 1
+
+
+async def test_a_drained_sidecar_gives_its_workers_quota_leases_back(tmp_path: Path, redis_server: RedisServer) -> None:
+    """The same with the shares in the quota worker (the default): SIGTERM to the worker
+    hands them on before it exits, within the serving process's grace."""
+    (tmp_path / "q.yaml").write_text(RULES)
+    prefix = f"drainw{time.monotonic_ns()}"
+    settings = Settings(
+        config=str(tmp_path),
+        grpc_address="127.0.0.1:0",
+        metrics_address="",
+        watch_config=False,
+        backend="redis",
+        redis_url=redis_server.url,
+        redis_prefix=prefix,
+        quota_ttl=6,
+        shutdown_grace=3.0,
+    )
+    clock = SharedClock(settings.clock_offset)
+    sidecar = Sidecar(settings, load_config(str(tmp_path)), build_limiter(settings, clock), clock)
+    assert sidecar.leases is None and sidecar.worker is not None  # the worker holds the shares
+    await sidecar.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}")
+    replicas = share_keys(prefix, bucket_key(BUCKET), -1)[0]
+    check = redis_server.client()
+    try:
+        client = Client(channel)
+        await client.send(report(BUCKET))
+        await client.receive(timeout=30)
+        for _ in range(40):  # the worker's first share call for the bucket (a tick is 0.25 s)
+            if check.hlen(replicas):
+                break
+            await asyncio.sleep(0.1)
+        assert check.hlen(replicas) == 1
+        process = sidecar.worker.running.process if sidecar.worker.running else None
+        await client.close()
+        await sidecar.drain()
+    finally:
+        await channel.close()
+    assert process is not None and process.returncode == 0
+    assert check.hlen(replicas) == 0

@@ -2,17 +2,21 @@
 
 The whole :class:`sidecar.server.Sidecar` runs on this test's event loop (memory backend,
 no admin listener), so the servicer, its registration, health and reflection are the
-ones ``serve`` uses.
+ones ``serve`` uses. Each test runs twice: with the streams served in this process
+(``--quota-process inline``) and relayed to a real quota worker process (``worker``,
+the default); the numbers are read from whichever holds the registry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -24,7 +28,9 @@ from sidecar.limiter.memory import MemoryLimiter
 from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from sidecar.quota.buckets import bucket_of
 from sidecar.quota.registry import CHUNK
+from sidecar.quota.relay import STATS
 from sidecar.quota.service import MAX_RESPONSE_BYTES, METHOD, SERVICE_NAME
+from sidecar.quota.stats import FrozenQuota
 from sidecar.server import Sidecar
 from sidecar.settings import Settings
 
@@ -71,8 +77,8 @@ class Client:
         self.call.cancel()
 
 
-@pytest.fixture
-async def running(tmp_path: Path) -> AsyncIterator[SimpleNamespace]:
+@pytest.fixture(params=["inline", "worker"])
+async def running(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[SimpleNamespace]:
     (tmp_path / "q.yaml").write_text(RULES)
     settings = Settings(
         config=str(tmp_path),
@@ -83,6 +89,7 @@ async def running(tmp_path: Path) -> AsyncIterator[SimpleNamespace]:
         quota_max_buckets=50,
         quota_max_buckets_per_stream=40,
         quota_max_streams=3,
+        quota_process=request.param,
     )
     sidecar = Sidecar(settings, load_config(str(tmp_path)), MemoryLimiter())
     await sidecar.start()
@@ -92,6 +99,23 @@ async def running(tmp_path: Path) -> AsyncIterator[SimpleNamespace]:
     finally:
         await channel.close()
         await sidecar.server.stop(0)
+        if sidecar.worker is not None:
+            await sidecar.worker.close(time.monotonic() + 5)
+
+
+async def numbers(running: SimpleNamespace) -> FrozenQuota:
+    """The quota registry's numbers, from this process or from the worker."""
+    worker = running.sidecar.worker
+    if worker is None:
+        frozen: FrozenQuota = running.sidecar.quota.registry.frozen_stats()
+        return frozen
+    return cast(FrozenQuota, pickle.loads(await worker.call(STATS)))
+
+
+def inline_only(running: SimpleNamespace) -> None:
+    """Tests that reach into the registry itself (its bounds, set smaller) run inline."""
+    if running.sidecar.worker is not None:
+        pytest.skip("reads and changes the registry's own fields: covered inline")
 
 
 async def test_a_report_gets_an_assignment_with_a_ttl(running: SimpleNamespace) -> None:
@@ -119,7 +143,7 @@ async def test_garbage_and_bad_ids_do_not_end_the_stream(running: SimpleNamespac
     await client.send(report(bucket_of("q", [("user", "b")])))
     reply = await client.receive()
     assert reply.bucket_action[0].quota_assignment_action.rate_limit_strategy.token_bucket.max_tokens == 5
-    stats = running.sidecar.quota.registry.stats
+    stats = (await numbers(running)).stats
     assert stats.malformed == {"undecodable": 1}
     assert stats.unmatched == {"missing_domain": 1, "index_gap": 1}
     await client.close()
@@ -133,8 +157,8 @@ async def test_a_flood_of_buckets_is_capped_and_answered(running: SimpleNamespac
         actions += (await running.client.receive()).bucket_action
     kinds = [a.quota_assignment_action.rate_limit_strategy.WhichOneof("strategy") for a in actions]
     assert kinds.count("token_bucket") == 40 and kinds.count("blanket_rule") == 2960
-    registry = running.sidecar.quota.registry
-    assert registry.live == 40 and registry.stats.overflow == {"stream": 2960}
+    now = await numbers(running)
+    assert now.gauges.live_buckets == 40 and now.stats.overflow == {"stream": 2960}
     await running.client.close()
 
 
@@ -153,14 +177,15 @@ async def test_a_reload_pushes_the_new_assignment_to_open_streams(running: Simpl
 async def test_closing_the_stream_forgets_its_buckets(running: SimpleNamespace) -> None:
     await running.client.send(report(bucket_of("q", [("user", "a")])))
     await running.client.receive()
-    registry = running.sidecar.quota.registry
-    assert (registry.live, len(registry.streams)) == (1, 1)
+    now = await numbers(running)
+    assert (now.gauges.live_buckets, now.gauges.open_streams) == (1, 1)
     await running.client.close()
     for _ in range(100):
-        if not registry.streams:
+        now = await numbers(running)
+        if not now.gauges.open_streams:
             break
         await asyncio.sleep(0.02)
-    assert (registry.live, len(registry.streams)) == (0, 0)
+    assert (now.gauges.live_buckets, now.gauges.open_streams) == (0, 0)
 
 
 async def test_health_and_reflection_list_the_quota_service(running: SimpleNamespace) -> None:
@@ -193,6 +218,7 @@ async def test_a_client_that_never_reads_is_bounded_then_ended(running: SimpleNa
     """Reports of stateless ids (bad ids) to a client that never reads: what is queued
     stays within the byte bound (reports stop being read), and once gRPC's own buffers
     are full the stream ends after the write timeout."""
+    inline_only(running)
     registry = running.sidecar.quota.registry
     registry.settings = replace(registry.settings, max_queued_bytes=64 * 1024, write_timeout=1.0)
     client = Client(running.channel)
@@ -234,6 +260,6 @@ async def test_streams_past_the_cap_are_refused_resource_exhausted(running: Simp
         await refused.receive()
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--quota-max-streams" in (error.value.details() or "")
-    assert running.sidecar.quota.registry.stats.streams_ended == {"max_streams": 1}
+    assert (await numbers(running)).stats.streams_ended == {"max_streams": 1}
     for client in clients:
         await client.close()
