@@ -37,7 +37,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest.reliability_harness.json_input import post
@@ -101,6 +101,8 @@ class Sizes:
     """Live buckets of ~1 KiB ids behind ``/config``."""
     outage: float
     recovery: float
+    process: str = "worker"
+    """``--quota-process`` of the row's sidecar (:data:`PROCESSES`)."""
 
 
 FULL = Sizes(Timing(quiet=5.0, settle=10.0), 10.0, 1.0, 100_000, 20_000, 20_000, 4.0, 2.0)
@@ -115,8 +117,11 @@ def write_config(directory: Path, user_limit: int = 100) -> Path:
     return directory
 
 
-def sidecar_args(config: Path, *extra: str) -> list[str]:
-    return ["--config", str(config), "--quota-ttl", str(QUOTA_TTL), "--watch-config", "false", *extra]
+def sidecar_args(sizes: Sizes, config: Path, *extra: str) -> list[str]:
+    return [
+        "--config", str(config), "--quota-ttl", str(QUOTA_TTL), "--watch-config", "false",
+        "--quota-process", sizes.process, *extra,
+    ]  # fmt: skip
 
 
 def live_buckets(sidecar: SidecarProcess) -> int:
@@ -179,7 +184,7 @@ def one_burst(
     """A row whose input is ``reports`` sent at once on a new stream; ``what`` says what they
     were, before what came back."""
     group, context, sizes, streams = setup
-    sidecar = start_sidecar(group, context, name, sidecar_args(write_config(context.directory / name)))
+    sidecar = start_sidecar(group, context, name, sidecar_args(sizes, write_config(context.directory / name)))
 
     def about() -> str:
         return f"{what(sidecar)}, stream {streams[-1].ended() or 'open'}"
@@ -210,7 +215,7 @@ def outage(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[Qu
     config = write_config(context.directory / "stalls-outage")
     (context.directory / "stalls-redis").mkdir(parents=True, exist_ok=True)
     redis = group.start_ready(lambda: RedisProcess(context.directory / "stalls-redis"))
-    args = sidecar_args(config, "--backend", "redis", "--redis-url", redis.url, "--redis-prefix", "stalls")
+    args = sidecar_args(sizes, config, "--backend", "redis", "--redis-url", redis.url, "--redis-prefix", "stalls")
     sidecar = start_sidecar(group, context, "stalls-outage", args)
     stream, live = make_live(sidecar, bucket_reports(DOMAIN, "user", sizes.buckets), sizes.buckets, streams)
     before = stream.reply_count()
@@ -236,7 +241,8 @@ def outage(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[Qu
 def json_body(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
     config = write_config(context.directory / "stalls-json")
     port = free_port()
-    sidecar = start_sidecar(group, context, "stalls-json", sidecar_args(config, "--json-address", f"127.0.0.1:{port}"))
+    args = sidecar_args(sizes, config, "--json-address", f"127.0.0.1:{port}")
+    sidecar = start_sidecar(group, context, "stalls-json", args)
     body = json.dumps({"domain": DOMAIN, "descriptors": [{}] * JSON_DESCRIPTORS}, separators=(",", ":")).encode()
     statuses: Counter[str] = Counter()
 
@@ -260,7 +266,7 @@ def json_body(group: ProcessGroup, context: Context, sizes: Sizes, streams: list
 
 def config_reader(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
     config = write_config(context.directory / "stalls-config")
-    sidecar = start_sidecar(group, context, "stalls-config", sidecar_args(config))
+    sidecar = start_sidecar(group, context, "stalls-config", sidecar_args(sizes, config))
     reports = bucket_reports(DOMAIN, "user", sizes.config_buckets, value_bytes=1000, budget=CONFIG_REPORT_BYTES)
     _, live = make_live(sidecar, reports, sizes.config_buckets, streams)
     reads: list[tuple[float, int]] = []
@@ -291,7 +297,7 @@ def config_reader(group: ProcessGroup, context: Context, sizes: Sizes, streams: 
 
 def reload(group: ProcessGroup, context: Context, sizes: Sizes, streams: list[QuotaStream]) -> Built:
     config = write_config(context.directory / "stalls-reload")
-    sidecar = start_sidecar(group, context, "stalls-reload", sidecar_args(config))
+    sidecar = start_sidecar(group, context, "stalls-reload", sidecar_args(sizes, config))
     stream, live = make_live(sidecar, bucket_reports(DOMAIN, "user", sizes.buckets), sizes.buckets, streams)
     seen: dict[str, float] = {}
 
@@ -328,6 +334,10 @@ ROWS: dict[str, Setup] = {
 }
 """Scenario name -> setup, in report order (the quick run uses smaller numbers than the names say)."""
 NEEDS_REDIS = {outage}
+NO_QUOTA = {json_body}
+"""Rows whose input never reaches quota mode: run once, whatever ``--quota-process``."""
+PROCESSES = ("worker", "inline")
+"""Each quota row runs with the quota worker (the default) and inline, side by side."""
 
 
 def run_row(context: Context, sizes: Sizes, scenario: str, setup: Setup) -> Row:
@@ -348,8 +358,15 @@ def run_row(context: Context, sizes: Sizes, scenario: str, setup: Setup) -> Row:
 
 
 def run(context: Context) -> list[Row]:
+    """Every row, a quota row once per :data:`PROCESSES` (the tests' smoke size: the default only)."""
     sizes = {"smoke": SMOKE, "quick": QUICK, "full": FULL}[context.size]
-    return [run_row(context, sizes, scenario, setup) for scenario, setup in ROWS.items()]
+    processes = PROCESSES[:1] if context.smoke else PROCESSES
+    rows = []
+    for scenario, setup in ROWS.items():
+        for process in processes[:1] if setup in NO_QUOTA else processes:
+            named = scenario if setup in NO_QUOTA else f"{scenario} [{process}]"
+            rows.append(run_row(context, replace(sizes, process=process), named, setup))
+    return rows
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ from loadtest.reliability_harness.support import (
     latency_figures,
     ms,
     overall_code,
-    rss,
     scrape,
+    tree_rss,
 )
 from sidecar.client import health_status
 
@@ -122,7 +122,8 @@ def scheduled(start: float, end: float) -> int:
 
 
 class RssWatch:
-    """The largest RSS of ``pid`` while it runs, sampled every 20 ms in a thread, from ``before`` on."""
+    """The largest RSS of ``pid`` and its children (the quota worker) while it runs, sampled every
+    20 ms in a thread, from ``before`` on."""
 
     def __init__(self, pid: int, before: int) -> None:
         self.pid = pid
@@ -132,7 +133,7 @@ class RssWatch:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, rss(self.pid))
+            self.peak = max(self.peak, tree_rss(self.pid))
 
     def __enter__(self) -> RssWatch:
         self._thread.start()
@@ -141,7 +142,7 @@ class RssWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(5)
-        self.peak = max(self.peak, rss(self.pid))
+        self.peak = max(self.peak, tree_rss(self.pid))
 
 
 def worst_stall(sidecar: SidecarProcess) -> float:
@@ -153,7 +154,7 @@ def rss_after(pid: int, before: int, limit: float) -> tuple[int, float]:
     """``(RSS, seconds waited)``: polled until within :data:`RSS_BACK` of ``before`` or ``limit`` s."""
     started = time.monotonic()
     while True:
-        now = rss(pid)
+        now = tree_rss(pid)
         waited = time.monotonic() - started
         if now <= before * (1 + RSS_BACK) or waited >= limit:
             return now, waited
@@ -192,7 +193,7 @@ def measure(sidecar: SidecarProcess, probe_request: bytes, hostile: Hostile, tim
         time.sleep(timing.quiet)
         quiet_end = time.perf_counter()
         quiet_stall = worst_stall(sidecar)
-        before = rss(sidecar.pid)
+        before = tree_rss(sidecar.pid)
         cpu.sample()
         input_start = time.perf_counter()
         with RssWatch(sidecar.pid, before) as watch:

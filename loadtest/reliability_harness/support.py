@@ -291,6 +291,15 @@ def rss(pid: int) -> int:
     return proc_status(pid, "VmRSS") or 0
 
 
+def tree_rss(pid: int) -> int:
+    """RSS of ``pid`` and its children: a sidecar's whole footprint, its quota worker included."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return rss(pid) + sum(rss(int(child)) for child in children)
+
+
 def core_busy_seconds() -> dict[int, float]:
     """Busy seconds of each core since boot (``grpc_bench``'s reading of /proc/stat)."""
     from loadtest.grpc_bench import drive
