@@ -12,6 +12,7 @@ serving process is gone, SIGKILL included: nothing is left behind).
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import signal
 import sys
@@ -45,6 +46,11 @@ from sidecar.settings import Settings
 from sidecar.turns import SWITCH_INTERVAL
 
 log = structlog.get_logger(__name__)
+
+NICE = 10
+"""The worker's CPU priority below the serving process's: on a busy machine the kernel gives
+the core to the loop that answers ``ShouldRateLimit`` first. Raising one's own niceness needs
+no privilege (a container's dropped capabilities included)."""
 
 OPTIONS = [*(option for option in SERVER_OPTIONS if option[0] != "grpc.max_send_message_length"), CHANNEL_OPTIONS[1]]
 """The serving process's server options, but control replies up to the relay's own bound."""
@@ -159,6 +165,7 @@ class ParentGone(asyncio.Protocol):
 
 def main() -> int:
     settings, config, token = read_start()
+    os.nice(NICE)
     configure_logging(settings.log_level, settings.log_format)
     structlog.contextvars.bind_contextvars(process="quota-worker")
     settle_after_load()  # full collections skip the config and the imports

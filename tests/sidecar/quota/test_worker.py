@@ -30,6 +30,7 @@ from sidecar.limiter.memory import MemoryLimiter
 from sidecar.quota.buckets import bucket_of
 from sidecar.quota.relay import CONTROL_SERVICE, STATS, TOKEN_KEY, QuotaWorker, WorkerUnavailableError
 from sidecar.quota.service import METHOD, SERVICE_NAME
+from sidecar.quota_worker import NICE
 from sidecar.server import Sidecar
 from sidecar.settings import Settings
 from tests.sidecar.quota.test_grpc import RULES, Client, report
@@ -78,6 +79,8 @@ async def test_the_worker_starts_on_the_first_stream_and_shows_in_metrics_and_co
     client = Client(running.channel)
     assert await assigned(client) == 5
     assert worker.running is not None and worker.stats.starts == 1
+    pid = worker.running.process.pid
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + NICE)  # decisions first
     metrics = (await asyncio.to_thread(get, admin + "/metrics")).decode()
     assert "ratelimit_sidecar_quota_buckets 1.0" in metrics and "ratelimit_sidecar_quota_streams 1.0" in metrics
     shown = json.loads(await asyncio.to_thread(get, admin + "/config"))["quota"]
@@ -159,6 +162,18 @@ async def test_a_worker_that_cannot_start_is_refused_unavailable_then_waited_for
     with pytest.raises(WorkerUnavailableError, match="died young 1 times; next start in 1 s"):
         await worker.ensure()
     assert (worker.stats.starts, worker.stats.deaths) == (0, 1)
+
+
+async def test_a_worker_that_cannot_be_spawned_is_refused_unavailable(tmp_path: Path) -> None:
+    worker = QuotaWorker(
+        lambda config, token: b"",
+        lambda: load_config(str(write_rules(tmp_path))),
+        write_timeout=1.0,
+        command=(str(tmp_path / "no-such-python"), "-m", "sidecar.quota_worker"),
+    )
+    with pytest.raises(WorkerUnavailableError, match="could not be started: .*no-such-python"):
+        await worker.ensure()
+    assert worker.stats.deaths == 1 and worker.running is None
 
 
 def write_rules(directory: Path) -> Path:
