@@ -181,23 +181,15 @@ class QuotaWorker:
     async def _start(self) -> Running:
         self.loop = asyncio.get_running_loop()
         config, token = self.config(), secrets.token_hex(16)
-        data = await asyncio.to_thread(self.start_input, config, token)
-        process = await asyncio.create_subprocess_exec(
-            *self.command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": module_path()},
-        )
-        assert process.stdin is not None and process.stdout is not None
+        process = await self._spawn(config, token)
+        assert process.stdout is not None
         started_at = self.clock()
         try:
-            process.stdin.write(frame(data))  # stdin stays open: its EOF tells the worker we died
-            await process.stdin.drain()
             line = await asyncio.wait_for(process.stdout.readline(), self.start_timeout)
-        except (TimeoutError, OSError) as error:
+        except TimeoutError:
             line = b""
-            log.error("quota_worker_start_failed", why=type(error).__name__)
-        if not line.startswith(READY):
+            log.error("quota_worker_start_failed", why=f"no ready line within {self.start_timeout:g} s")
+        if not (line.startswith(READY) and line[len(READY) :].strip().isdigit()):
             await self._reap(process)
             self._died(started_at, process.returncode)
             raise WorkerUnavailableError(f"the quota worker did not start (exit {process.returncode})")
@@ -211,6 +203,29 @@ class QuotaWorker:
         if self.config() is not config:
             self.configure(self.config())  # a reload while it started
         return running
+
+    async def _spawn(self, config: RateLimitConfig, token: str) -> asyncio.subprocess.Process:
+        """The worker process, its start frame written (stdin stays open: its EOF tells the
+        worker we died); what cannot even be spawned is a start that failed."""
+        try:
+            data = await asyncio.to_thread(self.start_input, config, token)
+            process = await asyncio.create_subprocess_exec(
+                *self.command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env={**os.environ, "PYTHONPATH": module_path()},
+            )
+        except (OSError, pickle.PicklingError) as error:
+            log.error("quota_worker_start_failed", why=str(error))
+            self._died(self.clock(), None)
+            raise WorkerUnavailableError(f"the quota worker could not be started: {error}") from None
+        assert process.stdin is not None
+        try:
+            process.stdin.write(frame(data))
+            await process.stdin.drain()
+        except OSError as error:  # it died before reading: its exit code says why
+            log.error("quota_worker_start_failed", why=str(error))
+        return process
 
     async def _watch(self, running: Running) -> None:
         """Wait for the worker's exit; an exit nobody asked for is logged and counted."""
