@@ -24,7 +24,7 @@ the probe's p99 within 2x of the quiet run, no stall over 20 ms, RSS back within
 ``--quick`` uses smaller numbers, ``--smoke`` (the test) smaller still (:data:`SMOKE`).
 
     python -m loadtest.reliability --areas loop-stalls
-    python -m loadtest.reliability_harness.loop_stalls [--full]
+    python -m loadtest.reliability_harness.loop_stalls [--full] [--floor]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import contextlib
 import http.client
 import json
 import signal
+import sys
 import time
 import urllib.request
 from collections import Counter
@@ -144,6 +145,14 @@ def make_live(
     return stream, live_buckets(sidecar)
 
 
+def connected(sidecar: SidecarProcess, streams: list[QuotaStream]) -> None:
+    """One bucket reported and answered on a stream then closed: the quota worker runs before
+    the quiet run, as it does once any Envoy is connected (its start is not the input's)."""
+    stream, _ = make_live(sidecar, bucket_reports(DOMAIN, "user", 1), 1, streams)
+    stream.close()
+    wait_for(lambda: live_buckets(sidecar) == 0, LIVE_WAIT, step=0.1)
+
+
 def answered(stream: QuotaStream, since: float, tail: float) -> Figures:
     """Wait (bounded) for the stream's answer to what was sent at ``since``, then ``tail`` more."""
     done = stream.wait_quiet(since, ANSWER_QUIET, ANSWER_LIMIT)
@@ -185,6 +194,7 @@ def one_burst(
     were, before what came back."""
     group, context, sizes, streams = setup
     sidecar = start_sidecar(group, context, name, sidecar_args(sizes, write_config(context.directory / name)))
+    connected(sidecar, streams)
 
     def about() -> str:
         return f"{what(sidecar)}, stream {streams[-1].ended() or 'open'}"
@@ -338,15 +348,24 @@ NO_QUOTA = {json_body}
 """Rows whose input never reaches quota mode: run once, whatever ``--quota-process``."""
 PROCESSES = ("worker", "inline")
 """Each quota row runs with the quota worker (the default) and inline, side by side."""
+FLOOR = "floor"
+"""``--floor``: each row once more with its input sent to a sidecar (quota worker on) while
+the probe calls another, fresh one: what sharing the machine's cores alone costs the probe,
+the best any split of the work into processes could do here."""
 
 
 def run_row(context: Context, sizes: Sizes, scenario: str, setup: Setup) -> Row:
     if setup in NEEDS_REDIS and not redis_available():
         return skipped_row(AREA, scenario, "redis-server is not installed")
     streams: list[QuotaStream] = []
+    floor = sizes.process == FLOOR
+    sizes = replace(sizes, process="worker") if floor else sizes
     with process_group() as group:
         try:
             sidecar, hostile, about = setup(group, context, sizes, streams)
+            if floor:  # the probe calls a sidecar the input never reaches
+                probed = sidecar_args(sizes, write_config(context.directory / "stalls-probed"))
+                sidecar = start_sidecar(group, context, "stalls-probed", probed)
             figures = measure(sidecar, PROBE_REQUEST, hostile, sizes.timing)
             return verdict(AREA, scenario, figures, about())
         except Exception as error:  # the report shows every row, even a broken one
@@ -357,17 +376,20 @@ def run_row(context: Context, sizes: Sizes, scenario: str, setup: Setup) -> Row:
                     stream.close()
 
 
-def run(context: Context) -> list[Row]:
-    """Every row, a quota row once per :data:`PROCESSES` (the tests' smoke size: the default only)."""
+def run(context: Context, floor: bool = False) -> list[Row]:
+    """Every row, a quota row once per :data:`PROCESSES` (the tests' smoke size: the default
+    only), and with ``floor`` every row once more as :data:`FLOOR`."""
     sizes = {"smoke": SMOKE, "quick": QUICK, "full": FULL}[context.size]
     processes = PROCESSES[:1] if context.smoke else PROCESSES
     rows = []
     for scenario, setup in ROWS.items():
-        for process in processes[:1] if setup in NO_QUOTA else processes:
-            named = scenario if setup in NO_QUOTA else f"{scenario} [{process}]"
+        variants = [*(processes[:1] if setup in NO_QUOTA else processes), *([FLOOR] if floor else [])]
+        for process in variants:
+            named = scenario if setup in NO_QUOTA and process != FLOOR else f"{scenario} [{process}]"
             rows.append(run_row(context, replace(sizes, process=process), named, setup))
     return rows
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(run))
+    with_floor = "--floor" in sys.argv
+    raise SystemExit(main(lambda context: run(context, with_floor), [a for a in sys.argv[1:] if a != "--floor"]))
