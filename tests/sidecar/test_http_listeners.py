@@ -20,7 +20,16 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.admin import AdminEndpoint, SharedRender, config_json
 from sidecar.config import load_config
-from sidecar.http_server import MAX_PACE, rest_after
+from sidecar.http_server import (
+    LARGE_ANSWER_RATE,
+    MAX_PACE,
+    Answer,
+    Bounds,
+    HttpServer,
+    LargeAnswers,
+    Request,
+    rest_after,
+)
 from sidecar.service.json_api import JsonEndpoint, decide_json
 
 RULES = """
@@ -312,3 +321,33 @@ async def test_a_looped_costly_json_body_rests_its_connection_and_a_cheap_one_do
             assert (endpoint.http.rested > before) is (body is costly)
     finally:
         await endpoint.close()
+
+
+def test_large_answers_take_turns_at_the_listeners_rate() -> None:
+    now = [10.0]
+    large = LargeAnswers(rate=1000, clock=lambda: now[0])
+    assert large.wait_for(500) == 0.0  # the first goes at once and books 0.5 s
+    assert large.wait_for(500) == 0.5  # the next waits for it
+    now[0] = 12.0
+    assert large.wait_for(1000) == 0.0  # turns unused are not saved up
+
+
+async def test_a_reader_looping_large_answers_on_new_connections_waits_its_turns() -> None:
+    """A client may open a connection per request, so the connection's rest never applies:
+    the listener's large answers share :data:`LARGE_ANSWER_RATE` instead."""
+    body = b"x" * (2 * 1024 * 1024)
+
+    async def handler(request: Request) -> Answer:
+        return Answer(200, body, "text/plain")
+
+    bounds = Bounds(max_connections=4, read_timeout=2.0, idle_timeout=2.0, write_timeout=5.0, max_body=1024)
+    server = HttpServer("test", handler, bounds, lambda status, reason: Answer(status, b""), Answer(503, b""))
+    server.large = LargeAnswers(clock=lambda: 0.0)  # a stopped clock: the turns are the bytes alone
+    await server.start("127.0.0.1:0")
+    try:
+        for _ in range(3):  # three 2 MiB answers at 100 MiB/s: the second waits 20 ms, the third 40
+            reply = await exchange(server.port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert reply.endswith(body)
+        assert server.paced == pytest.approx((0 + 1 + 2) * len(body) / LARGE_ANSWER_RATE)
+    finally:
+        await server.close()
