@@ -472,5 +472,7 @@ def test_quota_sidecar_shares_through_redis_at_a_small_cpu_request(overlays: dic
     assert settings.backend == "redis" and settings.redis_url == SECRET_PLACEHOLDER
     defaults = resolve(_parser().parse_args(["serve", "--config", "c"]), environ={})
     assert (settings.quota_ttl, settings.quota_idle_abandon) == (defaults.quota_ttl, defaults.quota_idle_abandon)
-    assert sidecar["resources"]["requests"]["cpu"] == "50m"
-    assert sidecar["resources"]["limits"] == sidecar_of(overlays["sync"])["resources"]["limits"]
+    # the quota worker is a second process: more memory than the base, the same CPU limit
+    assert sidecar["resources"]["requests"] == {"cpu": "50m", "memory": "192Mi"}
+    base_limits = sidecar_of(overlays["sync"])["resources"]["limits"]
+    assert sidecar["resources"]["limits"] == {**base_limits, "memory": "384Mi"} and base_limits["memory"] == "256Mi"
