@@ -19,10 +19,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sidecar.addresses import UNIX_SOCKET_MODE, unix_socket_created_private
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.protos.envoy.service.ratelimit.v3 import rls_pb2
-from sidecar.addresses import UNIX_SOCKET_MODE, unix_socket_created_private
 from sidecar.server import Sidecar
 from sidecar.settings import Settings
 

@@ -171,7 +171,7 @@ async def test_a_worker_that_cannot_be_spawned_is_refused_unavailable(tmp_path: 
         write_timeout=1.0,
         command=(str(tmp_path / "no-such-python"), "-m", "sidecar.quota_worker"),
     )
-    with pytest.raises(WorkerUnavailableError, match="could not be started: .*no-such-python"):
+    with pytest.raises(WorkerUnavailableError, match=r"could not be started: .*no-such-python"):
         await worker.ensure()
     assert worker.stats.deaths == 1 and worker.running is None
 
