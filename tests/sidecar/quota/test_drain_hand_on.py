@@ -27,11 +27,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 BUCKET = bucket_of("q", [("user", "a")])
 
 
-async def test_a_drained_sidecar_gives_its_quota_leases_back(tmp_path: Path, redis_server: RedisServer) -> None:
-    (tmp_path / "q.yaml").write_text(RULES)
-    prefix = f"drain{time.monotonic_ns()}"
-    settings = Settings(
-        config=str(tmp_path),
+def drain_settings(directory: Path, redis_server: RedisServer, prefix: str, process: str) -> Settings:
+    """A ``--backend redis`` sidecar with a short TTL and grace, quota mode ``process``."""
+    (directory / "q.yaml").write_text(RULES)
+    return Settings(
+        config=str(directory),
         grpc_address="127.0.0.1:0",
         metrics_address="",
         watch_config=False,
@@ -40,10 +40,20 @@ async def test_a_drained_sidecar_gives_its_quota_leases_back(tmp_path: Path, red
         redis_prefix=prefix,
         quota_ttl=6,
         shutdown_grace=3.0,
-        quota_process="inline",  # this test holds the leases itself; test_worker.py drains a worker
+        quota_process=process,
     )
+
+
+@pytest.mark.parametrize("process", ["inline", "worker"])
+async def test_a_drained_sidecar_gives_its_quota_leases_back(
+    tmp_path: Path, redis_server: RedisServer, process: str
+) -> None:
+    """Inline the sidecar holds the leases; with the quota worker (the default) SIGTERM to
+    the worker hands them on before it exits, within the serving process's grace."""
+    prefix = f"drain{process}{time.monotonic_ns()}"
+    settings = drain_settings(tmp_path, redis_server, prefix, process)
     clock = SharedClock(settings.clock_offset)
-    leases = build_quota_leases(settings, clock)
+    leases = build_quota_leases(settings, clock) if process == "inline" else None  # the worker builds its own
     sidecar = Sidecar(settings, load_config(str(tmp_path)), build_limiter(settings, clock), clock, leases)
     await sidecar.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}")
@@ -52,56 +62,19 @@ async def test_a_drained_sidecar_gives_its_quota_leases_back(tmp_path: Path, red
     try:
         client = Client(channel)
         await client.send(report(BUCKET))
-        await client.receive()
-        for _ in range(40):  # the sync task's first call for the bucket (a tick is 0.25 s)
-            if check.hexists(replicas, leases.replica_id):
-                break
-            await asyncio.sleep(0.1)
-        assert check.hexists(replicas, leases.replica_id)
-        await client.close()
-        await sidecar.drain()
-    finally:
-        await channel.close()
-    assert not check.hexists(replicas, leases.replica_id)
-    assert leases.partition_counts().handed_on == 1
-
-
-async def test_a_drained_sidecar_gives_its_workers_quota_leases_back(tmp_path: Path, redis_server: RedisServer) -> None:
-    """The same with the shares in the quota worker (the default): SIGTERM to the worker
-    hands them on before it exits, within the serving process's grace."""
-    (tmp_path / "q.yaml").write_text(RULES)
-    prefix = f"drainw{time.monotonic_ns()}"
-    settings = Settings(
-        config=str(tmp_path),
-        grpc_address="127.0.0.1:0",
-        metrics_address="",
-        watch_config=False,
-        backend="redis",
-        redis_url=redis_server.url,
-        redis_prefix=prefix,
-        quota_ttl=6,
-        shutdown_grace=3.0,
-    )
-    clock = SharedClock(settings.clock_offset)
-    sidecar = Sidecar(settings, load_config(str(tmp_path)), build_limiter(settings, clock), clock)
-    assert sidecar.leases is None and sidecar.worker is not None  # the worker holds the shares
-    await sidecar.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}")
-    replicas = share_keys(prefix, bucket_key(BUCKET), -1)[0]
-    check = redis_server.client()
-    try:
-        client = Client(channel)
-        await client.send(report(BUCKET))
         await client.receive(timeout=30)
-        for _ in range(40):  # the worker's first share call for the bucket (a tick is 0.25 s)
+        for _ in range(40):  # the sync task's first call for the bucket (a tick is 0.25 s)
             if check.hlen(replicas):
                 break
             await asyncio.sleep(0.1)
         assert check.hlen(replicas) == 1
-        process = sidecar.worker.running.process if sidecar.worker.running else None
+        worker = sidecar.worker.running if sidecar.worker is not None else None
         await client.close()
         await sidecar.drain()
     finally:
         await channel.close()
-    assert process is not None and process.returncode == 0
-    assert check.hlen(replicas) == 0
+    assert check.hlen(replicas) == 0  # handed on: no replica's record left for the bucket
+    if leases is not None:
+        assert leases.partition_counts().handed_on == 1
+    else:
+        assert worker is not None and worker.process.returncode == 0
