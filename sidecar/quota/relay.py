@@ -361,6 +361,8 @@ class QuotaWorker:
             )
         except grpc.aio.AioRpcError as error:
             code, details = error.code(), error.details() or "the quota worker ended the stream"
+            if code is grpc.StatusCode.CANCELLED:  # not the client (that cancels this handler): our channel closed
+                code, details = grpc.StatusCode.UNAVAILABLE, "the quota worker went away"
         except asyncio.CancelledError:
             self._ended("cancelled")  # the client went, or the server stopped
             raise
