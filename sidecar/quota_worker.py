@@ -135,9 +135,11 @@ class Worker:
         await server.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: None)  # the serving process reloads and hands the config on
+        loop.add_signal_handler(signal.SIGTERM, stop.set)  # the serving process's drain, once its own is done
+        # Ctrl-C reaches the whole process group: the serving process drains and then stops
+        # the worker; SIGHUP too: the serving process reloads and hands the config on.
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, lambda: None)
         await loop.connect_read_pipe(lambda: ParentGone(stop), sys.stdin)
         sys.stdout.write(f"{READY.decode()}{port}\n")
         sys.stdout.flush()
