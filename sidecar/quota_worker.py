@@ -6,7 +6,8 @@ pickle of the serving process's :class:`~sidecar.settings.Settings`, the config 
 token), serves ``StreamRateLimitQuotas`` and the control calls on a free 127.0.0.1 port
 to callers with the token, prints ``ready <port>`` and runs until SIGTERM (drain: streams
 end, every share is handed on within ``--shutdown-grace``) or until stdin closes (the
-serving process is gone, SIGKILL included: nothing is left behind).
+serving process is gone, SIGKILL included: nothing is left behind). SIGINT and SIGHUP, which
+a terminal sends the whole process group, are the serving process's to act on.
 """
 
 from __future__ import annotations
