@@ -183,10 +183,11 @@ class HttpServer:
         self.dropped = 0
         """Clients dropped for not reading their answer within ``write_timeout`` (since start)."""
         self.rested = 0.0
+        """Seconds connections rested after costly requests (see :func:`rest_after`; since start)."""
         self.large = LargeAnswers()
+        """Whose turn it is to write a large answer."""
         self.paced = 0.0
         """Seconds large answers waited for their turn (:class:`LargeAnswers`; since start)."""
-        """Seconds connections rested after costly requests (see :func:`rest_after`; since start)."""
         self._refusal_logged = -REFUSAL_LOG_SECONDS
 
     async def start(self, address: str) -> None:
