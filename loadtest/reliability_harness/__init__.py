@@ -29,6 +29,8 @@ class Context:
     """Test-sized (tests/tools): smaller than quick where an area has a smoke size of its own (fewer
     seconds, values, rounds), still every code path and every invariant its rows check; the
     report's figures come from quick and full runs, never from this size. Implies ``quick``."""
+    flags: frozenset[str] = frozenset()
+    """An area's own switches, given on its command line (``--floor`` -> ``"floor"``)."""
 
     @property
     def size(self) -> str:

@@ -33,7 +33,6 @@ import contextlib
 import http.client
 import json
 import signal
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -376,9 +375,10 @@ def run_row(context: Context, sizes: Sizes, scenario: str, setup: Setup) -> Row:
                     stream.close()
 
 
-def run(context: Context, floor: bool = False) -> list[Row]:
+def run(context: Context) -> list[Row]:
     """Every row, a quota row once per :data:`PROCESSES` (the tests' smoke size: the default
-    only), and with ``floor`` every row once more as :data:`FLOOR`."""
+    only), and with the ``floor`` flag every row once more as :data:`FLOOR`."""
+    floor = FLOOR in context.flags
     sizes = {"smoke": SMOKE, "quick": QUICK, "full": FULL}[context.size]
     processes = PROCESSES[:1] if context.smoke else PROCESSES
     rows = []
@@ -391,5 +391,4 @@ def run(context: Context, floor: bool = False) -> list[Row]:
 
 
 if __name__ == "__main__":
-    with_floor = "--floor" in sys.argv
-    raise SystemExit(main(lambda context: run(context, with_floor), [a for a in sys.argv[1:] if a != "--floor"]))
+    raise SystemExit(main(run, flags={FLOOR: "each row once more with its input sent to another sidecar"}))

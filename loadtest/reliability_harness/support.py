@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -432,8 +432,11 @@ def print_rows(rows: Sequence[Row]) -> None:
             print("    figures: " + ", ".join(f"{key}={value:g}" for key, value in row.figures.items()))
 
 
-def main(run: Callable[[Context], list[Row]], argv: Sequence[str] | None = None) -> int:
-    """``python -m loadtest.reliability_harness.<module> [--full | --smoke] [--directory DIR]``."""
+def main(
+    run: Callable[[Context], list[Row]], argv: Sequence[str] | None = None, flags: Mapping[str, str] | None = None
+) -> int:
+    """``python -m loadtest.reliability_harness.<module> [--full | --smoke] [--directory DIR]``,
+    plus the area's own ``flags`` (name -> help), each a switch that lands in ``Context.flags``."""
     import argparse
     import tempfile
 
@@ -442,12 +445,15 @@ def main(run: Callable[[Context], list[Row]], argv: Sequence[str] | None = None)
     size.add_argument("--full", action="store_true", help="full size (default: quick)")
     size.add_argument("--smoke", action="store_true", help="the tests' size: smaller than quick, same checks")
     parser.add_argument("--directory", type=Path, help="where logs go (default: a temporary directory)")
+    for name, text in (flags or {}).items():
+        parser.add_argument(f"--{name}", action="store_true", help=text)
     arguments = parser.parse_args(argv)
+    chosen = frozenset(name for name in flags or {} if getattr(arguments, name.replace("-", "_")))
     with contextlib.ExitStack() as stack:
         directory = arguments.directory or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="reliab-")))
         directory.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        rows = run(Context(directory, quick=not arguments.full, smoke=arguments.smoke))
+        rows = run(Context(directory, quick=not arguments.full, smoke=arguments.smoke, flags=chosen))
         print_rows(rows)
         print(f"{len(rows)} rows in {time.monotonic() - started:.1f} s; logs in {directory}")
     return 0 if all(row.ok is not False for row in rows) else 1

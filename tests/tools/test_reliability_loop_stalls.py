@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from loadtest.reliability import AREAS, table
-from loadtest.reliability_harness import Context, loop_stalls
+from loadtest.reliability_harness import Context, Row, loop_stalls
 from loadtest.reliability_harness.quota_streams import MESSAGE_BYTES, bucket_reports, tiny_ids_reports
 from loadtest.reliability_harness.stall_measure import goals_missed, problems, verdict
+from loadtest.reliability_harness.support import main
 from sidecar.protos.envoy.service.rate_limit_quota.v3 import rlqs_pb2
 
 MEASURED = (
@@ -124,3 +125,16 @@ def test_the_floor_variant_probes_a_sidecar_the_input_never_reaches(tmp_path: Pa
     assert row.ok is True and row.figures["live_buckets"] == sizes.buckets, row.notes
     assert "config_reloaded" in (tmp_path / "stalls-reload.log").read_text()
     assert "config_reloaded" not in (tmp_path / "stalls-probed.log").read_text()
+
+
+def test_an_areas_own_flags_reach_its_context(tmp_path: Path) -> None:
+    seen: list[Context] = []
+
+    def run(context: Context) -> list[Row]:
+        seen.append(context)
+        return []
+
+    flags = {loop_stalls.FLOOR: "help"}
+    assert main(run, ["--smoke", "--directory", str(tmp_path), "--floor"], flags=flags) == 0
+    assert main(run, ["--smoke", "--directory", str(tmp_path)], flags=flags) == 0
+    assert [context.flags for context in seen] == [frozenset({"floor"}), frozenset()]
