@@ -39,6 +39,7 @@ from sidecar.quota.relay import (
     PEER_KEY,
     READY,
     STATS,
+    metadata_value,
     token_matches,
 )
 from sidecar.quota.stats import QuotaStats
@@ -88,14 +89,13 @@ class Worker:
     @staticmethod
     def peer(context: grpc.aio.ServicerContext[Any, Any]) -> str:
         """The Envoy's address as the relay saw it."""
-        given = dict(context.invocation_metadata() or ()).get(PEER_KEY, "")
-        return given if isinstance(given, str) else given.decode("latin-1")
+        return metadata_value(context, PEER_KEY)
 
     def guarded(self, handler: Handler) -> Handler:
         """``handler`` for callers with the token; anything else is refused."""
 
         async def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            if not token_matches(dict(context.invocation_metadata() or ()), self.token):
+            if not token_matches(context, self.token):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not the serving process")
             return await handler(request, context)
 

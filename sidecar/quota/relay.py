@@ -34,7 +34,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,10 +92,15 @@ def module_path() -> str:
     return os.pathsep.join([root, inherited]) if inherited else root
 
 
-def token_matches(metadata: Mapping[str, str | bytes], token: str) -> bool:
-    """Whether a call's metadata carries the worker's token (compared in constant time)."""
-    given = metadata.get(TOKEN_KEY, "")
-    return hmac.compare_digest(given if isinstance(given, str) else given.decode("latin-1"), token)
+def metadata_value(context: grpc.aio.ServicerContext[Any, Any], key: str) -> str:
+    """One of a call's metadata values as text ("" when absent)."""
+    given = dict(context.invocation_metadata() or ()).get(key, "")
+    return given if isinstance(given, str) else given.decode("latin-1")
+
+
+def token_matches(context: grpc.aio.ServicerContext[Any, Any], token: str) -> bool:
+    """Whether a call carries the worker's token (compared in constant time)."""
+    return hmac.compare_digest(metadata_value(context, TOKEN_KEY), token)
 
 
 @dataclass
@@ -292,21 +297,23 @@ class QuotaWorker:
         future = asyncio.run_coroutine_threadsafe(self.call(method), self.loop)
         return future.result(CALL_TIMEOUT + 1)
 
+    def asked(self, method: str) -> Any:
+        """What a control call returns (unpickled here, in the render thread); None when the
+        worker is not running or does not answer in time."""
+        try:
+            return pickle.loads(self.call_from_thread(method))
+        except (WorkerUnavailableError, grpc.aio.AioRpcError, TimeoutError) as error:
+            log.debug("quota_worker_unanswered", method=method, why=str(error))
+            return None
+
     def frozen_stats(self) -> FrozenQuota | None:
         """The worker's quota numbers, from a scrape thread; None when it is not running."""
-        try:
-            stats: FrozenQuota = pickle.loads(self.call_from_thread(STATS))
-        except (WorkerUnavailableError, grpc.aio.AioRpcError, TimeoutError) as error:
-            log.debug("quota_worker_stats_unavailable", why=str(error))
-            return None
+        stats: FrozenQuota | None = self.asked(STATS)
         return stats
 
     def describe(self) -> dict[str, Any] | None:
         """The worker's ``/config`` quota section, from a render thread; None when it is not running."""
-        try:
-            shown: dict[str, Any] = pickle.loads(self.call_from_thread(DESCRIBE))
-        except (WorkerUnavailableError, grpc.aio.AioRpcError, TimeoutError):
-            return None
+        shown: dict[str, Any] | None = self.asked(DESCRIBE)
         return shown
 
     def about(self) -> dict[str, Any]:
