@@ -353,9 +353,10 @@ class Sidecar:
         and push every quota bucket's assignment under it to every open stream."""
         self.service.config = config
         self.stats.config_loaded(config.digest)
-        self.quota.registry.reassign(config)
-        if self.worker is not None:
-            self.worker.configure(config)
+        if self.worker is None:
+            self.quota.registry.reassign(config)
+        else:
+            self.worker.configure(config)  # the idle registry here holds no bucket to re-match
 
     def _add_services(self) -> None:
         """ShouldRateLimit, RLQS (served here, or relayed to the quota worker), health, reflection."""
