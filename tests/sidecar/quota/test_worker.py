@@ -154,12 +154,7 @@ async def test_a_dead_worker_ends_its_streams_and_the_next_stream_starts_another
 
 
 async def test_a_worker_that_cannot_start_is_refused_unavailable_then_waited_for(tmp_path: Path) -> None:
-    worker = QuotaWorker(
-        lambda config, token: b"",
-        lambda: load_config(str(write_rules(tmp_path))),
-        write_timeout=1.0,
-        command=(sys.executable, "-c", "raise SystemExit(3)"),
-    )
+    worker = unstarted(tmp_path, (sys.executable, "-c", "raise SystemExit(3)"))
     # 255: asyncio's child watcher (this test's loop; serve runs uvloop) now and then finds the
     # child reaped already and says 255 instead of its code.
     with pytest.raises(WorkerUnavailableError, match=r"did not start \(exit (3|255)\)"):
@@ -170,15 +165,16 @@ async def test_a_worker_that_cannot_start_is_refused_unavailable_then_waited_for
 
 
 async def test_a_worker_that_cannot_be_spawned_is_refused_unavailable(tmp_path: Path) -> None:
-    worker = QuotaWorker(
-        lambda config, token: b"",
-        lambda: load_config(str(write_rules(tmp_path))),
-        write_timeout=1.0,
-        command=(str(tmp_path / "no-such-python"), "-m", "sidecar.quota_worker"),
-    )
+    worker = unstarted(tmp_path, (str(tmp_path / "no-such-python"), "-m", "sidecar.quota_worker"))
     with pytest.raises(WorkerUnavailableError, match=r"could not be started: .*no-such-python"):
         await worker.ensure()
     assert worker.stats.deaths == 1 and worker.running is None
+
+
+def unstarted(directory: Path, command: tuple[str, ...]) -> QuotaWorker:
+    """A worker handle outside any sidecar, starting ``command`` instead of the worker."""
+    config = load_config(str(write_rules(directory)))
+    return QuotaWorker(lambda config, token: b"", lambda: config, write_timeout=1.0, command=command)
 
 
 def write_rules(directory: Path) -> Path:
