@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TypeVar
@@ -41,6 +42,12 @@ CHOSEN_PORTS = range(25_000, 30_000)
 """Where :func:`free_port` chooses: above the demo's fixed ports (8081-10081) and the Redis
 Cluster nodes' (20,000-25,000, ``stack.redis``), below their bus ports (30,000-35,000) and
 the kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by default)."""
+HANDED_OUT: deque[int] = deque(maxlen=1024)
+"""Ports :func:`free_port_in` returned lately in this process, never returned again while
+here. A port still free is not a port still unpromised: a batch of children (three sidecars,
+each with a gRPC and a metrics port) is built before any binds, and one accuracy run gave two
+sidecars the same port. The one that lost the bind exited 1. Its replica's calls then went
+to the other sidecar, which had bound that port."""
 
 
 def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> range:
@@ -77,7 +84,8 @@ def free_port_in(
     when ``tries`` picks found none: how every port outside the kernel's choice is chosen."""
     for _ in range(tries):
         port = random.choice(ports)
-        if port_free(port, host) and also_free(port):
+        if port not in HANDED_OUT and port_free(port, host) and also_free(port):
+            HANDED_OUT.append(port)
             return port
     return None
 
