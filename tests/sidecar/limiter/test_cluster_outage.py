@@ -38,6 +38,9 @@ LIMIT = 1_000_000
 WAIT = 40.0
 """Bounds every wait (a failover on a loaded machine); never a measured time."""
 EXPIRE = int(time.time()) + 3600
+UNIT = 86_400
+"""Every counter's window: a day. A key is named by its window, so the test must run inside
+one; with one-minute windows a run crossing a minute's end read the next window's empty key."""
 
 
 def masters_by_port(cluster: RedisCluster) -> dict[int, set[int]]:
@@ -51,10 +54,17 @@ def key_of(prefix: str, check: Check) -> str:
     return counter_window(prefix, check.key, check.unit_seconds, time.time())[0]
 
 
+async def inside_one_window(room: float) -> None:
+    """Wait for the next window if fewer than ``room`` seconds are left of this one (a day's last minutes)."""
+    left = UNIT - time.time() % UNIT
+    if left < room:
+        await asyncio.sleep(left + 0.1)
+
+
 def check_on(prefix: str, slots: set[int], name: str, algorithm: Algorithm = Algorithm.FIXED_WINDOW) -> Check:
-    """A counter (window one minute) whose key lives in ``slots``."""
+    """A counter (window :data:`UNIT`) whose key lives in ``slots``."""
     for index in range(10_000):
-        check = Check((f"{name}-{index}",), 60, LIMIT, 1, algorithm=algorithm)
+        check = Check((f"{name}-{index}",), UNIT, LIMIT, 1, algorithm=algorithm)
         if key_slot(key_of(prefix, check).encode()) in slots:
             return check
     raise AssertionError(f"no counter found in {len(slots)} slots")
@@ -72,6 +82,7 @@ async def test_healthy_masters_keys_land_during_a_failover_and_the_dead_masters_
     replicated_cluster: RedisCluster,
 ) -> None:
     cluster = replicated_cluster
+    await inside_one_window(room=4 * WAIT)
     strict = build_strict_limiter(strict_settings(cluster.url, redis_prefix=fresh_prefix("s"), redis_timeout=1.0))
     built = build_redis_limiter(sync_settings(cluster.url, redis_prefix=fresh_prefix("y"), redis_timeout=1.0))
     assert isinstance(built, SyncLimiter)
