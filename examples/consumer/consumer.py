@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import time
@@ -116,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         return 0
     forwarded = list(argv if argv is not None else sys.argv[1:])
-    start_at = f"{time.time() + STARTUP:.3f}"  # every replica starts calling at once, warmed up
+    # Every replica starts calling at once, warmed up, in the middle of a clock second: the
+    # first window's grants are stamped when each caller resumes, which a machine busy with
+    # the replicas' start can delay by tens of ms, past a boundary that came right after.
+    start_at = f"{math.floor(time.time() + STARTUP) + 0.5:.3f}"
     processes = [
         subprocess.Popen(
             [sys.executable, __file__, *forwarded, "--replica-index", str(index), "--start-at", start_at],
