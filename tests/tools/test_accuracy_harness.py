@@ -57,10 +57,10 @@ REDIS_TIMEOUT = 0.5
 CALL_TIMEOUT = 20.0
 """Client deadline: a call that times out has an unknown outcome and spoils the exact checks."""
 
-# serial, not alone: a core of its own is enough. Its 500 calls/s take under one core on
-# average; what it checks is counts against Redis and against each call's sent..answered
-# interval, which hold on one core too (the run takes ~20 % longer there).
-pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(450)]
+# alone: its figures place each call by the load generator's clock. On one core shared
+# with the sidecars that clock lags the sidecars' (p99 100-800 ms): tried in the serial
+# phase, a window's client-side count went past the bound Redis's own count kept.
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(450)]
 
 
 def blind_cap(limit: int, replicas: int) -> int:
