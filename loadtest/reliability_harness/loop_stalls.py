@@ -353,12 +353,11 @@ the probe calls another, fresh one: what sharing the machine's cores alone costs
 the best any split of the work into processes could do here."""
 
 
-def run_row(context: Context, sizes: Sizes, scenario: str, setup: Setup) -> Row:
+def run_row(context: Context, sizes: Sizes, scenario: str, setup: Setup, *, floor: bool = False) -> Row:
+    """One row; with ``floor`` the probe calls a second sidecar, not the one given the input."""
     if setup in NEEDS_REDIS and not redis_available():
         return skipped_row(AREA, scenario, "redis-server is not installed")
     streams: list[QuotaStream] = []
-    floor = sizes.process == FLOOR
-    sizes = replace(sizes, process="worker") if floor else sizes
     with process_group() as group:
         try:
             sidecar, hostile, about = setup(group, context, sizes, streams)
@@ -383,10 +382,11 @@ def run(context: Context) -> list[Row]:
     processes = PROCESSES[:1] if context.smoke else PROCESSES
     rows = []
     for scenario, setup in ROWS.items():
-        variants = [*(processes[:1] if setup in NO_QUOTA else processes), *([FLOOR] if floor else [])]
-        for process in variants:
-            named = scenario if setup in NO_QUOTA and process != FLOOR else f"{scenario} [{process}]"
+        for process in processes[:1] if setup in NO_QUOTA else processes:
+            named = scenario if setup in NO_QUOTA else f"{scenario} [{process}]"
             rows.append(run_row(context, replace(sizes, process=process), named, setup))
+        if floor:  # the input's sidecar runs the default quota worker
+            rows.append(run_row(context, sizes, f"{scenario} [{FLOOR}]", setup, floor=True))
     return rows
 
 

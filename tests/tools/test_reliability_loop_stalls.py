@@ -9,7 +9,6 @@ after each input, and the inputs are what the rows say.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -120,8 +119,9 @@ def test_the_verdict_names_each_goal_missed() -> None:
 @pytest.mark.timeout(120)
 def test_the_floor_variant_probes_a_sidecar_the_input_never_reaches(tmp_path: Path) -> None:
     """``--floor``: the reload goes to one sidecar, the probe calls another, which never reloads."""
-    sizes = replace(loop_stalls.SMOKE, process=loop_stalls.FLOOR)
-    row = loop_stalls.run_row(Context(tmp_path, quick=True, smoke=True), sizes, "reload [floor]", loop_stalls.reload)
+    sizes = loop_stalls.SMOKE
+    context = Context(tmp_path, quick=True, smoke=True)
+    row = loop_stalls.run_row(context, sizes, "reload [floor]", loop_stalls.reload, floor=True)
     assert row.ok is True and row.figures["live_buckets"] == sizes.buckets, row.notes
     assert "config_reloaded" in (tmp_path / "stalls-reload.log").read_text()
     assert "config_reloaded" not in (tmp_path / "stalls-probed.log").read_text()
