@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -27,7 +26,6 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from sidecar.client import health_status
 from sidecar.config import load_config
 from sidecar.limiter.memory import MemoryLimiter
 from sidecar.quota.buckets import bucket_of
@@ -36,14 +34,13 @@ from sidecar.quota.service import METHOD, SERVICE_NAME
 from sidecar.quota_worker import NICE
 from sidecar.server import Sidecar
 from sidecar.settings import Settings
-from stack.processes import free_port
+from stack.sidecar import SidecarProcess
 from tests.sidecar.quota.test_grpc import RULES, Client, report
 from tests.support.sidecars import SidecarFactory
 
 pytestmark = pytest.mark.slow
 
 BUCKET = bucket_of("q", [("user", "a")])
-REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -233,28 +230,18 @@ def alive(pid: int) -> bool:
 def test_ctrl_c_to_the_process_group_stops_the_worker_through_the_drain(tmp_path: Path) -> None:
     """SIGINT reaches the worker too (one process group, as in a terminal): it waits for the
     serving process's drain, which stops it cleanly, not counted as a death."""
-    port, metrics_port = free_port(), free_port()
-    command = [
-        sys.executable, "-m", "sidecar", "serve", "--config", str(write_rules(tmp_path)), "--log-format", "json",
-        "--grpc-address", f"127.0.0.1:{port}", "--metrics-address", f"127.0.0.1:{metrics_port}",
-    ]  # fmt: skip
-    with (tmp_path / "stderr.log").open("wb") as stderr:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        serve = subprocess.Popen(command, stderr=stderr, start_new_session=True, env=env)
+    serve = SidecarProcess("serve", ["--config", str(write_rules(tmp_path)), "--log-format", "json"], tmp_path)
+    serve.start()  # in a session of its own: its process group is the sidecar and the worker
     try:
-        for _ in range(200):  # bounded: at most 20 s to serve
-            with contextlib.suppress(grpc.RpcError):
-                if health_status(f"127.0.0.1:{port}", timeout=0.5) == "SERVING":
-                    break
-            time.sleep(0.1)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        serve.wait_ready()
+        with grpc.insecure_channel(serve.address) as channel:
             next(channel.stream_stream(f"/{SERVICE_NAME}/{METHOD}")(iter([report(BUCKET)])))
-        pid = json.loads(get(f"http://127.0.0.1:{metrics_port}/config"))["quota"]["worker"]["pid"]
+        pid = json.loads(get(f"{serve.metrics_url}/config"))["quota"]["worker"]["pid"]
         os.killpg(serve.pid, signal.SIGINT)
-        assert serve.wait(30) == 0
+        assert serve.process is not None and serve.process.wait(30) == 0
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(serve.pid, signal.SIGKILL)
     assert not alive(pid)
-    log = (tmp_path / "stderr.log").read_text()
+    log = serve.log_text()
     assert "sidecar_stopped" in log and "quota_worker_exited" not in log and "quota_worker_killed" not in log
