@@ -34,6 +34,7 @@ import pytest
 from sidecar.consumer import WAIT, Consumer, RateLimitExceeded
 from tests.support.redis_servers import RedisServer, fresh_prefix
 from tests.support.sidecars import SidecarFactory, write_config
+from tests.support.windows import ensure_left_async
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -166,8 +167,7 @@ async def test_consumers_share_the_limit_wait_within_max_wait_and_spend_only_wha
         assert s.granted == s.acquired - s.reused + s.orphaned
 
     # A spent minute: a 3 s max_wait cannot be served; the failure names the minute's end.
-    if 60 - time.time() % 60 < 15:  # the minute's five and the sixth, all in one minute
-        await asyncio.sleep(60 - time.time() % 60 + 0.05)
+    await ensure_left_async(60, needed=15)  # the minute's five and the sixth, all in one minute
     # Unpaced: paced, the five are spread over what is left of the minute (with 15-20 s
     # left, four turns of 3-4 s each, within the default max_wait).
     async with Consumer(replicas[0].address, pace=False) as consumer:

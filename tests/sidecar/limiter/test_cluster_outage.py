@@ -28,6 +28,7 @@ from sidecar.server import build_redis_limiter, build_strict_limiter
 from tests.sidecar.limiter.conftest import strict_settings, sync_settings
 from tests.support import outages
 from tests.support.redis_servers import RedisCluster, fresh_prefix, replicated_cluster
+from tests.support.windows import ensure_left_async
 
 __all__ = ["replicated_cluster"]  # a fixture, used by name
 
@@ -54,13 +55,6 @@ def key_of(prefix: str, check: Check) -> str:
     return counter_window(prefix, check.key, check.unit_seconds, time.time())[0]
 
 
-async def inside_one_window(room: float) -> None:
-    """Wait for the next window if fewer than ``room`` seconds are left of this one (a day's last minutes)."""
-    left = UNIT - time.time() % UNIT
-    if left < room:
-        await asyncio.sleep(left + 0.1)
-
-
 def check_on(prefix: str, slots: set[int], name: str, algorithm: Algorithm = Algorithm.FIXED_WINDOW) -> Check:
     """A counter (window :data:`UNIT`) whose key lives in ``slots``."""
     for index in range(10_000):
@@ -82,7 +76,7 @@ async def test_healthy_masters_keys_land_during_a_failover_and_the_dead_masters_
     replicated_cluster: RedisCluster,
 ) -> None:
     cluster = replicated_cluster
-    await inside_one_window(room=4 * WAIT)
+    await ensure_left_async(UNIT, needed=4 * WAIT)  # a day's last minutes: the next day's window
     strict = build_strict_limiter(strict_settings(cluster.url, redis_prefix=fresh_prefix("s"), redis_timeout=1.0))
     built = build_redis_limiter(sync_settings(cluster.url, redis_prefix=fresh_prefix("y"), redis_timeout=1.0))
     assert isinstance(built, SyncLimiter)

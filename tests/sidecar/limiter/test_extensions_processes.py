@@ -27,6 +27,7 @@ from tests.support.sidecars import (
     wait_for_replicas,
     write_config,
 )
+from tests.support.windows import ensure_left
 
 pytestmark = pytest.mark.slow
 
@@ -60,13 +61,6 @@ def replicas(request: pytest.FixtureRequest, start_sidecar: SidecarFactory, tmp_
     for sidecar in sidecars:
         wait_for_replicas(sidecar.metrics_port, 2)
     return sidecars
-
-
-def ensure_left(unit: float, needed: float) -> None:
-    """Sleep into the next ``unit`` window if fewer than ``needed`` seconds are left in this one."""
-    left = unit - time.time() % unit
-    if left < needed:
-        time.sleep(left + 0.05)
 
 
 def next_window(unit: float, offset: float = 0.05) -> None:

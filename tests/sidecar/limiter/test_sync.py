@@ -33,6 +33,7 @@ from sidecar.limiter.sync import SyncLimiter
 from tests.sidecar.limiter.conftest import Fleet, none_waited_for_a_timeout, steady_now
 from tests.support.redis_servers import REDIS_CLI, RedisCluster, RedisServer
 from tests.support.sidecars import OK, OVER_LIMIT, SidecarFactory, log_events, request, write_config
+from tests.support.windows import ensure_left
 
 UNIT = 3600
 """Window of the in-process tests: long, so a test never straddles a boundary (see :func:`steady_now`)."""
@@ -631,9 +632,7 @@ def test_two_sidecar_processes_share_one_limit(
         time.sleep(0.02)
     time.sleep(0.5)  # one more heartbeat each: both count two live replicas
     # Wall-clock hour windows; a run straddling an hour boundary would split the counter.
-    left = 3600 - time.time() % 3600
-    if left < 20:
-        time.sleep(left + 0.1)
+    ensure_left(3600, needed=20)
 
     value = uuid.uuid4().hex
     admitted = 0

@@ -25,6 +25,7 @@ from sidecar.quota.registry import QuotaRegistry, QuotaSettings
 from sidecar.quota.shares import LEAVE, POLL, Bucket, Call, Reply, step
 from sidecar.quota.stream import Stream
 from tests.support.redis_servers import RedisCluster, RedisServer
+from tests.support.windows import ensure_left_async
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -223,8 +224,7 @@ async def test_redis_stopped_then_restarted(make: SimpleNamespace, own_redis: Re
 
 async def test_a_per_minute_limit_is_a_budget_per_window(make: SimpleNamespace, redis_server: RedisServer) -> None:
     bucket = bucket_of("q", [("daily", "x")])
-    if time.time() % 60 > 55:  # the test needs one window throughout
-        await asyncio.sleep(60 - time.time() % 60 + 0.1)
+    await ensure_left_async(60, needed=5)  # the test needs one window throughout
     a, b = await make.replica("a", redis_server.url), await make.replica("b", redis_server.url)
     for replica in (a, b):
         await replica.report(0, 0, bucket)
@@ -262,8 +262,7 @@ async def test_a_poisoned_usage_report_is_clamped_and_never_stops_the_sharing(
     never shared again, and its peer was granted the whole limit (150 of 100 in force).
     Now the number is clamped (admitted at most the limit: the window is spent)."""
     bucket = bucket_of("q", [("daily", "poison")])
-    if time.time() % 60 > 50:  # the test needs one window throughout
-        await asyncio.sleep(60 - time.time() % 60 + 0.1)
+    await ensure_left_async(60, needed=10)  # the test needs one window throughout
     a, b = await make.replica("a", redis_server.url), await make.replica("b", redis_server.url)
     for replica in (a, b):
         await replica.report(0, 0, bucket)
